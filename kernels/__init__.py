@@ -1,0 +1,1 @@
+"""Fused Triton depth-routing kernels (import name ``mhar_kernels``); no Megatron imports."""

@@ -1,0 +1,36 @@
+"""Package metadata for megatron_mhar.
+
+The Triton kernels live in ``kernels/`` and install under the import name
+``mhar_kernels`` (a different PyPI package is called ``kernels``).
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_mhar",
+    version="0.1.0",
+    description="Multi-Head Attention Residuals (MHAR) for Megatron-Core GPT models",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megatron_mhar", "megatron_mhar.*"]) + ["mhar_kernels"],
+    package_dir={"mhar_kernels": "kernels"},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16.1,<0.20",
+        "numpy",
+        "pyyaml",
+        "tokenizers",
+        "tensorboard",
+        "safetensors",
+    ],
+    extras_require={
+        "te": ["transformer-engine[pytorch]"],
+        "dali": ["nvidia-dali-cuda120"],
+        "dev": ["pytest", "triton", "transformers", "pillow"],
+    },
+    entry_points={
+        "console_scripts": [
+            "mhar-train=megatron_mhar.train:main",
+        ]
+    },
+)
