@@ -1,0 +1,1 @@
+"""GPT models with MHAR decoders: config, layer, block, specs and the builder."""
