@@ -1,0 +1,154 @@
+"""MHARTransformerBlock: owns the depth stream of each forward call and the final site."""
+
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.utils import get_pg_rank, make_viewless_tensor
+
+from megatron_mhar.models.routing import DepthLayout, DepthRouter, DepthStream
+
+
+class MHARTransformerBlock(TransformerBlock):
+    """A decoder block that routes over depth instead of adding a residual stream.
+
+    For each forward call the block creates a :class:`DepthStream` (the source history
+    of that micro-batch), seeds it with the embedding (first pipeline stage) or with the
+    packed history received from the previous stage, runs its layers on it, and then
+    either runs the final routing site and the final norm (last stage) or returns the
+    packed history ``[s, b, width * h]`` for the next stage. The width per boundary
+    follows from :class:`DepthLayout`.
+
+    The final routing site ``final_router`` is a child module, so distributed
+    checkpoints keep its parameters (parameters set directly on a block are dropped).
+    Full activation recomputation (uniform and block methods) checkpoints chunks of
+    layers with the stream's state tensors as the chunk inputs and outputs.
+    """
+
+    def __init__(self, config, spec, post_layer_norm=True, pre_process=True, post_process=True,
+                 pg_collection=None, vp_stage: Optional[int] = None):
+        super().__init__(
+            config=config,
+            spec=spec,
+            post_layer_norm=post_layer_norm,
+            pre_process=pre_process,
+            post_process=post_process,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        )
+        self.mhar = config.mhar
+        self.layout = DepthLayout.from_config(self.mhar, config.num_layers)
+        self.routing_eps = self.mhar.eps if self.mhar.eps is not None else config.layernorm_epsilon
+        offset = get_transformer_layer_offset(config, vp_stage, get_pg_rank(self.pg_collection.pp))
+        # Global 1-based sublayer indices entering and leaving this chunk of layers.
+        self.first_site = 2 * offset + 1
+        self.next_site = self.first_site + 2 * len(self.layers)
+        self.final_router = DepthRouter(config) if self.post_process else None
+        if config.recompute_granularity == "full" and config.distribute_saved_activations:
+            raise ValueError(
+                "distribute_saved_activations is not supported by MHAR decoders (the chunk "
+                "inputs are the depth stream's state, not hidden states); set it to False"
+            )
+
+    def input_width(self) -> int:
+        """Hidden-size multiples of this chunk's pipeline input ``[s, b, width * h]``."""
+        return 1 if self.pre_process else self.layout.boundary_width(self.first_site)
+
+    def output_width(self) -> int:
+        """Hidden-size multiples of this chunk's output (1 on the last stage)."""
+        return 1 if self.post_process else self.layout.boundary_width(self.next_site)
+
+    def forward(self, hidden_states, attention_mask, context=None, context_mask=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
+                rotary_pos_cos_sin=None, attention_bias=None, inference_context=None,
+                packed_seq_params=None, sequence_len_offset=None, padding_mask=None,
+                *, inference_params=None, dynamic_inference_decode_only=None):
+        """[s, b, h] embedding (or [s, b, width * h] from the previous stage) -> output.
+
+        Returns the final-normed [s, b, h] on the last stage, else the packed history.
+        """
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError(
+                "MHAR decoders do not support Megatron's KV-cache inference path; run the full "
+                "sequence without an inference context"
+            )
+        if context is not None:
+            raise NotImplementedError("MHAR decoders have no cross-attention")
+        if not self.pre_process:
+            hidden_states = self.input_tensor
+        hidden = self.config.hidden_size
+        stream = DepthStream(self.layout, self.mhar, self.routing_eps, hidden_states[..., :hidden])
+        if self.pre_process:
+            stream.write_embedding(hidden_states)
+        else:
+            stream.load(hidden_states, self.first_site)
+
+        layer_kwargs = dict(
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+            padding_mask=padding_mask,
+        )
+        rng_context = (
+            tensor_parallel.get_cuda_rng_tracker().fork()
+            if self.config.sequence_parallel
+            else nullcontext()
+        )
+        with rng_context:
+            if self.config.recompute_granularity == "full" and self.training:
+                self._checkpointed_layers(stream, layer_kwargs)
+            else:
+                for layer in self.layers:
+                    layer(depth_stream=stream, **layer_kwargs)
+
+        if not self.post_process:
+            return stream.pack(self.next_site)
+        output = self.final_router(stream, self.layout.final_site)
+        if self.final_layernorm is not None:
+            output = self.final_layernorm(output)
+        return make_viewless_tensor(inp=output, requires_grad=True, keep_graph=True)
+
+    def _checkpointed_layers(self, stream: DepthStream, layer_kwargs: dict) -> None:
+        """Run the layers under Megatron's activation checkpointing (full recompute)."""
+        mask, rotary = layer_kwargs["attention_mask"], layer_kwargs["rotary_pos_emb"]
+        static_kwargs = {k: v for k, v in layer_kwargs.items()
+                         if k not in ("attention_mask", "rotary_pos_emb")}
+
+        def run_chunk(start: int, end: int):
+            def chunk_forward(attention_mask, rotary_pos_emb, *state):
+                stream.restore_state(*state)
+                for layer in self.layers[start:end]:
+                    layer(depth_stream=stream, attention_mask=attention_mask,
+                          rotary_pos_emb=rotary_pos_emb, **static_kwargs)
+                return stream.checkpoint_state()
+
+            return chunk_forward
+
+        def checkpointed(start: int, end: int) -> None:
+            state = tensor_parallel.checkpoint(
+                run_chunk(start, end), False, mask, rotary, *stream.checkpoint_state()
+            )
+            stream.restore_state(*((state,) if torch.is_tensor(state) else state))
+
+        num_layers = len(self.layers)
+        chunk = self.config.recompute_num_layers
+        if self.config.recompute_method == "uniform":
+            for start in range(0, num_layers, chunk):
+                checkpointed(start, min(start + chunk, num_layers))
+        elif self.config.recompute_method == "block":
+            for index in range(num_layers):
+                if index < chunk:
+                    checkpointed(index, index + 1)
+                else:
+                    run_chunk(index, index + 1)(mask, rotary, *stream.checkpoint_state())
+        else:
+            raise ValueError(
+                f"recompute_method must be 'uniform' or 'block', got {self.config.recompute_method!r}"
+            )

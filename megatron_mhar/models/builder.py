@@ -1,0 +1,121 @@
+"""Build Megatron GPT models with (or, for ``variant: none``, without) MHAR decoders."""
+
+import contextlib
+import dataclasses
+from typing import Optional
+
+from megatron.core.models.gpt import gpt_model as megatron_gpt_model
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.block import MHARTransformerBlock
+from megatron_mhar.models.config import GPTModelConfig
+from megatron_mhar.models.specs import get_mhar_layer_spec
+
+# Megatron features the MHAR decoder does not implement, as (TransformerConfig field,
+# value that is fine, what to do instead).
+UNSUPPORTED = (
+    ("context_parallel_size", 1, "set context_parallel_size=1"),
+    ("num_moe_experts", None, "MoE layers are not supported; use a dense MLP"),
+    ("mtp_num_layers", None, "multi-token prediction is not supported"),
+    ("cpu_offloading", False, "set cpu_offloading=False"),
+    ("fine_grained_activation_offloading", False, "disable activation offloading"),
+    ("cuda_graph_impl", "none", "CUDA graphs are not supported; set cuda_graph_impl='none'"),
+    ("inference_fuse_tp_communication", False, "fused TP inference is not supported"),
+    ("multi_latent_attention", False, "MLA is not supported; use standard attention"),
+)
+
+
+@dataclasses.dataclass
+class MHARTransformerConfig(TransformerConfig):
+    """Megatron's TransformerConfig plus the depth-routing configuration."""
+
+    mhar: MHARConfig = dataclasses.field(default_factory=MHARConfig)
+    """How the decoder routes over depth."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.mhar, MHARConfig):
+            raise ValueError(f"mhar must be an MHARConfig, got {type(self.mhar).__name__}")
+        self.mhar.validate_for_model(self.hidden_size, self.num_layers)
+        for field, supported, fix in UNSUPPORTED:
+            value = getattr(self, field, supported)
+            if value != supported:
+                raise ValueError(f"{field}={value!r} is not supported with MHAR decoders: {fix}")
+
+
+def make_transformer_config(model: GPTModelConfig, mhar: MHARConfig, **overrides) -> TransformerConfig:
+    """TransformerConfig for ``model``; an :class:`MHARTransformerConfig` when routing is on.
+
+    ``overrides`` are TransformerConfig fields (parallel sizes, precision, recompute...).
+    """
+    kwargs = model.transformer_config_kwargs()
+    kwargs.update(overrides)
+    if not mhar.enabled:
+        return TransformerConfig(**kwargs)
+    return MHARTransformerConfig(mhar=mhar, **kwargs)
+
+
+@contextlib.contextmanager
+def _decoder_class(block_class):
+    # GPTModel.__init__ instantiates the module-level name TransformerBlock and offers no
+    # hook for another block class; binding the name only while one model is built keeps
+    # every other line of Megatron's GPTModel (embeddings, RoPE, output layer, sharded
+    # state dict) in use unchanged.
+    original = megatron_gpt_model.TransformerBlock
+    megatron_gpt_model.TransformerBlock = block_class
+    try:
+        yield
+    finally:
+        megatron_gpt_model.TransformerBlock = original
+
+
+class MHARGPTModel(GPTModel):
+    """Megatron's GPTModel whose decoder is an :class:`MHARTransformerBlock`."""
+
+    def __init__(self, *args, **kwargs):
+        with _decoder_class(MHARTransformerBlock):
+            super().__init__(*args, **kwargs)
+
+
+def build_gpt_model(
+    model: GPTModelConfig,
+    mhar: MHARConfig,
+    config: TransformerConfig,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    layer_norm: Optional[type] = None,
+) -> GPTModel:
+    """A GPTModel for one pipeline chunk; ``variant: none`` is Megatron's GPT unchanged.
+
+    Args:
+        model: architecture.
+        mhar: routing; must match ``config.mhar`` when routing is on.
+        config: from :func:`make_transformer_config` (parallel sizes already set).
+        pre_process / post_process: whether this chunk holds the embedding / output layer.
+        vp_stage: virtual pipeline stage of this chunk.
+        layer_norm: optional norm class for the local spec (see ``get_mhar_layer_local_spec``).
+    """
+    if mhar.enabled and getattr(config, "mhar", None) != mhar:
+        raise ValueError(
+            "config.mhar differs from the mhar argument; build the config with "
+            "make_transformer_config(model, mhar, ...)"
+        )
+    model_class = MHARGPTModel if mhar.enabled else GPTModel
+    return model_class(
+        config=config,
+        transformer_layer_spec=get_mhar_layer_spec(model, mhar, layer_norm),
+        vocab_size=model.padded_vocab_size(config.tensor_model_parallel_size),
+        max_sequence_length=model.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=model.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=model.rotary_percent,
+        rotary_base=int(model.rotary_base),
+        rope_scaling=model.rope_scaling,
+        rope_scaling_factor=model.rope_scaling_factor,
+        vp_stage=vp_stage,
+    )

@@ -1,0 +1,121 @@
+"""MHARTransformerLayer: Megatron's TransformerLayer with routed sublayer inputs."""
+
+from typing import Any, Optional
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import make_viewless_tensor
+
+from megatron_mhar.models.routing import DepthRouter, DepthStream
+
+
+class MHARTransformerLayer(TransformerLayer):
+    """A decoder layer whose two sublayers read routed mixtures of earlier sources.
+
+    Submodule names (``input_layernorm``, ``self_attention``, ``pre_mlp_layernorm``,
+    ``mlp``) are Megatron's, so its local and Transformer Engine specs, checkpoint keys
+    and HF weight maps apply unchanged. Two routing sites are added: ``input_router``
+    before attention and ``pre_mlp_router`` before the MLP. Each sublayer's contribution
+    to the stream is its output after bias and dropout, with no residual added
+    (MHAR.md §1): the routed input replaces the residual stream.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules,
+        layer_number: int = 1,
+        hidden_dropout: Optional[float] = None,
+        pg_collection=None,
+        vp_stage: Optional[int] = None,
+    ):
+        super().__init__(
+            config=config,
+            submodules=submodules,
+            layer_number=layer_number,
+            hidden_dropout=hidden_dropout,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        )
+        self.input_router = DepthRouter(config)
+        self.pre_mlp_router = DepthRouter(config)
+
+    @property
+    def attention_site(self) -> int:
+        """Global 1-based index of this layer's attention sublayer (self.layer_number is global)."""
+        return 2 * self.layer_number - 1
+
+    def forward(
+        self,
+        hidden_states: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        *,
+        depth_stream: DepthStream,
+        rotary_pos_emb: Optional[torch.Tensor] = None,
+        rotary_pos_cos: Optional[torch.Tensor] = None,
+        rotary_pos_sin: Optional[torch.Tensor] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        inference_context: Optional[Any] = None,
+        packed_seq_params=None,
+        sequence_len_offset: Optional[torch.Tensor] = None,
+        padding_mask: Optional[torch.Tensor] = None,
+        **unused_kwargs,
+    ):
+        """Run both sublayers on ``depth_stream``; ``hidden_states`` is not read.
+
+        Returns the last sublayer output [s, b, h] (for hooks and inspection; the
+        stream already holds it) and ``None`` for the cross-attention context.
+        """
+        site = self.attention_site
+        routed = self.input_router(depth_stream, site)
+        attention_out = self._attention_sublayer(
+            routed,
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            attention_bias=attention_bias,
+            inference_context=inference_context,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+        )
+        depth_stream.write(site, attention_out)
+
+        routed = self.pre_mlp_router(depth_stream, site + 1)
+        mlp_out = self._mlp_sublayer(routed, padding_mask=padding_mask)
+        depth_stream.write(site + 1, mlp_out)
+        return mlp_out, None
+
+    def _bias_dropout(self, output_with_bias):
+        """Bias and dropout of a sublayer output, without the residual add of Megatron's bda."""
+        output, bias = output_with_bias
+        if bias is not None:
+            output = output + bias
+        return torch.nn.functional.dropout(output, p=self.hidden_dropout, training=self.training)
+
+    def _attention_sublayer(self, routed: torch.Tensor, **attention_kwargs) -> torch.Tensor:
+        if self.recompute_input_layernorm:
+            self.input_layernorm_checkpoint = tensor_parallel.CheckpointWithoutOutput()
+            normed = self.input_layernorm_checkpoint.checkpoint(self.input_layernorm, routed)
+        else:
+            normed = self.input_layernorm(routed)
+        output_with_bias = self.self_attention(normed, **attention_kwargs)
+        if self.recompute_input_layernorm:
+            self.input_layernorm_checkpoint.discard_output_and_register_recompute(
+                output_with_bias[0]
+            )
+        return self._bias_dropout(output_with_bias)
+
+    def _mlp_sublayer(self, routed: torch.Tensor, padding_mask=None) -> torch.Tensor:
+        # Megatron's own helper handles selective recompute of the pre-MLP norm.
+        normed = self._forward_pre_mlp_layernorm(routed)
+        if self.recompute_mlp:
+            output_with_bias = tensor_parallel.checkpoint(self.mlp, False, normed)
+        else:
+            output_with_bias = self.mlp(normed)
+        if self.recompute_pre_mlp_layernorm:
+            self.pre_mlp_norm_checkpoint.discard_output_and_register_recompute(output_with_bias[0])
+        output = self._bias_dropout(output_with_bias)
+        return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)

@@ -1,0 +1,159 @@
+"""Routing sites and the layout of sources over depth for the full and block variants.
+
+Sublayers are numbered globally and 1-based: decoder layer ``l`` (1-based) owns the
+attention sublayer ``2l - 1`` and the MLP sublayer ``2l``; the final routing site of a
+model with ``L`` layers is ``2L + 1``. The embedding is source 0.
+
+Both variants are one rule with a block size ``S`` counted in sublayers (MHAR.md §4):
+sublayer ``j`` lies in block ``n = (j - 1) // S + 1`` at position ``i = (j - 1) % S + 1``
+(both 1-based). It reads the completed block sources ``b_0 .. b_{n-1}`` (history rows
+``0 .. n-1``; ``b_0`` is the embedding) plus, when ``i >= 2``, the running partial
+``b_n^{i-1}``, the sum of the block's outputs so far. A block of S outputs, once
+complete, becomes row ``n``. The full variant is ``S = 1``: every sublayer output is its
+own row and no partial ever exists.
+"""
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from megatron_mhar.config import MHARConfig
+from megatron_mhar.ops.history import SourceHistory, get_backend
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthLayout:
+    """Which history rows each routing site reads and each sublayer writes."""
+
+    num_layers: int
+    """Decoder layers L of the whole model (all pipeline stages)."""
+
+    block_size: int
+    """Sublayers per block; 1 is the full variant."""
+
+    @classmethod
+    def from_config(cls, mhar: MHARConfig, num_layers: int) -> "DepthLayout":
+        return cls(num_layers=num_layers, block_size=mhar.block_size if mhar.variant == "block" else 1)
+
+    @property
+    def final_site(self) -> int:
+        return 2 * self.num_layers + 1
+
+    @property
+    def capacity(self) -> int:
+        """Rows the history ever holds: the embedding plus every completed block."""
+        return 1 + (2 * self.num_layers) // self.block_size
+
+    def position(self, site: int):
+        """(block n, position i) of routing site / sublayer ``site``, both 1-based."""
+        return (site - 1) // self.block_size + 1, (site - 1) % self.block_size + 1
+
+    def rows_read(self, site: int) -> int:
+        """Completed rows read by ``site`` (rows ``0 .. n-1``)."""
+        return self.position(site)[0]
+
+    def reads_partial(self, site: int) -> bool:
+        """Whether ``site`` also reads the running partial of its block."""
+        return self.position(site)[1] >= 2
+
+    def completes_block(self, site: int) -> bool:
+        """Whether sublayer ``site``'s output completes its block (row ``n`` is written)."""
+        return self.position(site)[1] == self.block_size
+
+    def boundary(self, site: int):
+        """(rows, has_partial) of the history entering sublayer ``site`` (a stage input)."""
+        return self.rows_read(site), self.reads_partial(site)
+
+    def boundary_width(self, site: int) -> int:
+        """Number of [s, b, h] slices crossing into sublayer ``site`` from a previous stage."""
+        rows, partial = self.boundary(site)
+        return rows + int(partial)
+
+
+class DepthRouter(torch.nn.Module):
+    """One routing site: pseudo-query ``w_j`` (zero init) and key RMSNorm weight ``g_j`` (ones).
+
+    The parameters are replicated over tensor-parallel ranks. They are marked
+    ``sequence_parallel`` when the tokens are sharded over the TP group, so that
+    Megatron's ``finalize_model_grads`` all-reduces their gradients (each rank sees a
+    different slice of the sequence).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        kwargs = dict(dtype=config.params_dtype, device=device)
+        self.query = torch.nn.Parameter(torch.zeros(config.hidden_size, **kwargs))
+        self.norm_weight = torch.nn.Parameter(torch.ones(config.hidden_size, **kwargs))
+        for param in (self.query, self.norm_weight):
+            setattr(param, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, stream: "DepthStream", site: int) -> torch.Tensor:
+        return stream.read(site, self)
+
+
+class DepthStream:
+    """What flows through an MHAR decoder for one micro-batch: source history + partial.
+
+    Created by the block for each forward call and passed down to every layer.
+    """
+
+    def __init__(self, layout: DepthLayout, mhar: MHARConfig, eps: float, like: torch.Tensor):
+        self.layout = layout
+        self.history = SourceHistory(
+            capacity=layout.capacity,
+            like=like,
+            backend=get_backend(mhar.kernel_impl, like.device),
+            num_heads=mhar.num_heads,
+            eps=eps,
+            logit_scale=mhar.logit_scale,
+        )
+        self.partial: Optional[torch.Tensor] = None
+
+    def read(self, site: int, router: DepthRouter) -> torch.Tensor:
+        """The routed input ``x_site`` [s, b, h]."""
+        extra = self.partial if self.layout.reads_partial(site) else None
+        return self.history.route(
+            self.layout.rows_read(site), router.query, router.norm_weight, extra
+        )
+
+    def write(self, site: int, output: torch.Tensor) -> None:
+        """Record sublayer ``site``'s output [s, b, h]."""
+        block, position = self.layout.position(site)
+        self.partial = output if position == 1 else self.partial + output
+        if self.layout.completes_block(site):
+            self.history.write(block, self.partial)
+            self.partial = None
+
+    def write_embedding(self, embedding: torch.Tensor) -> None:
+        self.history.write(0, embedding)
+
+    def pack(self, next_site: int) -> torch.Tensor:
+        """The stream entering ``next_site`` as one [s, b, width * h] tensor (stage output)."""
+        rows, has_partial = self.layout.boundary(next_site)
+        packed = self.history.pack(rows)
+        if has_partial:
+            packed = torch.cat([packed, self.partial], dim=-1)
+        return packed
+
+    def load(self, packed: torch.Tensor, next_site: int) -> None:
+        """Restore the stream entering ``next_site`` from a received stage input."""
+        rows, has_partial = self.layout.boundary(next_site)
+        h = self.history.shape[-1]
+        self.history.load(packed[..., : rows * h] if has_partial else packed, rows)
+        if has_partial:
+            self.partial = packed[..., rows * h :]
+
+    def checkpoint_state(self):
+        """Tensors carrying the stream across an activation-checkpoint boundary.
+
+        ``(token,)`` or ``(token, partial)``: the arity is fixed by the layout at a
+        given boundary, so a recomputed chunk returns the same structure.
+        """
+        token = self.history.token
+        return (token,) if self.partial is None else (token, self.partial)
+
+    def restore_state(self, token: torch.Tensor, partial: Optional[torch.Tensor] = None) -> None:
+        self.history.token = token
+        self.partial = partial

@@ -1,0 +1,240 @@
+"""The per-micro-batch source history: one preallocated buffer of all routing sources.
+
+A forward pass of an MHAR decoder creates one :class:`SourceHistory`. Every sublayer
+writes its output into one row of the buffer exactly once and every routing site reads
+a prefix of the rows in place, so nothing is stacked per call. The buffer layout is
+``[s, b, R, h]``: the rows of one token are contiguous (the fused kernels read a token's
+sources in one sweep) and a prefix of rows packs for a pipeline send as a free view
+``[s, b, n * h]`` (DESIGN.md "Pipeline parallelism").
+
+Autograd. Rows are written in place, so the graph is ordered by a chain of 0-dim
+*tokens*: every write consumes the previous token and produces the next, and every read
+consumes the token current at its call. Autograd runs a node's backward only after all
+consumers of its outputs have run theirs; hence the backward of the write of row ``i``
+runs after the backward of every read that saw row ``i``. Reads add their source
+gradients into one fp32 gradient buffer (in place, deterministic); the write of row
+``i`` hands ``grad_buffer[..., i, :]`` to the sublayer that produced the row, exactly
+once. Reads save no copies of the sources: backward reads the buffer, whose rows never
+change after they are written.
+
+No module-global state: a history lives as long as its autograd graph, so several
+micro-batches may be in flight (pipeline schedules), and activation recomputation may
+re-run a layer, which rewrites the same rows with the same values.
+"""
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from megatron_mhar.ops.depth_route import resolve_impl, torch_route_backward, torch_route_forward
+
+
+class RoutingBackend(NamedTuple):
+    """Forward/backward pair routing over a [T, N, D] view of the history buffer."""
+
+    forward: Callable
+    backward: Callable
+
+
+TORCH_BACKEND = RoutingBackend(torch_route_forward, torch_route_backward)
+
+
+def get_backend(impl: str, device: torch.device) -> RoutingBackend:
+    """The routing backend for ``impl`` (``auto`` picks Triton on CUDA when available)."""
+    if resolve_impl(impl, device) == "torch":
+        return TORCH_BACKEND
+    from mhar_kernels import depth_route as fused
+
+    return RoutingBackend(fused.route_forward, fused.route_backward)
+
+
+class SourceHistory:
+    """Sources of one micro-batch's forward pass, in one buffer ``[s, b, R, h]``.
+
+    Args:
+        capacity: R, the number of rows this pipeline stage ever holds.
+        like: an ``[s, b, h]`` tensor giving the token shape, dtype and device.
+        backend: the routing backend (reference or fused).
+        num_heads, eps, logit_scale: routing hyper-parameters (MHAR.md §2).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        like: torch.Tensor,
+        backend: RoutingBackend,
+        num_heads: int,
+        eps: float,
+        logit_scale: float,
+    ):
+        s, b, h = like.shape
+        self.shape = (s, b, h)
+        self.capacity = capacity
+        self.buffer = like.new_empty(s, b, capacity, h)
+        self._grad_buffer: Optional[torch.Tensor] = None
+        self.backend = backend
+        self.num_heads = num_heads
+        self.eps = eps
+        self.logit_scale = logit_scale
+        self.token: Optional[torch.Tensor] = None
+        self.rows_written = 0
+
+    # -- views ------------------------------------------------------------------------
+    def rows(self, stop: int) -> torch.Tensor:
+        """[T, stop, h] view of the first ``stop`` rows (T = s * b tokens)."""
+        s, b, h = self.shape
+        return self.buffer.view(s * b, self.capacity, h)[:, :stop]
+
+    @property
+    def grad_buffer(self) -> torch.Tensor:
+        """fp32 gradients of the rows, allocated by the first backward that needs it."""
+        if self._grad_buffer is None:
+            self._grad_buffer = torch.zeros(
+                self.buffer.shape, dtype=torch.float32, device=self.buffer.device
+            )
+        return self._grad_buffer
+
+    def grad_rows(self, stop: int) -> torch.Tensor:
+        """[T, stop, h] fp32 view of the row gradients."""
+        s, b, h = self.shape
+        return self.grad_buffer.view(s * b, self.capacity, h)[:, :stop]
+
+    # -- the three operations the model uses --------------------------------------------
+    def write(self, row: int, source: torch.Tensor) -> None:
+        """Store ``source`` [s, b, h] as row ``row`` (each row is written once per pass)."""
+        if not 0 <= row < self.capacity:
+            raise IndexError(f"row {row} outside the history's {self.capacity} rows")
+        self.token = _WriteRow.apply(self, row, source, self.token)
+        self.rows_written = max(self.rows_written, row + 1)
+
+    def route(
+        self,
+        num_rows: int,
+        query: torch.Tensor,
+        norm_weight: torch.Tensor,
+        extra: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Route over rows ``[0, num_rows)`` (plus ``extra`` [s, b, h]); returns [s, b, h]."""
+        if not 0 < num_rows <= self.rows_written:
+            raise IndexError(
+                f"routing over {num_rows} rows but only {self.rows_written} are written"
+            )
+        return _RouteRows.apply(self, num_rows, self.token, query, norm_weight, extra)
+
+    def pack(self, num_rows: int) -> torch.Tensor:
+        """The first ``num_rows`` rows as one ``[s, b, num_rows * h]`` tensor (a pipeline send)."""
+        return _PackRows.apply(self, num_rows, self.token)
+
+    def load(self, packed: torch.Tensor, num_rows: int) -> None:
+        """Fill rows ``[0, num_rows)`` from a received ``[s, b, num_rows * h]`` tensor."""
+        s, b, h = self.shape
+        if packed.shape != (s, b, num_rows * h):
+            raise ValueError(
+                f"received history of shape {tuple(packed.shape)}, expected "
+                f"{(s, b, num_rows * h)} ({num_rows} sources of width {h})"
+            )
+        self.token = _LoadRows.apply(self, num_rows, packed)
+        self.rows_written = max(self.rows_written, num_rows)
+
+
+def _new_token(reference: torch.Tensor) -> torch.Tensor:
+    return reference.new_empty(())
+
+
+class _WriteRow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, history, row, source, token):
+        history.buffer[:, :, row].copy_(source)
+        ctx.history, ctx.row, ctx.dtype = history, row, source.dtype
+        ctx.has_token = token is not None
+        return _new_token(source)
+
+    @staticmethod
+    def backward(ctx, _grad_token):
+        grad_source = ctx.history.grad_buffer[:, :, ctx.row].to(ctx.dtype)
+        grad_token = _grad_token if ctx.has_token else None
+        return None, None, grad_source, grad_token
+
+
+class _RouteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, history, num_rows, token, query, norm_weight, extra):
+        s, b, h = history.shape
+        flat_extra = None if extra is None else extra.reshape(s * b, h)
+        out, saved = history.backend.forward(
+            history.rows(num_rows),
+            flat_extra,
+            query,
+            norm_weight,
+            history.num_heads,
+            history.eps,
+            history.logit_scale,
+        )
+        ctx.history, ctx.num_rows, ctx.saved = history, num_rows, saved
+        ctx.has_token = token is not None
+        ctx.save_for_backward(query, norm_weight, extra)
+        return out.view(s, b, h)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        history = ctx.history
+        query, norm_weight, extra = ctx.saved_tensors
+        s, b, h = history.shape
+        flat_extra = None if extra is None else extra.reshape(s * b, h)
+        grad_extra, grad_query, grad_norm = history.backend.backward(
+            grad_out.reshape(s * b, h),
+            history.rows(ctx.num_rows),
+            flat_extra,
+            query,
+            norm_weight,
+            ctx.saved,
+            history.num_heads,
+            history.eps,
+            history.logit_scale,
+            history.grad_rows(ctx.num_rows),
+        )
+        if grad_extra is not None:
+            grad_extra = grad_extra.view(s, b, h).to(extra.dtype)
+        grad_token = torch.zeros((), device=grad_out.device) if ctx.has_token else None
+        return (
+            None,
+            None,
+            grad_token,
+            grad_query.to(query.dtype),
+            grad_norm.to(norm_weight.dtype),
+            grad_extra,
+        )
+
+
+class _PackRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, history, num_rows, token):
+        s, b, h = history.shape
+        ctx.history, ctx.num_rows = history, num_rows
+        ctx.has_token = token is not None
+        return history.buffer[:, :, :num_rows].reshape(s, b, num_rows * h).clone()
+
+    @staticmethod
+    def backward(ctx, grad_packed):
+        s, b, h = ctx.history.shape
+        ctx.history.grad_buffer[:, :, : ctx.num_rows].add_(
+            grad_packed.view(s, b, ctx.num_rows, h)
+        )
+        grad_token = torch.zeros((), device=grad_packed.device) if ctx.has_token else None
+        return None, None, grad_token
+
+
+class _LoadRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, history, num_rows, packed):
+        s, b, h = history.shape
+        history.buffer[:, :, :num_rows].copy_(packed.view(s, b, num_rows, h))
+        ctx.history, ctx.num_rows, ctx.dtype = history, num_rows, packed.dtype
+        return _new_token(packed)
+
+    @staticmethod
+    def backward(ctx, _grad_token):
+        s, b, h = ctx.history.shape
+        grad = ctx.history.grad_buffer[:, :, : ctx.num_rows]
+        return None, None, grad.reshape(s, b, ctx.num_rows * h).to(ctx.dtype)
+
