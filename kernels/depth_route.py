@@ -1,0 +1,477 @@
+"""Fused Triton depth routing (MHAR.md §2): one pass over the sources forward, two backward.
+
+Semantics are those of ``megatron_mhar.ops.depth_route.depth_route_reference``; the
+derivation of the backward, the memory kept between the passes and the rounding
+differences are in ``README.md`` beside this file.
+
+Layout. The sources are a ``[T, N, D]`` view with unit stride over D and any strides
+over T and N: a slice ``buf[:, :n]`` of a ``[T, R, D]`` history buffer, or the permuted
+view of an ``[N, T, D]`` tensor. An optional ``extra`` ``[T, D]`` source (the running
+partial of the block variant) takes index N. Each program owns ``BT`` tokens and the full
+width, held as a ``[BT, BH, BHD]`` tile (heads x head width, padded to powers of two),
+so the RMS over D and the per-head dot products are register reductions.
+
+Forward: online softmax over the sources; the norm weight is folded into the query
+(``w = q * g``), so the logit of source i for head h is ``tau * r_i * (v_i[h] . w[h])``
+with ``r_i`` the inverse RMS of ``v_i``. Only the log-sum-exp ``[T, H]`` fp32 is saved.
+
+Backward: pass 1 recomputes the weights and gets ``delta[h] = sum_i p_i[h] dp_i[h]``;
+pass 2 recomputes them again and writes the source gradients. ``dw`` is reduced over
+tokens in two deterministic stages (per-program partials, then a fixed-order sum).
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _route_logits(b_v, b_w, eps, scale, D: tl.constexpr):
+    """[BT, BH, BHD] source tile -> (inverse RMS [BT], head dots [BT, BH], logits [BT, BH])."""
+    b_r = tl.rsqrt(tl.sum(tl.sum(b_v * b_v, axis=2), axis=1) / D + eps)
+    b_dot = tl.sum(b_v * b_w[None, :, :], axis=2)
+    b_s = b_dot * (b_r * scale)[:, None]
+    return b_r, b_dot, b_s
+
+
+@triton.jit
+def _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D: tl.constexpr):
+    """Merge one source tile into the running (max, denominator, weighted sum)."""
+    _, _, b_s = _route_logits(b_v, b_w, eps, scale, D)
+    b_m_new = tl.maximum(b_m, b_s)
+    b_alpha = tl.exp(b_m - b_m_new)
+    b_p = tl.exp(b_s - b_m_new)
+    b_l = b_l * b_alpha + b_p
+    b_acc = b_acc * b_alpha[:, :, None] + b_p[:, :, None] * b_v
+    return b_m_new, b_l, b_acc
+
+
+@triton.jit
+def _route_fwd_kernel(
+    V_ptr,  # [T, N, D] sources, strides (stride_vt, stride_vn, 1)
+    E_ptr,  # [T, D] extra source (index N), strides (stride_et, 1); read if HAS_EXTRA
+    Q_ptr,  # [D] pseudo-query
+    G_ptr,  # [D] norm weight
+    O_ptr,  # [T, D] routed output in the sources' dtype, strides (stride_ot, 1)
+    LSE_ptr,  # [T, H] fp32 log-sum-exp of the logits
+    T,
+    N,
+    stride_vt,
+    stride_vn,
+    stride_et,
+    stride_ot,
+    eps,
+    scale,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    HD: tl.constexpr,
+    BT: tl.constexpr,
+    BH: tl.constexpr,
+    BHD: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_h = tl.arange(0, BH)
+    o_k = tl.arange(0, BHD)
+    o_d = o_h[:, None] * HD + o_k[None, :]
+    m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
+    m_t = o_t < T
+    m_v = m_t[:, None, None] & m_d[None, :, :]
+    o_t64 = o_t.to(tl.int64)
+
+    # The reference rounds g to the activation dtype before multiplying the key by it.
+    b_g = tl.load(G_ptr + o_d, mask=m_d, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
+    b_w = tl.load(Q_ptr + o_d, mask=m_d, other=0.0).to(tl.float32) * b_g
+
+    b_m = tl.full([BT, BH], float("-inf"), tl.float32)
+    b_l = tl.zeros([BT, BH], dtype=tl.float32)
+    b_acc = tl.zeros([BT, BH, BHD], dtype=tl.float32)
+    p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
+    for _ in range(N):
+        b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+        b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D)
+        p_v += stride_vn
+    if HAS_EXTRA:
+        p_e = E_ptr + o_t64[:, None, None] * stride_et + o_d[None, :, :]
+        b_v = tl.load(p_e, mask=m_v, other=0.0).to(tl.float32)
+        b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D)
+
+    b_o = b_acc / b_l[:, :, None]
+    p_o = O_ptr + o_t64[:, None, None] * stride_ot + o_d[None, :, :]
+    tl.store(p_o, b_o.to(O_ptr.dtype.element_ty), mask=m_v)
+    p_lse = LSE_ptr + o_t64[:, None] * H + o_h[None, :]
+    tl.store(p_lse, b_m + tl.log(b_l), mask=m_t[:, None] & (o_h[None, :] < H))
+
+
+@triton.jit
+def _route_bwd_delta(b_v, b_w, b_do, b_lse, b_delta, eps, scale, D: tl.constexpr):
+    """Pass 1: add p_i[h] * (dout[h] . v_i[h]) to delta [BT, BH]."""
+    _, _, b_s = _route_logits(b_v, b_w, eps, scale, D)
+    b_p = tl.exp(b_s - b_lse)
+    return b_delta + b_p * tl.sum(b_do * b_v, axis=2)
+
+
+@triton.jit
+def _route_bwd_step(b_v, b_w, b_do, b_lse, b_delta, b_dw, eps, scale, D: tl.constexpr):
+    """Pass 2: gradient of one source tile, and its share of dL/dw (README.md)."""
+    b_r, b_dot, b_s = _route_logits(b_v, b_w, eps, scale, D)
+    b_p = tl.exp(b_s - b_lse)
+    b_ds = b_p * (tl.sum(b_do * b_v, axis=2) - b_delta)
+    b_c = tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
+    b_rs = (b_r * scale)[:, None, None]
+    b_dv = b_p[:, :, None] * b_do + b_rs * (b_ds[:, :, None] * b_w[None, :, :] - b_c[:, None, None] * b_v)
+    b_dw += b_rs * b_ds[:, :, None] * b_v
+    return b_dv, b_dw
+
+
+@triton.jit
+def _route_bwd_kernel(
+    V_ptr,  # [T, N, D] sources, strides (stride_vt, stride_vn, 1)
+    E_ptr,  # [T, D] extra source, strides (stride_et, 1); read if HAS_EXTRA
+    Q_ptr,  # [D] pseudo-query
+    G_ptr,  # [D] norm weight
+    DO_ptr,  # [T, D] gradient of the output, strides (stride_dot, 1)
+    LSE_ptr,  # [T, H] fp32 log-sum-exp saved by the forward
+    DV_ptr,  # [T, N, D] source gradients, strides (stride_dvt, stride_dvn, 1)
+    DE_ptr,  # [T, D] contiguous gradient of the extra source; written if HAS_EXTRA
+    DW_ptr,  # [P, D] fp32 per-program partial dL/dw, P = number of programs
+    T,
+    N,
+    num_tiles,
+    stride_vt,
+    stride_vn,
+    stride_et,
+    stride_dot,
+    stride_dvt,
+    stride_dvn,
+    eps,
+    scale,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    HD: tl.constexpr,
+    BT: tl.constexpr,
+    BH: tl.constexpr,
+    BHD: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
+    i_p = tl.program_id(0)
+    n_p = tl.num_programs(0)
+    o_h = tl.arange(0, BH)
+    o_k = tl.arange(0, BHD)
+    o_d = o_h[:, None] * HD + o_k[None, :]
+    m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
+    m_h = o_h < H
+
+    b_g = tl.load(G_ptr + o_d, mask=m_d, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
+    b_w = tl.load(Q_ptr + o_d, mask=m_d, other=0.0).to(tl.float32) * b_g
+    b_dw = tl.zeros([BT, BH, BHD], dtype=tl.float32)
+
+    # Fixed tile -> program map (grid-stride), so the dw partials are deterministic.
+    for i_t in range(i_p, num_tiles, n_p):
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        m_v = m_t[:, None, None] & m_d[None, :, :]
+        o_t64 = o_t.to(tl.int64)
+        p_do = DO_ptr + o_t64[:, None, None] * stride_dot + o_d[None, :, :]
+        b_do = tl.load(p_do, mask=m_v, other=0.0).to(tl.float32)
+        p_lse = LSE_ptr + o_t64[:, None] * H + o_h[None, :]
+        b_lse = tl.load(p_lse, mask=m_t[:, None] & m_h[None, :], other=0.0)
+        p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
+        p_e = E_ptr + o_t64[:, None, None] * stride_et + o_d[None, :, :]
+
+        b_delta = tl.zeros([BT, BH], dtype=tl.float32)
+        p_vn = p_v
+        for _ in range(N):
+            b_v = tl.load(p_vn, mask=m_v, other=0.0).to(tl.float32)
+            b_delta = _route_bwd_delta(b_v, b_w, b_do, b_lse, b_delta, eps, scale, D)
+            p_vn += stride_vn
+        if HAS_EXTRA:
+            b_v = tl.load(p_e, mask=m_v, other=0.0).to(tl.float32)
+            b_delta = _route_bwd_delta(b_v, b_w, b_do, b_lse, b_delta, eps, scale, D)
+
+        p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
+        for _ in range(N):
+            b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+            b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_delta, b_dw, eps, scale, D)
+            if ACCUMULATE:
+                b_dv += tl.load(p_dv, mask=m_v, other=0.0).to(tl.float32)
+            tl.store(p_dv, b_dv.to(DV_ptr.dtype.element_ty), mask=m_v)
+            p_v += stride_vn
+            p_dv += stride_dvn
+        if HAS_EXTRA:
+            b_v = tl.load(p_e, mask=m_v, other=0.0).to(tl.float32)
+            b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_delta, b_dw, eps, scale, D)
+            p_de = DE_ptr + o_t64[:, None, None] * D + o_d[None, :, :]
+            tl.store(p_de, b_dv.to(DE_ptr.dtype.element_ty), mask=m_v)
+
+    tl.store(DW_ptr + i_p * D + o_d, tl.sum(b_dw, axis=0), mask=m_d)
+
+
+@triton.jit
+def _route_dw_reduce_kernel(
+    DW_ptr,  # [P, D] fp32 per-program partial dL/dw
+    V_ptr,  # sources; only their dtype is used (the rounding of g)
+    Q_ptr,  # [D] pseudo-query
+    G_ptr,  # [D] norm weight
+    DQ_ptr,  # [D] fp32 gradient of the query
+    DG_ptr,  # [D] fp32 gradient of the norm weight
+    P,
+    D: tl.constexpr,
+    BP: tl.constexpr,
+    BD: tl.constexpr,
+):
+    i_d = tl.program_id(0)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    b_acc = tl.zeros([BP, BD], dtype=tl.float32)
+    for i_p in range(0, P, BP):
+        o_p = i_p + tl.arange(0, BP)
+        p_dw = DW_ptr + o_p.to(tl.int64)[:, None] * D + o_d[None, :]
+        b_acc += tl.load(p_dw, mask=(o_p < P)[:, None] & m_d[None, :], other=0.0)
+    b_dw = tl.sum(b_acc, axis=0)
+    b_q = tl.load(Q_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_g = tl.load(G_ptr + o_d, mask=m_d, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(DQ_ptr + o_d, b_dw * b_g, mask=m_d)
+    tl.store(DG_ptr + o_d, b_dw * b_q, mask=m_d)
+
+
+# ---------------------------------------------------------------------------------------
+# Launch wrappers
+# ---------------------------------------------------------------------------------------
+
+
+def _tile(d: int, num_heads: int) -> Tuple[int, int, int]:
+    """(head width, padded head count, padded head width) of the register tile."""
+    head_dim = d // num_heads
+    return head_dim, triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
+
+
+def _fwd_config(padded_d: int) -> Tuple[int, int]:
+    """(tokens per program, warps) for the forward: about 8K fp32 per tile."""
+    block_t = max(1, min(16, 8192 // padded_d))
+    return block_t, 8 if padded_d * block_t >= 4096 else 4
+
+
+def _bwd_config(padded_d: int) -> Tuple[int, int]:
+    """(tokens per program, warps) for the backward: holds dout, v and dw tiles."""
+    block_t = max(1, min(16, 4096 // padded_d))
+    return block_t, 8 if padded_d * block_t >= 4096 else 4
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _check_sources(sources: torch.Tensor, extra: Optional[torch.Tensor], num_heads: int) -> None:
+    if sources.dim() != 3 or sources.stride(-1) != 1:
+        raise ValueError(
+            f"sources must be a [T, N, D] view with unit stride over D, got shape "
+            f"{tuple(sources.shape)} strides {sources.stride()}"
+        )
+    t, _, d = sources.shape
+    if d % num_heads != 0:
+        raise ValueError(f"width D={d} is not divisible by num_heads={num_heads}")
+    if extra is not None:
+        if extra.shape != (t, d) or extra.stride(-1) != 1 or extra.dtype != sources.dtype:
+            raise ValueError(
+                f"extra must be a [T, D]=[{t}, {d}] tensor of dtype {sources.dtype} with unit "
+                f"stride over D, got {tuple(extra.shape)} {extra.dtype} strides {extra.stride()}"
+            )
+
+
+def _launch_fwd(
+    sources, extra, query, norm_weight, num_heads, eps, logit_scale, block_t=None, num_warps=None
+):
+    t, n, d = sources.shape
+    head_dim, bh, bhd = _tile(d, num_heads)
+    cfg_t, cfg_w = _fwd_config(bh * bhd)
+    block_t, num_warps = block_t or cfg_t, num_warps or cfg_w
+    out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
+    lse = torch.empty((t, num_heads), dtype=torch.float32, device=sources.device)
+    if t == 0:
+        return out, lse
+    ext = sources if extra is None else extra
+    _route_fwd_kernel[(triton.cdiv(t, block_t),)](
+        sources, ext, query, norm_weight, out, lse,
+        t, n, sources.stride(0), sources.stride(1), ext.stride(0), out.stride(0),
+        eps, logit_scale,
+        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd,
+        HAS_EXTRA=extra is not None, num_warps=num_warps,
+    )  # fmt: skip
+    return out, lse
+
+
+def _launch_bwd(
+    grad_out, sources, extra, query, norm_weight, lse, num_heads, eps, logit_scale,
+    grad_sources, accumulate, block_t=None, num_warps=None, programs_per_sm=4,
+):  # fmt: skip
+    t, n, d = sources.shape
+    head_dim, bh, bhd = _tile(d, num_heads)
+    cfg_t, cfg_w = _bwd_config(bh * bhd)
+    block_t, num_warps = block_t or cfg_t, num_warps or cfg_w
+    device = sources.device
+    grad_extra = None if extra is None else torch.empty((t, d), dtype=extra.dtype, device=device)
+    num_tiles = triton.cdiv(t, block_t)
+    num_programs = max(1, min(num_tiles, _num_sms(device) * programs_per_sm))
+    dw = torch.empty((num_programs, d), dtype=torch.float32, device=device)
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    if t > 0:
+        ext = sources if extra is None else extra
+        _route_bwd_kernel[(num_programs,)](
+            sources, ext, query, norm_weight, grad_out, lse, grad_sources,
+            ext if grad_extra is None else grad_extra, dw,
+            t, n, num_tiles,
+            sources.stride(0), sources.stride(1), ext.stride(0), grad_out.stride(0),
+            grad_sources.stride(0), grad_sources.stride(1),
+            eps, logit_scale,
+            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd,
+            HAS_EXTRA=extra is not None, ACCUMULATE=accumulate, num_warps=num_warps,
+        )  # fmt: skip
+    else:
+        dw.zero_()
+    grad_query = torch.empty(d, dtype=torch.float32, device=device)
+    grad_norm = torch.empty(d, dtype=torch.float32, device=device)
+    block_d = min(64, triton.next_power_of_2(d))
+    _route_dw_reduce_kernel[(triton.cdiv(d, block_d),)](
+        dw, sources, query, norm_weight, grad_query, grad_norm, num_programs,
+        D=d, BP=32, BD=block_d, num_warps=4,
+    )  # fmt: skip
+    return grad_extra, grad_query, grad_norm
+
+
+# ---------------------------------------------------------------------------------------
+# Backend interface (mirrors megatron_mhar.ops.depth_route.torch_route_forward/backward)
+# ---------------------------------------------------------------------------------------
+
+
+def route_forward(
+    sources: torch.Tensor,
+    extra: Optional[torch.Tensor],
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    logit_scale: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Route over a history view in one pass.
+
+    Args:
+        sources: [T, N, D] view, unit stride over D, any strides over T and N.
+        extra: None or [T, D], routed as source N (the block variant's running partial).
+        query, norm_weight: [D] (any float dtype).
+
+    Returns:
+        (out [T, D] in the sources' dtype, saved = log-sum-exp [T, H] fp32).
+    """
+    _check_sources(sources, extra, num_heads)
+    return _launch_fwd(sources, extra, query, norm_weight, num_heads, eps, float(logit_scale))
+
+
+def route_backward(
+    grad_out: torch.Tensor,
+    sources: torch.Tensor,
+    extra: Optional[torch.Tensor],
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    saved: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    logit_scale: float,
+    grad_sources: torch.Tensor,
+) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Backward of :func:`route_forward`; adds the source gradients into ``grad_sources``.
+
+    Args:
+        grad_out: [T, D] gradient of the routed output.
+        saved: the log-sum-exp returned by :func:`route_forward`.
+        grad_sources: fp32 [T, N, D] view (unit stride over D) that receives ``+=`` dsources.
+
+    Returns:
+        (grad_extra [T, D] in extra's dtype or None, grad_query fp32 [D], grad_norm_weight fp32 [D]).
+    """
+    _check_sources(sources, extra, num_heads)
+    if (
+        grad_sources.shape != sources.shape
+        or grad_sources.dtype != torch.float32
+        or grad_sources.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"grad_sources must be an fp32 view of shape {tuple(sources.shape)} with unit stride "
+            f"over D, got {tuple(grad_sources.shape)} {grad_sources.dtype} strides "
+            f"{grad_sources.stride()}"
+        )
+    return _launch_bwd(
+        grad_out, sources, extra, query, norm_weight, saved, num_heads, eps, float(logit_scale),
+        grad_sources, accumulate=True,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# Autograd Function and public op
+# ---------------------------------------------------------------------------------------
+
+
+class FusedDepthRoute(torch.autograd.Function):
+    """Autograd wrapper over the fused kernels for an [N, ..., D] source stack."""
+
+    @staticmethod
+    def forward(ctx, sources, query, norm_weight, num_heads, eps, logit_scale):
+        n, d = sources.shape[0], sources.shape[-1]
+        stacked = sources.reshape(n, -1, d)
+        if stacked.stride(-1) != 1:
+            stacked = stacked.contiguous()
+        out, lse = route_forward(
+            stacked.transpose(0, 1), None, query, norm_weight, num_heads, eps, logit_scale
+        )
+        ctx.save_for_backward(stacked, query, norm_weight, lse)
+        ctx.shape, ctx.num_heads, ctx.eps, ctx.logit_scale = sources.shape, num_heads, eps, logit_scale
+        return out.view(sources.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        stacked, query, norm_weight, lse = ctx.saved_tensors
+        grad_sources = torch.empty_like(stacked, memory_format=torch.contiguous_format)
+        _, grad_query, grad_norm = _launch_bwd(
+            grad_out.reshape(-1, stacked.shape[-1]), stacked.transpose(0, 1), None,
+            query, norm_weight, lse, ctx.num_heads, ctx.eps, float(ctx.logit_scale),
+            grad_sources.transpose(0, 1), accumulate=False,
+        )  # fmt: skip
+        return (
+            grad_sources.view(ctx.shape),
+            grad_query.to(query.dtype),
+            grad_norm.to(norm_weight.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def fused_depth_route(
+    sources: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    num_heads: int,
+    eps: float = 1e-6,
+    logit_scale: float = 1.0,
+) -> torch.Tensor:
+    """Fused MHAR routing with the semantics of ``depth_route_reference``.
+
+    Args:
+        sources: [N, ..., D] values; the keys are their RMS-normalised copies.
+        query: [D] pseudo-query of the routing site, viewed as [H, D/H].
+        norm_weight: [D] RMSNorm weight of the routing site.
+        num_heads: H; the RMS is always taken over the full width D.
+        eps: RMSNorm epsilon.
+        logit_scale: tau in ``softmax(tau * w[h] . k[h])``; 1 is the paper.
+
+    Returns:
+        [..., D] routed mixture in the sources' dtype.
+    """
+    return FusedDepthRoute.apply(sources, query, norm_weight, num_heads, eps, float(logit_scale))
