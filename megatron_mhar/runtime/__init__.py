@@ -1,0 +1,30 @@
+"""Runtime support: process-group setup and the CPU (gloo) runtime for Megatron-Core.
+
+``cpu`` makes unmodified Megatron-Core code run on CPU for smoke runs and tests;
+``distributed`` initialises torch.distributed and Megatron's parallel state from
+torchrun's environment.
+"""
+
+from megatron_mhar.runtime.cpu import (
+    SequenceParallelTorchNorm,
+    cpu_runtime,
+    disable_cpu_runtime,
+    enable_cpu_runtime,
+    is_cpu_runtime_enabled,
+)
+from megatron_mhar.runtime.distributed import (
+    DistributedContext,
+    destroy,
+    initialize_model_parallel_from_env,
+)
+
+__all__ = [
+    "DistributedContext",
+    "SequenceParallelTorchNorm",
+    "cpu_runtime",
+    "destroy",
+    "disable_cpu_runtime",
+    "enable_cpu_runtime",
+    "initialize_model_parallel_from_env",
+    "is_cpu_runtime_enabled",
+]

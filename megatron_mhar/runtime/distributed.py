@@ -1,0 +1,185 @@
+"""Process-group and Megatron model-parallel setup from torchrun's environment.
+
+One call for the training driver and the tests::
+
+    ctx = initialize_model_parallel_from_env(tp=2, pp=2, vpp=2, seed=1234)
+    ...
+    destroy()
+
+It reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT`` (set by torchrun, srun wrappers, or ``tests/multiprocess.py``),
+initialises ``torch.distributed`` (nccl on CUDA, gloo on CPU), then Megatron's
+``parallel_state.initialize_model_parallel`` and its model-parallel RNG tracker.
+Without those variables it starts a single process (world size 1) on an
+in-memory store, which is what unit tests and ``--cpu`` smoke runs use.
+
+On a CPU-only machine (or with ``device="cpu"``) it switches on
+:func:`megatron_mhar.runtime.cpu.enable_cpu_runtime` first, and :func:`destroy`
+switches it off again if this module switched it on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+
+from megatron_mhar.runtime.cpu import (
+    disable_cpu_runtime,
+    enable_cpu_runtime,
+    is_cpu_runtime_enabled,
+)
+
+__all__ = ["DistributedContext", "destroy", "initialize_model_parallel_from_env"]
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """What :func:`initialize_model_parallel_from_env` set up."""
+
+    rank: int
+    """Global rank in the default process group."""
+    world_size: int
+    """Number of processes in the default process group."""
+    local_rank: int
+    """Rank on this node; the CUDA device index on GPU runs."""
+    device: torch.device
+    """Device the model lives on (``cuda:<local_rank>`` or ``cpu``)."""
+    backend: str
+    """torch.distributed backend of the default group (``nccl`` or ``gloo``)."""
+
+
+# Whether this module enabled the CPU runtime (and so must disable it on destroy).
+_OWNS_CPU_RUNTIME = False
+
+
+def _env_int(name: str, default: Optional[int]) -> Optional[int]:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def initialize_model_parallel_from_env(
+    tp: int = 1,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    cp: int = 1,
+    ep: int = 1,
+    seed: int = 1234,
+    device: Literal["auto", "cuda", "cpu"] = "auto",
+    timeout_minutes: int = 10,
+    create_gloo_process_groups: bool = True,
+) -> DistributedContext:
+    """Initialise torch.distributed and Megatron's model-parallel state.
+
+    Args:
+        tp: tensor-model-parallel size.
+        pp: pipeline-model-parallel size.
+        vpp: virtual pipeline stages per pipeline rank (``None``: no interleaving).
+        cp: context-parallel size.
+        ep: expert-model-parallel size.
+        seed: seed for ``model_parallel_cuda_manual_seed`` (data-parallel stream
+            ``seed``, tensor-parallel stream ``seed + 2718 + tp_rank``). On the
+            CPU runtime the "CUDA" generator is the CPU default generator, so
+            this also seeds ``torch.manual_seed``-driven CPU randomness.
+        device: ``"auto"`` picks CUDA when available, else CPU.
+        timeout_minutes: collective timeout of every process group.
+        create_gloo_process_groups: also create Megatron's auxiliary gloo groups
+            (Megatron's default; the distributed optimizer's checkpointing uses
+            them). On CPU they duplicate the default groups; tests pass False.
+
+    Returns:
+        A :class:`DistributedContext`. The data-parallel size is
+        ``world_size // (tp * pp * cp)``; Megatron raises if that is not an integer.
+
+    Raises:
+        RuntimeError: if torch.distributed or Megatron's parallel state is
+            already initialised (call :func:`destroy` first), or ``device="cuda"``
+            without CUDA.
+    """
+    global _OWNS_CPU_RUNTIME
+    from megatron.core import parallel_state, tensor_parallel
+
+    if torch.distributed.is_initialized() or parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "torch.distributed / Megatron parallel state is already initialised; call destroy()"
+        )
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' requested but CUDA is not available")
+
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", rank)
+
+    if device == "cpu":
+        backend, torch_device = "gloo", torch.device("cpu")
+        if not is_cpu_runtime_enabled():
+            enable_cpu_runtime()
+            _OWNS_CPU_RUNTIME = True
+    else:
+        backend, torch_device = "nccl", torch.device("cuda", local_rank)
+        torch.cuda.set_device(torch_device)
+
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "MASTER_ADDR" in os.environ:
+        torch.distributed.init_process_group(
+            backend=backend, rank=rank, world_size=world_size, timeout=timeout
+        )
+    elif world_size == 1:
+        # Single process without a launcher: an in-memory store needs no port.
+        torch.distributed.init_process_group(
+            backend=backend,
+            store=torch.distributed.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+        )
+    else:
+        raise RuntimeError(
+            f"WORLD_SIZE={world_size} but MASTER_ADDR is not set; launch with torchrun"
+        )
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        distributed_timeout_minutes=timeout_minutes,
+        create_gloo_process_groups=create_gloo_process_groups,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return DistributedContext(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=torch_device,
+        backend=backend,
+    )
+
+
+def destroy() -> None:
+    """Tear down what :func:`initialize_model_parallel_from_env` set up.
+
+    Destroys Megatron's parallel state and the default process group, and
+    disables the CPU runtime if the initialiser enabled it. Safe to call when
+    nothing is initialised.
+    """
+    global _OWNS_CPU_RUNTIME
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if _OWNS_CPU_RUNTIME:
+        disable_cpu_runtime()
+        _OWNS_CPU_RUNTIME = False

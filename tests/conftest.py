@@ -1,0 +1,76 @@
+"""Shared pytest fixtures.
+
+No CUDA calls at import time. Megatron is imported inside fixtures, so test
+modules that do not use it do not pay for it.
+
+Fixtures:
+    seed_everything (autouse): seeds ``random``, ``numpy`` and ``torch`` to 0
+        before every test, so a test's result does not depend on test order.
+    cpu_runtime: the Megatron CPU runtime (``megatron_mhar.runtime.cpu``) for
+        the duration of one test.
+    megatron_world1: a single-process Megatron (world size 1, TP=PP=1) on the
+        CPU runtime with gloo, torn down after the test; yields the
+        ``DistributedContext``.
+
+Markers:
+    gpu: the test needs CUDA; skipped cleanly on CPU-only machines.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+# Variables a launcher (torchrun, srun wrappers) may leave in a CI job's
+# environment; single-process fixtures must not try to rendezvous with them.
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def seed_everything():
+    """Seed Python, NumPy and torch (CPU) RNGs to 0 before each test."""
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def cpu_runtime():
+    """Enable the Megatron CPU runtime for one test (restored afterwards)."""
+    from megatron_mhar.runtime.cpu import cpu_runtime as runtime
+
+    with runtime():
+        yield
+
+
+@pytest.fixture
+def megatron_world1(monkeypatch):
+    """Single-process Megatron (TP=PP=1, gloo, CPU runtime); destroyed after the test.
+
+    Seeds Megatron's RNG tracker with ``model_parallel_cuda_manual_seed(1234)``.
+    """
+    from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
+
+    for name in _LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    ctx = initialize_model_parallel_from_env(tp=1, pp=1, seed=1234, device="cpu")
+    try:
+        yield ctx
+    finally:
+        destroy()

@@ -1,0 +1,344 @@
+"""The CPU runtime runs unmodified Megatron-Core: schedules, DDP, optimizer, TP/SP/PP.
+
+Every multi-rank run is compared with a single-process run of the same model
+(same initial weights, sliced per rank) on the same data.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+
+from tests.multiprocess import run_distributed
+
+SEQ, MBS, VOCAB, HIDDEN, HEADS = 16, 2, 128, 64, 4
+NUM_MICROBATCHES = 2
+
+
+# --------------------------------------------------------------------------- helpers
+# Module level so that spawned ranks can unpickle the worker functions.
+
+
+def _config(num_layers: int, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, **overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = dict(
+        num_layers=num_layers,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        pipeline_dtype=torch.float32,
+        batch_p2p_comm=False,  # gloo has no batch_isend_irecv (see runtime/cpu.py)
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _layer_spec(config):
+    """Megatron's local GPT spec; with sequence parallelism its norms (and the
+    block's final norm) become SequenceParallelTorchNorm."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    from megatron_mhar.runtime import SequenceParallelTorchNorm
+
+    spec = get_gpt_layer_local_spec()
+    if not config.sequence_parallel:
+        return spec
+    spec.submodules.input_layernorm = SequenceParallelTorchNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config),
+        layer_norm=SequenceParallelTorchNorm,
+    )
+
+
+def _build_chunks(config) -> List[torch.nn.Module]:
+    """One GPTModel per virtual pipeline stage of this rank (one without VPP)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    chunks = []
+    for vp_stage in range(config.virtual_pipeline_model_parallel_size or 1):
+        vp = vp_stage if config.virtual_pipeline_model_parallel_size else None
+        spec = _layer_spec(config)
+        if isinstance(spec, TransformerBlockSubmodules):
+            spec.layer_specs = spec.layer_specs[:1] * get_num_layers_to_build(config, vp_stage=vp)
+        chunks.append(
+            GPTModel(
+                config,
+                spec,
+                vocab_size=VOCAB,
+                max_sequence_length=SEQ,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                vp_stage=vp,
+            )
+        )
+    return chunks
+
+
+def _load_full_weights(chunk: torch.nn.Module, full: Dict[str, torch.Tensor]) -> None:
+    """Copy a single-process GPTModel's parameters into a TP/PP chunk.
+
+    Layer ``i`` of the chunk is global layer ``layer.layer_number - 1``; a
+    tensor-parallel parameter takes its rank's slice along ``partition_dim``; the
+    last stage's untied ``output_layer.weight`` is the shared word embedding.
+    """
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    layer_names = {
+        f"decoder.layers.{i}.": f"decoder.layers.{layer.layer_number - 1}."
+        for i, layer in enumerate(chunk.decoder.layers)
+    }
+    for name, param in chunk.named_parameters():
+        global_name = name
+        for local, glob in layer_names.items():
+            if name.startswith(local):
+                global_name = glob + name[len(local) :]
+        if global_name == "output_layer.weight" and global_name not in full:
+            global_name = "embedding.word_embeddings.weight"
+        value = full[global_name]
+        if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+            value = value.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+        assert value.shape == param.shape, (name, value.shape, param.shape)
+        with torch.no_grad():
+            param.copy_(value)
+
+
+def _batches(seed: int = 0) -> List[Dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(NUM_MICROBATCHES):
+        tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=generator)
+        batches.append(
+            dict(
+                tokens=tokens,
+                labels=torch.roll(tokens, shifts=-1, dims=1),
+                position_ids=torch.arange(SEQ).expand(MBS, SEQ),
+                loss_mask=torch.ones(MBS, SEQ),
+            )
+        )
+    return batches
+
+
+def _loss_func(loss_mask, output_tensor):
+    loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _train(
+    config,
+    chunks,
+    steps: int,
+    optimizer: str = "sgd",
+    lr: float = 0.1,
+    use_distributed_optimizer: bool = False,
+) -> List[float]:
+    """Megatron DDP + get_megatron_optimizer + get_forward_backward_func; returns
+    the mean micro-batch loss of every step (NaN on non-last pipeline stages)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer)
+    model = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+    config.finalize_model_grads_func = finalize_model_grads
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=optimizer,
+            lr=lr,
+            weight_decay=0.0,
+            clip_grad=1e9,
+            use_distributed_optimizer=use_distributed_optimizer,
+        ),
+        model,
+    )
+    forward_backward = get_forward_backward_func()
+    batches = _batches()
+    losses = []
+    for _ in range(steps):
+        for m in model:
+            m.zero_grad_buffer()
+        opt.zero_grad()
+        data = [iter(batches) for _ in model]
+        reduced = forward_backward(
+            forward_step_func=_forward_step,
+            data_iterator=data if len(model) > 1 else data[0],
+            model=model if len(model) > 1 else model[0],
+            num_microbatches=NUM_MICROBATCHES,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
+            forward_only=False,
+        )
+        success, _, _ = opt.step()
+        assert success
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            losses.append(sum(r["lm loss"].item() for r in reduced))
+        else:
+            losses.append(float("nan"))
+    return losses
+
+
+def _parallel_worker(full: Dict[str, torch.Tensor], num_layers: int, steps: int, tp, pp, vpp):
+    from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
+
+    initialize_model_parallel_from_env(
+        tp=tp, pp=pp, vpp=vpp, seed=1234, device="cpu"
+    )
+    try:
+        config = _config(num_layers, tp=tp, pp=pp, vpp=vpp)
+        chunks = _build_chunks(config)
+        for chunk in chunks:
+            _load_full_weights(chunk, full)
+        return _train(config, chunks, steps)
+    finally:
+        destroy()
+
+
+def _reference(num_layers: int, steps: int):
+    """Single-process run (needs megatron_world1): initial weights and losses."""
+    config = _config(num_layers)
+    (model,) = _build_chunks(config)
+    full = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return full, _train(config, [model], steps)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize(
+    "use_distributed_optimizer",
+    [
+        pytest.param(False, id="ddp"),  # Float32Optimizer over DDP's contiguous grad buffer
+        pytest.param(True, id="distopt"),  # DistributedOptimizer: reduce-scatter/all-gather on gloo
+    ],
+)
+def test_gpt_trains_through_megatron_schedule(megatron_world1, use_distributed_optimizer):
+    config = _config(num_layers=2)
+    (model,) = _build_chunks(config)
+    assert next(model.parameters()).device.type == "cpu"
+    losses = _train(
+        config,
+        [model],
+        steps=4,
+        optimizer="adam",
+        lr=1e-2,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_activation_recompute_restores_rng(megatron_world1):
+    """Full recompute with dropout gives bitwise the same gradients: the
+    recompute restores the (CPU-backed) CUDA RNG and the tracker's states."""
+    from megatron.core import tensor_parallel
+
+    batch = _batches()[0]
+    grads = {}
+    for recompute in (False, True):
+        overrides = dict(hidden_dropout=0.2, attention_dropout=0.2)
+        if recompute:
+            overrides.update(
+                recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+            )
+        config = _config(num_layers=2, **overrides)
+        tensor_parallel.model_parallel_cuda_manual_seed(7, force_reset_rng=True)
+        (model,) = _build_chunks(config)
+        tensor_parallel.model_parallel_cuda_manual_seed(8, force_reset_rng=True)
+        loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
+        loss.backward()
+        grads[recompute] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "tp, pp, vpp, num_layers",
+    [
+        pytest.param(1, 2, None, 2, id="pp2-1f1b"),  # non-interleaved 1F1B, p2p on gloo
+        pytest.param(1, 2, 2, 4, id="pp2-vpp2"),  # interleaved 1F1B, 2 chunks per rank
+        pytest.param(2, 1, None, 2, id="tp2-sp"),  # tensor + sequence parallel, SP norms
+    ],
+)
+def test_parallel_layout_matches_single_process(megatron_world1, tp, pp, vpp, num_layers):
+    steps = 3
+    full, expected = _reference(num_layers, steps)
+    per_rank = run_distributed(
+        _parallel_worker, 2, full, num_layers, steps, tp, pp, vpp, timeout=120
+    )
+    last = per_rank[-1]
+    torch.testing.assert_close(torch.tensor(last), torch.tensor(expected), rtol=1e-5, atol=0)
+    if tp > 1:
+        assert per_rank[0] == last
+
+
+def test_disable_restores_torch_cuda():
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    from megatron_mhar.runtime import cpu
+
+    originals = (
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+        torch.cuda.get_rng_state,
+        torch.cuda.random.get_rng_state,
+        torch.cuda.set_rng_state,
+        torch.cuda.manual_seed,
+        mcore_random._set_cuda_rng_state,
+    )
+    with cpu.cpu_runtime():
+        with cpu.cpu_runtime():  # nested: the inner exit keeps it enabled
+            pass
+        assert cpu.is_cpu_runtime_enabled()
+        assert torch.cuda.current_device() == torch.device("cpu")
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.ones(2).cuda().device.type == "cpu"
+        assert torch.ones(2).to("cuda:0").device.type == "cpu"
+        assert torch.ones(2).type() == "torch.cuda.FloatTensor"
+        cpu.enable_cpu_runtime()  # idempotent
+    assert not cpu.is_cpu_runtime_enabled()
+    restored = (
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+        torch.cuda.get_rng_state,
+        torch.cuda.random.get_rng_state,
+        torch.cuda.set_rng_state,
+        torch.cuda.manual_seed,
+        mcore_random._set_cuda_rng_state,
+    )
+    assert all(a is b for a, b in zip(originals, restored))
+    assert torch.overrides._get_current_function_mode_stack() == []
+    assert torch.ones(2).type() == "torch.FloatTensor"
+    if not torch.cuda.is_available():
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.zeros(2, device="cuda")
