@@ -95,27 +95,36 @@ class MHARTransformerLayer(TransformerLayer):
             output = output + bias
         return torch.nn.functional.dropout(output, p=self.hidden_dropout, training=self.training)
 
+    def _normed(self, norm, routed: torch.Tensor, recompute: bool):
+        """Apply a pre-norm; under selective recompute keep no output (recomputed in backward).
+
+        Returns (normed, checkpoint or None). ``CheckpointWithoutOutput`` takes the fp8
+        recipe (``None`` when fp8 is off): its default argument wrongly enables the
+        Transformer Engine fp8 path.
+        """
+        if not recompute:
+            return norm(routed), None
+        checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)
+        return checkpoint.checkpoint(norm, routed), checkpoint
+
     def _attention_sublayer(self, routed: torch.Tensor, **attention_kwargs) -> torch.Tensor:
-        if self.recompute_input_layernorm:
-            self.input_layernorm_checkpoint = tensor_parallel.CheckpointWithoutOutput()
-            normed = self.input_layernorm_checkpoint.checkpoint(self.input_layernorm, routed)
-        else:
-            normed = self.input_layernorm(routed)
+        normed, checkpoint = self._normed(
+            self.input_layernorm, routed, self.recompute_input_layernorm
+        )
         output_with_bias = self.self_attention(normed, **attention_kwargs)
-        if self.recompute_input_layernorm:
-            self.input_layernorm_checkpoint.discard_output_and_register_recompute(
-                output_with_bias[0]
-            )
+        if checkpoint is not None:
+            checkpoint.discard_output_and_register_recompute(output_with_bias[0])
         return self._bias_dropout(output_with_bias)
 
     def _mlp_sublayer(self, routed: torch.Tensor, padding_mask=None) -> torch.Tensor:
-        # Megatron's own helper handles selective recompute of the pre-MLP norm.
-        normed = self._forward_pre_mlp_layernorm(routed)
+        normed, checkpoint = self._normed(
+            self.pre_mlp_layernorm, routed, self.recompute_pre_mlp_layernorm
+        )
         if self.recompute_mlp:
             output_with_bias = tensor_parallel.checkpoint(self.mlp, False, normed)
         else:
             output_with_bias = self.mlp(normed)
-        if self.recompute_pre_mlp_layernorm:
-            self.pre_mlp_norm_checkpoint.discard_output_and_register_recompute(output_with_bias[0])
+        if checkpoint is not None:
+            checkpoint.discard_output_and_register_recompute(output_with_bias[0])
         output = self._bias_dropout(output_with_bias)
         return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)

@@ -1,0 +1,264 @@
+"""The MHAR GPT model on CPU: parity with Megatron's GPT, routing sites, recompute, params."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_mhar.config import MHARConfig
+from megatron_mhar.ops import depth_route_reference
+
+SEQ, BATCH, VOCAB = 8, 2, 64
+
+
+def _model_config(**overrides):
+    from megatron_mhar.models.config import GPTModelConfig
+
+    fields = dict(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                  ffn_hidden_size=48, vocab_size=VOCAB, seq_length=SEQ, qk_layernorm=True)
+    fields.update(overrides)
+    return GPTModelConfig(**fields)
+
+
+def _build(model_cfg, mhar, seed=7, **config_overrides):
+    from megatron.core import tensor_parallel
+
+    from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
+
+    config = make_transformer_config(model_cfg, mhar, use_cpu_initialization=True, **config_overrides)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return build_gpt_model(model_cfg, mhar, config)
+
+
+def _batch(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    return tokens, positions
+
+
+def _loss_and_grads(model, seed=0):
+    tokens, positions = _batch(seed)
+    loss = model(tokens, positions, None, labels=tokens).float().mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _randomize_routers(model, seed=3):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("router.query"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+            elif name.endswith("router.norm_weight"):
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
+
+
+@pytest.mark.parametrize("attention_backend", ["megatron", "sdpa"])
+def test_variant_none_is_megatron_gpt(megatron_world1, attention_backend):
+    """`none` through the builder == GPTModel built by hand with Megatron's local spec."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model_cfg = _model_config(attention_backend=attention_backend)
+    ours = _build(model_cfg, MHARConfig(variant="none"))
+    assert type(ours) is GPTModel
+
+    config = TransformerConfig(**model_cfg.transformer_config_kwargs(), use_cpu_initialization=True)
+    torch.manual_seed(7)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    theirs = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+        vocab_size=128, max_sequence_length=SEQ, share_embeddings_and_output_weights=True,
+        position_embedding_type="rope", rotary_base=10000,
+    )
+    ours_sd, theirs_sd = ours.state_dict(), theirs.state_dict()
+    assert {k: v.shape for k, v in ours_sd.items() if torch.is_tensor(v)} == {
+        k: v.shape for k, v in theirs_sd.items() if torch.is_tensor(v)
+    }
+    for key, value in theirs_sd.items():
+        if torch.is_tensor(value):
+            assert torch.equal(ours_sd[key], value), key
+    tokens, positions = _batch()
+    ours_logits = ours(tokens, positions, None)
+    theirs_logits = theirs(tokens, positions, None)
+    if attention_backend == "megatron":
+        assert torch.equal(ours_logits, theirs_logits)
+    else:  # same math, a different attention kernel
+        torch.testing.assert_close(ours_logits, theirs_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant,block_size", [("full", 1), ("block", 4)], ids=["full", "block4"])
+def test_parameters_and_init(megatron_world1, variant, block_size):
+    """MHAR.md §3: zero queries, unit norm weights, 4d per layer + 2d; Megatron keys kept."""
+    model_cfg = _model_config()
+    base = _build(model_cfg, MHARConfig(variant="none"))
+    model = _build(model_cfg, MHARConfig(variant=variant, block_size=block_size))
+    d, layers = model_cfg.hidden_size, model_cfg.num_layers
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(model) - count(base) == 4 * d * layers + 2 * d
+    extra = set(model.state_dict()) - set(base.state_dict())
+    assert set(base.state_dict()) <= set(model.state_dict())
+    assert all(".input_router." in k or ".pre_mlp_router." in k or "final_router." in k for k in extra)
+    for name, param in model.named_parameters():
+        if name.endswith("router.query"):
+            assert torch.equal(param, torch.zeros_like(param)), name
+        if name.endswith("router.norm_weight"):
+            assert torch.equal(param, torch.ones_like(param)), name
+
+
+def _expected_sources(variant, block_size, outputs):
+    """Sources [b_0, completed blocks...] and the partial seen by each site, from raw outputs."""
+    size = 1 if variant == "full" else block_size
+    reads = []
+    completed, partial = [outputs[0]], None
+    for j in range(1, len(outputs) + 1):
+        position = (j - 1) % size + 1
+        reads.append(completed + ([partial] if position >= 2 else []))
+        if j == len(outputs):
+            break
+        out = outputs[j]
+        partial = out if position == 1 else partial + out
+        if position == size:
+            completed, partial = completed + [partial], None
+    return reads
+
+
+@pytest.mark.parametrize(
+    "variant,block_size,heads",
+    [
+        pytest.param("full", 1, 8, id="full-H8"),
+        pytest.param("full", 1, 1, id="full-H1-attnres"),
+        pytest.param("block", 2, 4, id="block2-one-layer-blocks"),
+        pytest.param("block", 4, 8, id="block4"),
+        pytest.param("block", 5, 2, id="block5-crosses-layers"),  # blocks end mid-layer
+    ],
+)
+@pytest.mark.parametrize("zero_queries", [True, False], ids=["zero-q", "random-q"])
+def test_every_site_routes_the_right_sources(megatron_world1, variant, block_size, heads, zero_queries):
+    """Capture every sublayer input and output; each input must be the routed mixture of
+    exactly the sources MHAR.md §4 lists for it (so no site sees a later source)."""
+    model_cfg = _model_config()
+    mhar = MHARConfig(variant=variant, block_size=block_size, num_heads=heads)
+    model = _build(model_cfg, mhar)
+    if not zero_queries:
+        _randomize_routers(model)
+    inputs, outputs, hooks = [], [], []
+    capture_out = lambda m, args, out: outputs.append(out[0] if isinstance(out, tuple) else out)  # noqa: E731
+    hooks.append(model.embedding.register_forward_hook(capture_out))
+    for layer in model.decoder.layers:
+        hooks.append(layer.input_layernorm.register_forward_hook(lambda m, a, o: inputs.append(a[0])))
+        hooks.append(layer.self_attention.register_forward_hook(capture_out))
+        hooks.append(layer.pre_mlp_layernorm.register_forward_hook(lambda m, a, o: inputs.append(a[0])))
+        hooks.append(layer.mlp.register_forward_hook(capture_out))
+    hooks.append(model.decoder.final_layernorm.register_forward_hook(lambda m, a, o: inputs.append(a[0])))
+    tokens, positions = _batch()
+    with torch.no_grad():
+        model(tokens, positions, None)
+    for hook in hooks:
+        hook.remove()
+
+    routers = [r for layer in model.decoder.layers for r in (layer.input_router, layer.pre_mlp_router)]
+    routers.append(model.decoder.final_router)
+    reads = _expected_sources(variant, block_size, outputs)
+    assert len(inputs) == len(reads) == 2 * model_cfg.num_layers + 1
+    for site, (x, sources, router) in enumerate(zip(inputs, reads, routers), start=1):
+        if zero_queries:
+            expected = torch.stack(sources).mean(0)
+        else:
+            expected = depth_route_reference(
+                torch.stack(sources), router.query, router.norm_weight, heads, eps=1e-6
+            )
+        torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5, msg=f"site {site}")
+
+
+RECOMPUTE = [
+    pytest.param(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+                 id="full-uniform-1"),
+    pytest.param(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+                 id="full-uniform-2"),  # chunks of two layers, a ragged last chunk
+    pytest.param(dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+                 id="full-block-2"),
+    pytest.param(dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+                 id="selective-core-attn"),
+    pytest.param(dict(recompute_granularity="selective", recompute_modules=["mlp", "layernorm"]),
+                 id="selective-mlp-layernorm"),
+]
+
+
+@pytest.mark.parametrize("variant,block_size", [("full", 1), ("block", 3)], ids=["full", "block3"])
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+def test_recompute_gives_same_loss_and_grads(megatron_world1, variant, block_size, recompute):
+    model_cfg = _model_config(attention_backend="megatron")
+    mhar = MHARConfig(variant=variant, block_size=block_size, num_heads=4)
+    plain = _build(model_cfg, mhar)
+    _randomize_routers(plain)
+    recomputed = _build(model_cfg, mhar, **recompute)
+    recomputed.load_state_dict(plain.state_dict())
+    loss, grads = _loss_and_grads(plain)
+    loss_r, grads_r = _loss_and_grads(recomputed)
+    assert torch.equal(loss, loss_r)
+    assert grads.keys() == grads_r.keys() and len(grads) == len(list(plain.parameters()))
+    for name in grads:
+        torch.testing.assert_close(grads_r[name], grads[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_mhar_trains_through_megatron_schedule(megatron_world1):
+    """Megatron's non-pipelined forward/backward schedule with 2 micro-batches on CPU."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model_cfg = _model_config()
+    model = _build(model_cfg, MHARConfig(variant="full", num_heads=8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batches = [_batch(seed) for seed in range(2)]
+
+    def forward_step(data_iterator, model):
+        tokens, positions = next(data_iterator)
+        output = model(tokens, positions, None, labels=tokens)
+        return output, lambda out: (out.float().mean(), {"loss": out.float().mean().detach()})
+
+    losses = []
+    for _ in range(8):
+        optimizer.zero_grad()
+        result = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+            num_microbatches=2, seq_length=SEQ, micro_batch_size=BATCH, forward_only=False,
+        )
+        optimizer.step()
+        losses.append(sum(r["loss"].item() for r in result) / 2)
+    assert losses[-1] < losses[0] - 0.1
+    query_grads = [p for n, p in model.named_parameters() if n.endswith("pre_mlp_router.query")]
+    assert all(p.abs().sum() > 0 for p in query_grads)  # routing parameters learn
+
+
+CONFIG_ERRORS = [
+    pytest.param(dict(variant="delta"), {}, "not available yet", id="delta-not-yet"),
+    pytest.param(dict(variant="sparse"), {}, "must be one of", id="unknown-variant"),
+    pytest.param(dict(num_heads=3), {}, "does not divide hidden_size", id="heads-not-dividing"),
+    pytest.param(dict(variant="block", block_size=0), {}, "positive integer", id="zero-block"),
+    pytest.param(dict(variant="block", block_size=7), {}, "exceeds the model", id="block-too-big"),
+    pytest.param(dict(logit_scale=0.0), {}, "logit_scale must be positive", id="bad-scale"),
+    pytest.param(dict(kernel_impl="cuda"), {}, "kernel_impl must be one of", id="bad-impl"),
+    pytest.param({}, dict(context_parallel_size=2), "context_parallel_size", id="context-parallel"),
+    pytest.param({}, dict(num_moe_experts=4), "MoE", id="moe"),
+]
+
+
+@pytest.mark.parametrize("mhar_fields,config_overrides,message", CONFIG_ERRORS)
+def test_config_errors_name_the_fix(mhar_fields, config_overrides, message):
+    from megatron_mhar.models.builder import make_transformer_config
+
+    with pytest.raises(ValueError, match=message):
+        mhar = MHARConfig(**mhar_fields)
+        make_transformer_config(_model_config(), mhar, **config_overrides)
+
+
+def test_mhar_config_is_a_plain_dataclass():
+    mhar = MHARConfig(variant="block", block_size=4)
+    assert dataclasses.replace(mhar, num_heads=1).num_heads == 1
+    assert not MHARConfig(variant="none").enabled
