@@ -69,13 +69,15 @@ def depth_route_reference(
     dtype = sources.dtype
     d = sources.shape[-1]
     head_dim = d // num_heads
-    values = sources.float()
+    # fp32 statistics for 16-bit sources; fp64 stays fp64 (gradcheck).
+    compute = torch.promote_types(dtype, torch.float32)
+    values = sources.to(compute)
     inv_rms = torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
     # The normalised key is rounded to the activation dtype before the weight multiply,
     # as an RMSNorm module running in that dtype would do.
     keys = (values * inv_rms).to(dtype) * norm_weight.to(dtype)
-    keys = keys.float().unflatten(-1, (num_heads, head_dim))  # [N, ..., H, D/H]
-    logits = (keys * query.float().view(num_heads, head_dim)).sum(-1) * logit_scale
+    keys = keys.to(compute).unflatten(-1, (num_heads, head_dim))  # [N, ..., H, D/H]
+    logits = (keys * query.to(compute).view(num_heads, head_dim)).sum(-1) * logit_scale
     weights = torch.softmax(logits, dim=0)  # [N, ..., H]: over depth, per token and head
     mixed = (weights.unsqueeze(-1) * values.unflatten(-1, (num_heads, head_dim))).sum(0)
     return mixed.flatten(-2).to(dtype)
