@@ -71,6 +71,7 @@ def _route_fwd_kernel(
     BH: tl.constexpr,
     BHD: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     i_t = tl.program_id(0)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -90,10 +91,20 @@ def _route_fwd_kernel(
     b_l = tl.zeros([BT, BH], dtype=tl.float32)
     b_acc = tl.zeros([BT, BH, BHD], dtype=tl.float32)
     p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
-    for _ in range(N):
-        b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
-        b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D)
-        p_v += stride_vn
+    if PREFETCH:
+        # Keep the next source's load in flight while this one is reduced.
+        b_vn = tl.load(p_v, mask=m_v, other=0.0)
+        for _ in range(1, N):
+            b_v = b_vn.to(tl.float32)
+            p_v += stride_vn
+            b_vn = tl.load(p_v, mask=m_v, other=0.0)
+            b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D)
+        b_m, b_l, b_acc = _route_fwd_step(b_vn.to(tl.float32), b_w, b_m, b_l, b_acc, eps, scale, D)
+    else:
+        for _ in range(N):
+            b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+            b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D)
+            p_v += stride_vn
     if HAS_EXTRA:
         p_e = E_ptr + o_t64[:, None, None] * stride_et + o_d[None, :, :]
         b_v = tl.load(p_e, mask=m_v, other=0.0).to(tl.float32)
@@ -107,22 +118,25 @@ def _route_fwd_kernel(
 
 
 @triton.jit
-def _route_bwd_delta(b_v, b_w, b_do, b_lse, b_delta, eps, scale, D: tl.constexpr):
-    """Pass 1: add p_i[h] * (dout[h] . v_i[h]) to delta [BT, BH]."""
+def _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D: tl.constexpr):
+    """Pass 1: add e_i = exp(s_i - lse) to l and e_i * (dout . v_i) to ld, per head [BT, BH]."""
     _, _, b_s = _route_logits(b_v, b_w, eps, scale, D)
-    b_p = tl.exp(b_s - b_lse)
-    return b_delta + b_p * tl.sum(b_do * b_v, axis=2)
+    b_e = tl.exp(b_s - b_lse)
+    return b_l + b_e, b_ld + b_e * tl.sum(b_do * b_v, axis=2)
 
 
 @triton.jit
-def _route_bwd_step(b_v, b_w, b_do, b_lse, b_delta, b_dw, eps, scale, D: tl.constexpr):
+def _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D: tl.constexpr):
     """Pass 2: gradient of one source tile, and its share of dL/dw (README.md)."""
     b_r, b_dot, b_s = _route_logits(b_v, b_w, eps, scale, D)
-    b_p = tl.exp(b_s - b_lse)
-    b_ds = b_p * (tl.sum(b_do * b_v, axis=2) - b_delta)
+    b_e = tl.exp(b_s - b_lse)
+    # ds = p (dp - sum_j p_j dp_j) with p = e / l: exact zero for one source.
+    b_ds = b_e * (tl.sum(b_do * b_v, axis=2) * b_l - b_ld) * (b_il * b_il)
     b_c = tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
     b_rs = (b_r * scale)[:, None, None]
-    b_dv = b_p[:, :, None] * b_do + b_rs * (b_ds[:, :, None] * b_w[None, :, :] - b_c[:, None, None] * b_v)
+    b_dv = (b_e * b_il)[:, :, None] * b_do + b_rs * (
+        b_ds[:, :, None] * b_w[None, :, :] - b_c[:, None, None] * b_v
+    )
     b_dw += b_rs * b_ds[:, :, None] * b_v
     return b_dv, b_dw
 
@@ -157,6 +171,7 @@ def _route_bwd_kernel(
     BHD: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -183,20 +198,31 @@ def _route_bwd_kernel(
         p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
         p_e = E_ptr + o_t64[:, None, None] * stride_et + o_d[None, :, :]
 
-        b_delta = tl.zeros([BT, BH], dtype=tl.float32)
+        b_l = tl.zeros([BT, BH], dtype=tl.float32)
+        b_ld = tl.zeros([BT, BH], dtype=tl.float32)
         p_vn = p_v
-        for _ in range(N):
-            b_v = tl.load(p_vn, mask=m_v, other=0.0).to(tl.float32)
-            b_delta = _route_bwd_delta(b_v, b_w, b_do, b_lse, b_delta, eps, scale, D)
-            p_vn += stride_vn
+        if PREFETCH:
+            b_vn = tl.load(p_vn, mask=m_v, other=0.0)
+            for _ in range(1, N):
+                b_v = b_vn.to(tl.float32)
+                p_vn += stride_vn
+                b_vn = tl.load(p_vn, mask=m_v, other=0.0)
+                b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D)
+            b_l, b_ld = _route_bwd_sums(b_vn.to(tl.float32), b_w, b_do, b_lse, b_l, b_ld, eps, scale, D)
+        else:
+            for _ in range(N):
+                b_v = tl.load(p_vn, mask=m_v, other=0.0).to(tl.float32)
+                b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D)
+                p_vn += stride_vn
         if HAS_EXTRA:
             b_v = tl.load(p_e, mask=m_v, other=0.0).to(tl.float32)
-            b_delta = _route_bwd_delta(b_v, b_w, b_do, b_lse, b_delta, eps, scale, D)
+            b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D)
+        b_il = 1.0 / b_l
 
         p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
         for _ in range(N):
             b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
-            b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_delta, b_dw, eps, scale, D)
+            b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D)
             if ACCUMULATE:
                 b_dv += tl.load(p_dv, mask=m_v, other=0.0).to(tl.float32)
             tl.store(p_dv, b_dv.to(DV_ptr.dtype.element_ty), mask=m_v)
@@ -204,7 +230,7 @@ def _route_bwd_kernel(
             p_dv += stride_dvn
         if HAS_EXTRA:
             b_v = tl.load(p_e, mask=m_v, other=0.0).to(tl.float32)
-            b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_delta, b_dw, eps, scale, D)
+            b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D)
             p_de = DE_ptr + o_t64[:, None, None] * D + o_d[None, :, :]
             tl.store(p_de, b_dv.to(DE_ptr.dtype.element_ty), mask=m_v)
 
@@ -251,15 +277,19 @@ def _tile(d: int, num_heads: int) -> Tuple[int, int, int]:
 
 
 def _fwd_config(padded_d: int) -> Tuple[int, int]:
-    """(tokens per program, warps) for the forward: about 8K fp32 per tile."""
-    block_t = max(1, min(16, 8192 // padded_d))
-    return block_t, 8 if padded_d * block_t >= 4096 else 4
+    """(tokens per program, warps) of the forward: 8K fp32 per tile, 64 per thread.
+
+    Measured on H200 at the paper shapes (benchmarks/bench_routing.py --sweep): larger
+    tiles or 8 warps lose 5-25% at every width.
+    """
+    return max(1, 8192 // padded_d), 4
 
 
 def _bwd_config(padded_d: int) -> Tuple[int, int]:
-    """(tokens per program, warps) for the backward: holds dout, v and dw tiles."""
-    block_t = max(1, min(16, 4096 // padded_d))
-    return block_t, 8 if padded_d * block_t >= 4096 else 4
+    """(tokens per program, warps) of the backward: 2K fp32 per tile (it holds dout, v, dw
+    and the gradient), 4 warps; one token and 8 warps at D = 4096."""
+    block_t = max(1, 2048 // padded_d)
+    return block_t, 4 if block_t * padded_d <= 2048 else 8
 
 
 def _num_sms(device: torch.device) -> int:
@@ -286,8 +316,9 @@ def _check_sources(sources: torch.Tensor, extra: Optional[torch.Tensor], num_hea
 
 
 def _launch_fwd(
-    sources, extra, query, norm_weight, num_heads, eps, logit_scale, block_t=None, num_warps=None
-):
+    sources, extra, query, norm_weight, num_heads, eps, logit_scale,
+    block_t=None, num_warps=None, prefetch=True,
+):  # fmt: skip
     t, n, d = sources.shape
     head_dim, bh, bhd = _tile(d, num_heads)
     cfg_t, cfg_w = _fwd_config(bh * bhd)
@@ -302,14 +333,14 @@ def _launch_fwd(
         t, n, sources.stride(0), sources.stride(1), ext.stride(0), out.stride(0),
         eps, logit_scale,
         D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd,
-        HAS_EXTRA=extra is not None, num_warps=num_warps,
+        HAS_EXTRA=extra is not None, PREFETCH=prefetch, num_warps=num_warps,
     )  # fmt: skip
     return out, lse
 
 
 def _launch_bwd(
     grad_out, sources, extra, query, norm_weight, lse, num_heads, eps, logit_scale,
-    grad_sources, accumulate, block_t=None, num_warps=None, programs_per_sm=4,
+    grad_sources, accumulate, block_t=None, num_warps=None, prefetch=True, programs_per_sm=4,
 ):  # fmt: skip
     t, n, d = sources.shape
     head_dim, bh, bhd = _tile(d, num_heads)
@@ -332,7 +363,8 @@ def _launch_bwd(
             grad_sources.stride(0), grad_sources.stride(1),
             eps, logit_scale,
             D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd,
-            HAS_EXTRA=extra is not None, ACCUMULATE=accumulate, num_warps=num_warps,
+            HAS_EXTRA=extra is not None, ACCUMULATE=accumulate, PREFETCH=prefetch,
+            num_warps=num_warps,
         )  # fmt: skip
     else:
         dw.zero_()

@@ -1,0 +1,404 @@
+"""Depth-routing benchmark: fused Triton kernels vs the eager and compiled reference.
+
+    python benchmarks/bench_routing.py --out benchmarks/results/routing_h200.json
+
+Sections (each written to the JSON as soon as it is measured):
+  copy        device-to-device copy bandwidth (bytes read + written / time): the ceiling.
+  site        one routing site at the paper shapes (H = 8, bf16), forward, backward and
+              both, for ``triton`` (fused_depth_route autograd), ``triton_history`` (the
+              backend interface: route_forward on a [T, R, D] buffer view, route_backward
+              adding into an fp32 gradient buffer), ``eager`` (depth_route_reference) and
+              ``compile`` (torch.compile of the reference, static shapes).
+  step        the whole routing cost of one training step (forward + backward of every
+              site) per model size: full variant sites j = 1..2L+1 with N = j sources;
+              8B delta: 2L sites over null + embedding + completed blocks of 4 layers.
+  sweep       (--sweep) tiles, warps and prefetch of the fused kernels around the defaults.
+
+Times are ``triton.testing.do_bench`` quantiles (median, 20%, 80%) in ms. ``bytes_min``
+counts each input read once and each output written once; ``bytes_moved`` is what the
+fused kernels move (the backward reads the sources twice). Fractions are of the copy
+bandwidth measured in the same run.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_mhar.ops.depth_route import (  # noqa: E402
+    depth_route_reference,
+    torch_route_backward,
+    torch_route_forward,
+)
+from mhar_kernels import depth_route as K  # noqa: E402
+
+EPS = 1e-6
+HEADS = 8
+DTYPE = torch.bfloat16
+QUANTILES = [0.5, 0.2, 0.8]
+
+
+@dataclasses.dataclass
+class SiteCase:
+    name: str
+    d: int
+    n: int
+    t: int  # tokens = micro-batch x sequence
+
+
+SITE_CASES = [
+    SiteCase("100M-final", 512, 25, 8 * 2048),
+    SiteCase("350M-final", 1024, 49, 4 * 1024),
+    SiteCase("1B-final", 1280, 73, 2 * 1024),
+    SiteCase("8B-delta", 4096, 9, 2 * 4096),
+    SiteCase("100M-N9", 512, 9, 8 * 2048),
+    SiteCase("350M-N9", 1024, 9, 4 * 1024),
+    SiteCase("1B-N9", 1280, 9, 2 * 1024),
+]
+
+
+@dataclasses.dataclass
+class StepCase:
+    name: str
+    d: int
+    layers: int
+    t: int
+    variant: str  # "full" or "delta"
+
+    def site_sources(self):
+        sites = 2 * self.layers
+        if self.variant == "full":
+            return list(range(1, sites + 2))
+        # null + embedding + one source per completed block of 4 layers (8 sublayers).
+        return [2 + (j - 1) // 8 for j in range(1, sites + 1)]
+
+
+STEP_CASES = [
+    StepCase("100M", 512, 12, 8 * 2048, "full"),
+    StepCase("350M", 1024, 24, 4 * 1024, "full"),
+    StepCase("1B", 1280, 36, 2 * 1024, "full"),
+    StepCase("8B-delta", 4096, 32, 2 * 4096, "delta"),
+]
+
+
+def bench(fn):
+    ms = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=QUANTILES)
+    return {"ms": ms[0], "ms_p20": ms[1], "ms_p80": ms[2]}
+
+
+def peak_bytes(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def copy_bandwidth():
+    x = torch.randn(2**30 // 2, device="cuda", dtype=DTYPE)
+    y = torch.empty_like(x)
+    r = bench(lambda: y.copy_(x))
+    r["bytes"] = 2 * x.numel() * x.element_size()
+    r["gbps"] = r["bytes"] / r["ms"] / 1e6
+    return r
+
+
+def saved_bytes(fwd, inputs):
+    """Bytes the autograd graph of one forward saves, beyond the inputs' own storage."""
+    own = {t.untyped_storage().data_ptr() for t in inputs}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fwd()
+    return sum(seen.values())
+
+
+def compiled_reference(tau, dynamic):
+    def ref(sources, query, norm_weight):
+        return depth_route_reference(sources, query, norm_weight, HEADS, EPS, tau)
+
+    return torch.compile(ref, dynamic=dynamic)
+
+
+def site_inputs(case, tau):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kw = dict(device="cuda", generator=g)
+    sources = torch.randn(case.n, case.t, case.d, **kw).to(DTYPE)
+    query = (2.0 / (tau * (case.d // HEADS) ** 0.5) * torch.randn(case.d, **kw)).to(DTYPE)
+    norm_weight = (1 + 0.3 * torch.randn(case.d, **kw)).to(DTYPE)
+    grad_out = torch.randn(case.t, case.d, **kw).to(DTYPE)
+    return sources, query, norm_weight, grad_out
+
+
+def site_bytes(case):
+    es = torch.tensor([], dtype=DTYPE).element_size()
+    src, tok = case.n * case.t * case.d * es, case.t * case.d * es
+    lse = case.t * HEADS * 4
+    return {
+        "fwd": {"min": src + tok, "moved": src + tok + lse},
+        "bwd": {"min": src + tok + src, "moved": 2 * src + tok + lse + src},
+        "fwd+bwd": {"min": 2 * src + 2 * tok, "moved": 4 * src + 2 * tok + 2 * lse},
+        # route_backward reads and writes an fp32 gradient buffer (8 bytes per element).
+        "bwd_history": {"min": src + tok + 4 * src, "moved": 2 * src + tok + lse + 4 * src},
+    }
+
+
+def run_site(case, tau, impls, copy_gbps):
+    sources, query, norm_weight, grad_out = site_inputs(case, tau)
+    nbytes = site_bytes(case)
+    rows = []
+
+    def record(impl, mode, timing, byte_key=None, **extra):
+        b = nbytes[byte_key or mode]
+        row = {"case": case.name, "d": case.d, "n": case.n, "t": case.t, "impl": impl, "mode": mode}
+        row.update(timing)
+        row["bytes_min"], row["bytes_moved"] = b["min"], b["moved"]
+        row["gbps_min"] = b["min"] / timing["ms"] / 1e6
+        row["frac_copy_min"] = row["gbps_min"] / copy_gbps
+        if impl.startswith("triton"):
+            row["gbps_moved"] = b["moved"] / timing["ms"] / 1e6
+            row["frac_copy_moved"] = row["gbps_moved"] / copy_gbps
+        row.update(extra)
+        rows.append(row)
+        print(
+            f"  {case.name:11s} {impl:15s} {mode:8s} {timing['ms']:8.3f} ms "
+            f"{row.get('gbps_moved', row['gbps_min']):7.0f} GB/s",
+            flush=True,
+        )
+
+    fns = {
+        "triton": lambda s, q, g: K.fused_depth_route(s, q, g, HEADS, EPS, tau),
+        "eager": lambda s, q, g: depth_route_reference(s, q, g, HEADS, EPS, tau),
+    }
+    if "compile" in impls:
+        fns["compile"] = compiled_reference(tau, dynamic=False)
+    for impl in impls:
+        fn = fns[impl]
+        leaves = [x.detach().requires_grad_(True) for x in (sources, query, norm_weight)]
+        fwd = lambda: fn(*leaves)  # noqa: E731
+        out = fwd()  # compiles, if compiled
+        torch.autograd.grad(out, leaves, grad_out)
+        mem = peak_bytes(lambda: torch.autograd.grad(fwd(), leaves, grad_out))
+        saved = saved_bytes(fwd, leaves)
+        record(impl, "fwd", bench(fwd), saved_bytes=saved)
+        out = fwd()
+        record(impl, "bwd", bench(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)))
+        del out
+        record(impl, "fwd+bwd", bench(lambda: torch.autograd.grad(fwd(), leaves, grad_out)), peak_bytes=mem)
+
+    # The backend interface the model uses: a [T, R, D] history buffer and an fp32 gradient
+    # buffer that accumulates over sites.
+    buf = torch.empty(case.t, case.n + 3, case.d, device="cuda", dtype=DTYPE)
+    buf[:, : case.n] = sources.transpose(0, 1)
+    view = buf[:, : case.n]
+    gbuf = torch.zeros(case.t, case.n + 3, case.d, device="cuda")
+    out, lse = K.route_forward(view, None, query, norm_weight, HEADS, EPS, tau)
+    record("triton_history", "fwd", bench(lambda: K.route_forward(view, None, query, norm_weight, HEADS, EPS, tau)))
+
+    def bwd():
+        K.route_backward(grad_out, view, None, query, norm_weight, lse, HEADS, EPS, tau, gbuf[:, : case.n])
+
+    record("triton_history", "bwd", bench(bwd), byte_key="bwd_history")
+    return rows
+
+
+def run_step(case, tau, impls):
+    ns = case.site_sources()
+    r = max(ns)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kw = dict(device="cuda", generator=g)
+    buf = torch.randn(case.t, r, case.d, **kw).to(DTYPE)
+    gbuf = torch.zeros(case.t, r, case.d, device="cuda")
+    scale = 2.0 / (tau * (case.d // HEADS) ** 0.5)
+    queries = [(scale * torch.randn(case.d, **kw)).to(DTYPE) for _ in ns]
+    norms = [(1 + 0.3 * torch.randn(case.d, **kw)).to(DTYPE) for _ in ns]
+    grad_out = torch.randn(case.t, case.d, **kw).to(DTYPE)
+    es = buf.element_size()
+    reads = sum(ns) * case.t * case.d
+    result = {
+        "case": case.name, "variant": case.variant, "d": case.d, "layers": case.layers,
+        "t": case.t, "sites": len(ns), "source_reads": sum(ns),
+        "bytes_min": 2 * reads * es + 2 * len(ns) * case.t * case.d * es,
+        "bytes_moved_triton": (3 * es + 8) * reads + 2 * len(ns) * case.t * case.d * es,
+        "saved_bytes_triton": len(ns) * case.t * HEADS * 4,
+    }  # fmt: skip
+
+    def step_backend(fwd_fn, bwd_fn):
+        def step():
+            saved = [fwd_fn(buf[:, :n], None, q, w, HEADS, EPS, tau)[1] for n, q, w in zip(ns, queries, norms)]
+            for n, q, w, s in reversed(list(zip(ns, queries, norms, saved))):
+                bwd_fn(grad_out, buf[:, :n], None, q, w, s, HEADS, EPS, tau, gbuf[:, :n])
+
+        return step
+
+    compiled = compiled_reference(tau, dynamic=True) if "compile" in impls else None
+
+    def step_compiled():
+        graphs = []
+        for n, q, w in zip(ns, queries, norms):
+            leaves = [buf[:, :n].detach().requires_grad_(True), q.detach().requires_grad_(True),
+                      w.detach().requires_grad_(True)]  # fmt: skip
+            graphs.append((n, leaves, compiled(leaves[0].transpose(0, 1), leaves[1], leaves[2])))
+        for n, leaves, out in reversed(graphs):
+            grads = torch.autograd.grad(out, leaves, grad_out)
+            gbuf[:, :n].add_(grads[0])
+
+    steps = {
+        "triton": step_backend(K.route_forward, K.route_backward),
+        "eager": step_backend(torch_route_forward, torch_route_backward),
+        "compile": step_compiled,
+    }
+    for impl in impls:
+        try:
+            steps[impl]()  # warm-up and compilation
+            timing = bench(steps[impl])
+            timing["peak_bytes"] = peak_bytes(steps[impl])
+        except torch.cuda.OutOfMemoryError as err:
+            timing = {"error": f"out of memory: {str(err).splitlines()[0]}"}
+        torch.cuda.empty_cache()
+        result[impl] = timing
+        print(f"  step {case.name:9s} {impl:8s} {timing.get('ms', float('nan')):9.2f} ms", flush=True)
+    if "ms" in result.get("triton", {}):
+        for impl in impls:
+            if "ms" in result.get(impl, {}):
+                result[f"speedup_vs_{impl}"] = result[impl]["ms"] / result["triton"]["ms"]
+    return result
+
+
+SWEEP_CASES = SITE_CASES[:4] + [
+    # Same tokens and depth as 1B-final at a power-of-two width: isolates the cost of
+    # padding 1280 (head width 160) to a 2048-wide register tile.
+    SiteCase("probe-D1024-N73", 1024, 73, 2 * 1024),
+]
+
+
+def run_sweep(copy_gbps):
+    """Forward and history-backward around the default tiles, with and without prefetch."""
+    rows = []
+    for case in SWEEP_CASES:
+        sources, query, norm_weight, grad_out = site_inputs(case, 1.0)
+        _, bh, bhd = K._tile(case.d, HEADS)
+        view = sources.transpose(0, 1)
+        gsrc = torch.zeros(sources.shape, device="cuda").transpose(0, 1)
+        nb = site_bytes(case)
+        _, lse = K.route_forward(view, None, query, norm_weight, HEADS, EPS, 1.0)
+        fbt, fw = K._fwd_config(bh * bhd)
+        bbt, bw = K._bwd_config(bh * bhd)
+        variants = []
+        for pre in (True, False):
+            variants.append(("fwd", "fwd", fbt, fw, pre, lambda bt, w, pre: K._launch_fwd(
+                view, None, query, norm_weight, HEADS, EPS, 1.0, bt, w, prefetch=pre)))  # fmt: skip
+        for bt, w, pre in ((bbt, bw, True), (bbt, bw, False), (2 * bbt, 8, True)):
+            variants.append(("bwd_history", "bwd_history", bt, w, pre, lambda bt, w, pre: K._launch_bwd(
+                grad_out, view, None, query, norm_weight, lse, HEADS, EPS, 1.0, gsrc, True, bt, w,
+                prefetch=pre)))  # fmt: skip
+        for mode, key, bt, w, pre, launch in variants:
+            t = bench(lambda: launch(bt, w, pre))
+            frac = nb[key]["moved"] / t["ms"] / 1e6 / copy_gbps
+            rows.append({"case": case.name, "mode": mode, "block_t": bt, "warps": w, "prefetch": pre,
+                         **t, "frac_copy_moved": frac})  # fmt: skip
+            print(f"  sweep {case.name:15s} {mode:11s} BT={bt:2d} w={w} prefetch={pre:d} "
+                  f"{t['ms']:8.3f} ms {frac:5.2f}", flush=True)  # fmt: skip
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/routing_h200.json")
+    parser.add_argument("--logit-scale", type=float, default=1.0)
+    parser.add_argument("--impls", default="triton,eager,compile")
+    parser.add_argument("--sections", default="site,step", help="comma list of site, step")
+    parser.add_argument("--sweep", action="store_true", help="also sweep tile size and warps")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_routing.py needs a CUDA device")
+    impls = args.impls.split(",")
+    torch._dynamo.config.cache_size_limit = 256
+    # Inductor's donated buffers forbid retain_graph, which the backward-only timing needs.
+    torch._functorch.config.donated_buffer = False
+    props = torch.cuda.get_device_properties(0)
+    report = {
+        "gpu": torch.cuda.get_device_name(0),
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "dtype": str(DTYPE),
+        "heads": HEADS,
+        "logit_scale": args.logit_scale,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    report["copy"] = copy_bandwidth()
+    copy_gbps = report["copy"]["gbps"]
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s on {report['gpu']}", flush=True)
+    save()
+    sections = args.sections.split(",")
+    if args.sweep:
+        report["sweep"] = run_sweep(copy_gbps)
+        save()
+    if "site" in sections:
+        report["site"] = []
+        for case in SITE_CASES:
+            report["site"] += run_site(case, args.logit_scale, impls, copy_gbps)
+            save()
+    if "step" in sections:
+        report["step"] = []
+        for case in STEP_CASES:
+            report["step"].append(run_step(case, args.logit_scale, impls))
+            save()
+    summarize(report)
+    save()
+
+
+def summarize(report):
+    """Print the headline table: fraction of copy bandwidth and speed-up over compile."""
+    rows = report.get("site", [])
+    index = {(r["case"], r["impl"], r["mode"]): r for r in rows}
+    print(f"\n{'case':11s} {'mode':8s} {'triton ms':>9s} {'frac':>5s} {'eager x':>8s} {'compile x':>9s}")
+    for case in SITE_CASES:
+        for mode in ("fwd", "bwd", "fwd+bwd"):
+            tri = index.get((case.name, "triton", mode))
+            if tri is None:
+                continue
+            ratios = []
+            for impl in ("eager", "compile"):
+                other = index.get((case.name, impl, mode))
+                ratios.append(other["ms"] / tri["ms"] if other else float("nan"))
+            print(f"{case.name:11s} {mode:8s} {tri['ms']:9.3f} {tri['frac_copy_moved']:5.2f} "
+                  f"{ratios[0]:8.2f} {ratios[1]:9.2f}")  # fmt: skip
+        hist = index.get((case.name, "triton_history", "bwd"))
+        if hist:
+            print(f"{case.name:11s} {'bwd_hist':8s} {hist['ms']:9.3f} {hist['frac_copy_moved']:5.2f}")
+    for step in report.get("step", []):
+        cells = " ".join(
+            f"{impl} {step[impl]['ms']:.2f} ms" if "ms" in step.get(impl, {}) else f"{impl} -"
+            for impl in ("triton", "eager", "compile")
+        )
+        print(f"step {step['case']:9s} {cells}")
+
+
+if __name__ == "__main__":
+    main()
