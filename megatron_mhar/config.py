@@ -21,6 +21,9 @@ class MHARConfig:
     block_size: int = 8
     """Block variant: sublayers (not decoder layers) per block; each decoder layer has two."""
 
+    delta_block_layers: int = 4
+    """Delta variant: decoder layers per block; each completed block adds one source."""
+
     eps: Optional[float] = None
     """RMSNorm epsilon of the routing keys; ``None`` takes the model's ``layernorm_epsilon``."""
 
@@ -33,16 +36,17 @@ class MHARConfig:
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"mhar.variant must be one of {VARIANTS}, got {self.variant!r}")
-        if self.variant == "delta":
-            raise ValueError(
-                "mhar.variant='delta' is not available yet; use 'none', 'full' or 'block'"
-            )
         if not isinstance(self.num_heads, int) or self.num_heads < 1:
             raise ValueError(f"mhar.num_heads must be a positive integer, got {self.num_heads!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(
                 f"mhar.block_size counts sublayers and must be a positive integer, "
                 f"got {self.block_size!r}"
+            )
+        if not isinstance(self.delta_block_layers, int) or self.delta_block_layers < 1:
+            raise ValueError(
+                f"mhar.delta_block_layers counts decoder layers and must be a positive integer, "
+                f"got {self.delta_block_layers!r}"
             )
         if self.eps is not None and not self.eps > 0:
             raise ValueError(f"mhar.eps must be positive (or None for the model's), got {self.eps}")

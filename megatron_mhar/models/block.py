@@ -9,16 +9,17 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank, make_viewless_tensor
 
-from megatron_mhar.models.routing import DepthLayout, DepthRouter, DepthStream
+from megatron_mhar.models.routing import make_layout
 
 
 class MHARTransformerBlock(TransformerBlock):
     """A decoder block that routes over depth instead of adding a residual stream.
 
-    For each forward call the block creates a :class:`DepthStream` (the source history
-    of that micro-batch), seeds it with the embedding (first pipeline stage) or with the
+    For each forward call the block creates the variant's stream (``DepthStream`` or
+    ``DeltaStream``: the source history of that micro-batch), seeds it with the embedding (first pipeline stage) or with the
     packed history received from the previous stage, runs its layers on it, and then
-    either runs the final routing site and the final norm (last stage) or returns the
+    either produces the decoder output (the final routing site, or the additive stream
+    of the delta variant) and the final norm (last stage) or returns the
     packed history ``[s, b, width * h]`` for the next stage. The width per boundary
     follows from :class:`DepthLayout`.
 
@@ -40,13 +41,14 @@ class MHARTransformerBlock(TransformerBlock):
             vp_stage=vp_stage,
         )
         self.mhar = config.mhar
-        self.layout = DepthLayout.from_config(self.mhar, config.num_layers)
+        self.layout = make_layout(self.mhar, config.num_layers)
         self.routing_eps = self.mhar.eps if self.mhar.eps is not None else config.layernorm_epsilon
         offset = get_transformer_layer_offset(config, vp_stage, get_pg_rank(self.pg_collection.pp))
         # Global 1-based sublayer indices entering and leaving this chunk of layers.
         self.first_site = 2 * offset + 1
         self.next_site = self.first_site + 2 * len(self.layers)
-        self.final_router = DepthRouter(config) if self.post_process else None
+        has_final_site = self.post_process and self.layout.has_final_site
+        self.final_router = self.layout.new_router(config) if has_final_site else None
         if config.recompute_granularity == "full" and config.distribute_saved_activations:
             raise ValueError(
                 "distribute_saved_activations is not supported by MHAR decoders (the chunk "
@@ -80,7 +82,7 @@ class MHARTransformerBlock(TransformerBlock):
         if not self.pre_process:
             hidden_states = self.input_tensor
         hidden = self.config.hidden_size
-        stream = DepthStream(self.layout, self.mhar, self.routing_eps, hidden_states[..., :hidden])
+        stream = self.layout.new_stream(self.mhar, self.routing_eps, hidden_states[..., :hidden])
         if self.pre_process:
             stream.write_embedding(hidden_states)
         else:
@@ -110,12 +112,12 @@ class MHARTransformerBlock(TransformerBlock):
 
         if not self.post_process:
             return stream.pack(self.next_site)
-        output = self.final_router(stream, self.layout.final_site)
+        output = stream.output(self.final_router)
         if self.final_layernorm is not None:
             output = self.final_layernorm(output)
         return make_viewless_tensor(inp=output, requires_grad=True, keep_graph=True)
 
-    def _checkpointed_layers(self, stream: DepthStream, layer_kwargs: dict) -> None:
+    def _checkpointed_layers(self, stream, layer_kwargs: dict) -> None:
         """Run the layers under Megatron's activation checkpointing (full recompute)."""
         mask, rotary = layer_kwargs["attention_mask"], layer_kwargs["rotary_pos_emb"]
         static_kwargs = {k: v for k, v in layer_kwargs.items()
@@ -127,13 +129,14 @@ class MHARTransformerBlock(TransformerBlock):
                 for layer in self.layers[start:end]:
                     layer(depth_stream=stream, attention_mask=attention_mask,
                           rotary_pos_emb=rotary_pos_emb, **static_kwargs)
-                return stream.checkpoint_state()
+                return stream.checkpoint_state(self.first_site + 2 * end)
 
             return chunk_forward
 
         def checkpointed(start: int, end: int) -> None:
             state = tensor_parallel.checkpoint(
-                run_chunk(start, end), False, mask, rotary, *stream.checkpoint_state()
+                run_chunk(start, end), False, mask, rotary,
+                *stream.checkpoint_state(self.first_site + 2 * start),
             )
             stream.restore_state(*((state,) if torch.is_tensor(state) else state))
 
@@ -147,7 +150,8 @@ class MHARTransformerBlock(TransformerBlock):
                 if index < chunk:
                     checkpointed(index, index + 1)
                 else:
-                    run_chunk(index, index + 1)(mask, rotary, *stream.checkpoint_state())
+                    state = stream.checkpoint_state(self.first_site + 2 * index)
+                    run_chunk(index, index + 1)(mask, rotary, *state)
         else:
             raise ValueError(
                 f"recompute_method must be 'uniform' or 'block', got {self.config.recompute_method!r}"

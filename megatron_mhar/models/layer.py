@@ -8,7 +8,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from megatron_mhar.models.routing import DepthRouter, DepthStream
+from megatron_mhar.models.routing import DepthStream, make_layout
 
 
 class MHARTransformerLayer(TransformerLayer):
@@ -18,8 +18,9 @@ class MHARTransformerLayer(TransformerLayer):
     ``mlp``) are Megatron's, so its local and Transformer Engine specs, checkpoint keys
     and HF weight maps apply unchanged. Two routing sites are added: ``input_router``
     before attention and ``pre_mlp_router`` before the MLP. Each sublayer's contribution
-    to the stream is its output after bias and dropout, with no residual added
-    (MHAR.md §1): the routed input replaces the residual stream.
+    to the stream is its output after bias and dropout, with no residual added: in the
+    full and block variants the routed input replaces the residual stream (MHAR.md §1);
+    in the delta variant the stream object adds it to the kept additive stream.
     """
 
     def __init__(
@@ -39,8 +40,9 @@ class MHARTransformerLayer(TransformerLayer):
             pg_collection=pg_collection,
             vp_stage=vp_stage,
         )
-        self.input_router = DepthRouter(config)
-        self.pre_mlp_router = DepthRouter(config)
+        layout = make_layout(config.mhar, config.num_layers)
+        self.input_router = layout.new_router(config)
+        self.pre_mlp_router = layout.new_router(config)
 
     @property
     def attention_site(self) -> int:

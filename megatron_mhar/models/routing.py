@@ -11,6 +11,14 @@ sublayer ``j`` lies in block ``n = (j - 1) // S + 1`` at position ``i = (j - 1) 
 ``b_n^{i-1}``, the sum of the block's outputs so far. A block of S outputs, once
 complete, becomes row ``n``. The full variant is ``S = 1``: every sublayer output is its
 own row and no partial ever exists.
+
+The delta variant (continued pretraining, MHAR.md §4) keeps the additive stream ``h``
+and corrects each sublayer input: ``x_j = h_{j-1} + a_j * route_j([null_j] + sources)``,
+with sources the embedding and the delta ``h_end - h_start`` of every completed block of
+``delta_block_layers`` decoder layers. The stream itself stays ``h_j = h_{j-1} + f_j``,
+so with the zero-initialised gates ``a_j`` the model computes exactly the base model.
+The null source joins as the routing op's extra source (softmax over sources does not
+depend on their order).
 """
 
 import dataclasses
@@ -32,9 +40,17 @@ class DepthLayout:
     block_size: int
     """Sublayers per block; 1 is the full variant."""
 
+    has_final_site = True
+
     @classmethod
     def from_config(cls, mhar: MHARConfig, num_layers: int) -> "DepthLayout":
         return cls(num_layers=num_layers, block_size=mhar.block_size if mhar.variant == "block" else 1)
+
+    def new_stream(self, mhar: MHARConfig, eps: float, like: torch.Tensor) -> "DepthStream":
+        return DepthStream(self, mhar, eps, like)
+
+    def new_router(self, config) -> "DepthRouter":
+        return DepthRouter(config)
 
     @property
     def final_site(self) -> int:
@@ -101,14 +117,7 @@ class DepthStream:
 
     def __init__(self, layout: DepthLayout, mhar: MHARConfig, eps: float, like: torch.Tensor):
         self.layout = layout
-        self.history = SourceHistory(
-            capacity=layout.capacity,
-            like=like,
-            backend=get_backend(mhar.kernel_impl, like.device),
-            num_heads=mhar.num_heads,
-            eps=eps,
-            logit_scale=mhar.logit_scale,
-        )
+        self.history = _history(layout.capacity, mhar, eps, like)
         self.partial: Optional[torch.Tensor] = None
 
     def read(self, site: int, router: DepthRouter) -> torch.Tensor:
@@ -145,7 +154,7 @@ class DepthStream:
         if has_partial:
             self.partial = packed[..., rows * h :]
 
-    def checkpoint_state(self):
+    def checkpoint_state(self, next_site: int):
         """Tensors carrying the stream across an activation-checkpoint boundary.
 
         ``(token,)`` or ``(token, partial)``: the arity is fixed by the layout at a
@@ -157,3 +166,141 @@ class DepthStream:
     def restore_state(self, token: torch.Tensor, partial: Optional[torch.Tensor] = None) -> None:
         self.history.token = token
         self.partial = partial
+
+    def output(self, final_router: DepthRouter) -> torch.Tensor:
+        """The decoder output before the final norm: the final site's routed mixture."""
+        return self.read(self.layout.final_site, final_router)
+
+
+def make_layout(mhar: MHARConfig, num_layers: int):
+    """The layout of ``mhar.variant`` (full and block share :class:`DepthLayout`)."""
+    if mhar.variant == "delta":
+        return DeltaLayout(num_layers=num_layers, block_layers=mhar.delta_block_layers)
+    return DepthLayout.from_config(mhar, num_layers)
+
+
+def _history(capacity: int, mhar: MHARConfig, eps: float, like: torch.Tensor) -> SourceHistory:
+    return SourceHistory(
+        capacity=capacity,
+        like=like,
+        backend=get_backend(mhar.kernel_impl, like.device),
+        num_heads=mhar.num_heads,
+        eps=eps,
+        logit_scale=mhar.logit_scale,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaLayout:
+    """Sources of the delta variant: row 0 the embedding, row k the delta of block k."""
+
+    num_layers: int
+    """Decoder layers L of the whole model."""
+
+    block_layers: int
+    """Decoder layers per block."""
+
+    has_final_site = False
+
+    @property
+    def capacity(self) -> int:
+        """Rows ever read: the embedding and every block completed before the last layer."""
+        return 1 + (self.num_layers - 1) // self.block_layers
+
+    @staticmethod
+    def layer_of(site: int) -> int:
+        """1-based decoder layer of sublayer ``site``."""
+        return (site + 1) // 2
+
+    def rows_read(self, site: int) -> int:
+        return 1 + (self.layer_of(site) - 1) // self.block_layers
+
+    def completes_block(self, site: int) -> bool:
+        """Whether sublayer ``site`` ends a block whose delta a later layer reads."""
+        layer = self.layer_of(site)
+        return site % 2 == 0 and layer % self.block_layers == 0 and layer < self.num_layers
+
+    def starts_block(self, site: int) -> bool:
+        """Whether ``site`` is the first sublayer of a block (then ``h_start`` is ``h``)."""
+        return site % 2 == 1 and (self.layer_of(site) - 1) % self.block_layers == 0
+
+    def boundary_width(self, site: int) -> int:
+        """Stream ``h``, the block's start ``h_start`` (unless it is ``h``) and the rows."""
+        return 1 + int(not self.starts_block(site)) + self.rows_read(site)
+
+    def new_stream(self, mhar: MHARConfig, eps: float, like: torch.Tensor) -> "DeltaStream":
+        return DeltaStream(self, mhar, eps, like)
+
+    def new_router(self, config) -> "DeltaRouter":
+        return DeltaRouter(config)
+
+
+class DeltaRouter(DepthRouter):
+    """A delta routing site: query and key norm, a null source and a scalar gate (zero init)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.null_source = torch.nn.Parameter(torch.zeros_like(self.query))
+        self.gate = torch.nn.Parameter(torch.zeros(1, dtype=self.query.dtype, device=self.query.device))
+        for param in (self.null_source, self.gate):
+            setattr(param, "sequence_parallel", config.sequence_parallel)
+
+
+class DeltaStream:
+    """The delta variant's state of one micro-batch: stream ``h``, block start, history."""
+
+    def __init__(self, layout: DeltaLayout, mhar: MHARConfig, eps: float, like: torch.Tensor):
+        self.layout = layout
+        self.history = _history(layout.capacity, mhar, eps, like)
+        self.hidden: Optional[torch.Tensor] = None
+        self.block_start: Optional[torch.Tensor] = None
+
+    def read(self, site: int, router: DeltaRouter) -> torch.Tensor:
+        """``x = h + gate * route([null] + rows)`` [s, b, h]."""
+        null = router.null_source.to(self.hidden.dtype).expand_as(self.hidden)
+        routed = self.history.route(
+            self.layout.rows_read(site), router.query, router.norm_weight, extra=null
+        )
+        return self.hidden + router.gate.to(routed.dtype) * routed
+
+    def write(self, site: int, output: torch.Tensor) -> None:
+        self.hidden = self.hidden + output
+        if self.layout.completes_block(site):
+            block = self.layout.layer_of(site) // self.layout.block_layers
+            self.history.write(block, self.hidden - self.block_start)
+            self.block_start = self.hidden
+
+    def write_embedding(self, embedding: torch.Tensor) -> None:
+        self.hidden = self.block_start = embedding
+        self.history.write(0, embedding)
+
+    def _state(self, site: int):
+        """(h,) at a block start, else (h, h_start): the arity is fixed by the layout."""
+        if self.layout.starts_block(site):
+            return (self.hidden,)
+        return self.hidden, self.block_start
+
+    def _restore(self, hidden, block_start=None) -> None:
+        self.hidden = hidden
+        self.block_start = hidden if block_start is None else block_start
+
+    def pack(self, next_site: int) -> torch.Tensor:
+        rows = self.layout.rows_read(next_site)
+        return torch.cat([*self._state(next_site), self.history.pack(rows)], dim=-1)
+
+    def load(self, packed: torch.Tensor, next_site: int) -> None:
+        h = self.history.shape[-1]
+        width = 1 if self.layout.starts_block(next_site) else 2
+        self._restore(*packed[..., : width * h].split(h, dim=-1))
+        self.history.load(packed[..., width * h :], self.layout.rows_read(next_site))
+
+    def checkpoint_state(self, next_site: int):
+        return (self.history.token, *self._state(next_site))
+
+    def restore_state(self, token, *state) -> None:
+        self.history.token = token
+        self._restore(*state)
+
+    def output(self, final_router) -> torch.Tensor:
+        """The decoder output before the final norm: the additive stream."""
+        return self.hidden

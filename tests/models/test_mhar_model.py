@@ -54,6 +54,8 @@ def _randomize_routers(model, seed=3):
                 param.copy_(torch.randn(param.shape, generator=generator))
             elif name.endswith("router.norm_weight"):
                 param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("router.gate") or name.endswith("router.null_source"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
 
 
 @pytest.mark.parametrize("attention_backend", ["megatron", "sdpa"])
@@ -191,11 +193,18 @@ RECOMPUTE = [
 ]
 
 
-@pytest.mark.parametrize("variant,block_size", [("full", 1), ("block", 3)], ids=["full", "block3"])
+@pytest.mark.parametrize(
+    "mhar_fields",
+    [
+        pytest.param(dict(variant="full"), id="full"),
+        pytest.param(dict(variant="block", block_size=3), id="block3"),
+        pytest.param(dict(variant="delta", delta_block_layers=1), id="delta1"),  # rows every layer
+    ],
+)
 @pytest.mark.parametrize("recompute", RECOMPUTE)
-def test_recompute_gives_same_loss_and_grads(megatron_world1, variant, block_size, recompute):
+def test_recompute_gives_same_loss_and_grads(megatron_world1, mhar_fields, recompute):
     model_cfg = _model_config(attention_backend="megatron")
-    mhar = MHARConfig(variant=variant, block_size=block_size, num_heads=4)
+    mhar = MHARConfig(num_heads=4, **mhar_fields)
     plain = _build(model_cfg, mhar)
     _randomize_routers(plain)
     recomputed = _build(model_cfg, mhar, **recompute)
@@ -237,7 +246,8 @@ def test_mhar_trains_through_megatron_schedule(megatron_world1):
 
 
 CONFIG_ERRORS = [
-    pytest.param(dict(variant="delta"), {}, "not available yet", id="delta-not-yet"),
+    pytest.param(dict(variant="delta", delta_block_layers=0), {}, "positive integer",
+                 id="delta-zero-block"),
     pytest.param(dict(variant="sparse"), {}, "must be one of", id="unknown-variant"),
     pytest.param(dict(num_heads=3), {}, "does not divide hidden_size", id="heads-not-dividing"),
     pytest.param(dict(variant="block", block_size=0), {}, "positive integer", id="zero-block"),
