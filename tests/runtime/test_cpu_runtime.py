@@ -157,9 +157,14 @@ def _train(
     optimizer: str = "sgd",
     lr: float = 0.1,
     use_distributed_optimizer: bool = False,
-) -> List[float]:
-    """Megatron DDP + get_megatron_optimizer + get_forward_backward_func; returns
-    the mean micro-batch loss of every step (NaN on non-last pipeline stages)."""
+    batches: Optional[List[Dict[str, torch.Tensor]]] = None,
+) -> Dict[str, List[float]]:
+    """Megatron DDP + get_megatron_optimizer + get_forward_backward_func over
+    ``batches`` (default: all of ``_batches()``) as the micro-batches of every
+    step. Returns per step ``loss`` (the sum of the micro-batch losses, which
+    the schedule already divided by the number of micro-batches; NaN on
+    non-last pipeline stages) and ``grad_norm`` (the optimizer's global norm,
+    reduced over all model-parallel ranks)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
@@ -183,8 +188,8 @@ def _train(
         model,
     )
     forward_backward = get_forward_backward_func()
-    batches = _batches()
-    losses = []
+    batches = _batches() if batches is None else batches
+    losses, grad_norms = [], []
     for _ in range(steps):
         for m in model:
             m.zero_grad_buffer()
@@ -194,42 +199,63 @@ def _train(
             forward_step_func=_forward_step,
             data_iterator=data if len(model) > 1 else data[0],
             model=model if len(model) > 1 else model[0],
-            num_microbatches=NUM_MICROBATCHES,
+            num_microbatches=len(batches),
             seq_length=SEQ,
             micro_batch_size=MBS,
             forward_only=False,
         )
-        success, _, _ = opt.step()
+        success, grad_norm, _ = opt.step()
         assert success
+        grad_norms.append(grad_norm)
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             losses.append(sum(r["lm loss"].item() for r in reduced))
         else:
             losses.append(float("nan"))
-    return losses
+    return {"loss": losses, "grad_norm": grad_norms}
 
 
-def _parallel_worker(full: Dict[str, torch.Tensor], num_layers: int, steps: int, tp, pp, vpp):
+def _parallel_worker(
+    full: Dict[str, torch.Tensor],
+    num_layers: int,
+    steps: int,
+    tp: int,
+    pp: int,
+    vpp: Optional[int],
+    use_distributed_optimizer: bool = False,
+    optimizer: str = "sgd",
+):
+    from megatron.core import parallel_state
+
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
 
-    initialize_model_parallel_from_env(
-        tp=tp, pp=pp, vpp=vpp, seed=1234, device="cpu"
-    )
+    initialize_model_parallel_from_env(tp=tp, pp=pp, vpp=vpp, seed=1234, device="cpu")
     try:
         config = _config(num_layers, tp=tp, pp=pp, vpp=vpp)
         chunks = _build_chunks(config)
         for chunk in chunks:
             _load_full_weights(chunk, full)
-        return _train(config, chunks, steps)
+        # Data parallel ranks split the single-process run's micro-batches.
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        batches = _batches()[dp_rank::dp_size]
+        return _train(
+            config,
+            chunks,
+            steps,
+            optimizer=optimizer,
+            use_distributed_optimizer=use_distributed_optimizer,
+            batches=batches,
+        )
     finally:
         destroy()
 
 
-def _reference(num_layers: int, steps: int):
+def _reference(num_layers: int, steps: int, optimizer: str = "sgd"):
     """Single-process run (needs megatron_world1): initial weights and losses."""
     config = _config(num_layers)
     (model,) = _build_chunks(config)
     full = {k: v.detach().clone() for k, v in model.named_parameters()}
-    return full, _train(config, [model], steps)
+    return full, _train(config, [model], steps, optimizer=optimizer)
 
 
 # --------------------------------------------------------------------------- tests
@@ -253,21 +279,41 @@ def test_gpt_trains_through_megatron_schedule(megatron_world1, use_distributed_o
         optimizer="adam",
         lr=1e-2,
         use_distributed_optimizer=use_distributed_optimizer,
-    )
+    )["loss"]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0] - 0.1, losses
 
 
+def test_rng_tracker_forks_a_separate_stream(megatron_world1):
+    """``get_cuda_rng_tracker().fork()`` switches to the model-parallel stream and
+    back: the default stream continues as if the fork had not happened."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(3, force_reset_rng=True)
+    expected = torch.rand(4)
+    tensor_parallel.model_parallel_cuda_manual_seed(3, force_reset_rng=True)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    with tracker.fork():
+        forked_1 = torch.rand(4)
+    with tracker.fork():
+        forked_2 = torch.rand(4)  # the forked stream advances between forks
+    torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)
+    assert not torch.equal(forked_1, expected)
+    assert not torch.equal(forked_1, forked_2)
+
+
 def test_activation_recompute_restores_rng(megatron_world1):
-    """Full recompute with dropout gives bitwise the same gradients: the
+    """Full recompute with dropout gives bitwise the same loss and gradients: the
     recompute restores the (CPU-backed) CUDA RNG and the tracker's states."""
     from megatron.core import tensor_parallel
 
     batch = _batches()[0]
-    grads = {}
-    for recompute in (False, True):
-        overrides = dict(hidden_dropout=0.2, attention_dropout=0.2)
-        if recompute:
+    losses, grads = {}, {}
+    for case in ("no-dropout", "plain", "recompute"):
+        overrides = {}
+        if case != "no-dropout":
+            overrides.update(hidden_dropout=0.2, attention_dropout=0.2)
+        if case == "recompute":
             overrides.update(
                 recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
             )
@@ -277,29 +323,59 @@ def test_activation_recompute_restores_rng(megatron_world1):
         tensor_parallel.model_parallel_cuda_manual_seed(8, force_reset_rng=True)
         loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
         loss.backward()
-        grads[recompute] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    for name, grad in grads[False].items():
-        torch.testing.assert_close(grads[True][name], grad, rtol=0, atol=0, msg=name)
+        losses[case] = loss.item()
+        grads[case] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert losses["plain"] != losses["no-dropout"]  # dropout is active
+    assert losses["recompute"] == losses["plain"]
+    for name, grad in grads["plain"].items():
+        torch.testing.assert_close(grads["recompute"][name], grad, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize(
-    "tp, pp, vpp, num_layers",
+    "tp, pp, vpp, num_layers, use_distributed_optimizer",
     [
-        pytest.param(1, 2, None, 2, id="pp2-1f1b"),  # non-interleaved 1F1B, p2p on gloo
-        pytest.param(1, 2, 2, 4, id="pp2-vpp2"),  # interleaved 1F1B, 2 chunks per rank
-        pytest.param(2, 1, None, 2, id="tp2-sp"),  # tensor + sequence parallel, SP norms
+        pytest.param(1, 2, None, 2, False, id="pp2-1f1b"),  # non-interleaved 1F1B, p2p on gloo
+        pytest.param(1, 2, 2, 4, False, id="pp2-vpp2"),  # interleaved 1F1B, 2 chunks per rank
+        pytest.param(2, 1, None, 2, False, id="tp2-sp"),  # tensor + sequence parallel, SP norms
+        # data parallel, distributed optimizer (Adam only): grad reduce-scatter, param all-gather
+        pytest.param(1, 1, None, 2, True, id="dp2-distopt"),
     ],
 )
-def test_parallel_layout_matches_single_process(megatron_world1, tp, pp, vpp, num_layers):
+def test_parallel_layout_matches_single_process(
+    megatron_world1, tp, pp, vpp, num_layers, use_distributed_optimizer
+):
+    """Losses and gradient norms of 3 optimizer steps at a 2-rank layout equal
+    the single-process run's (the norm catches a gradient that is not reduced,
+    e.g. a sequence-parallel norm weight that is not marked)."""
     steps = 3
-    full, expected = _reference(num_layers, steps)
+    optimizer = "adam" if use_distributed_optimizer else "sgd"
+    full, expected = _reference(num_layers, steps, optimizer)
     per_rank = run_distributed(
-        _parallel_worker, 2, full, num_layers, steps, tp, pp, vpp, timeout=120
+        _parallel_worker,
+        2,
+        full,
+        num_layers,
+        steps,
+        tp,
+        pp,
+        vpp,
+        use_distributed_optimizer,
+        optimizer,
+        timeout=120,
     )
-    last = per_rank[-1]
-    torch.testing.assert_close(torch.tensor(last), torch.tensor(expected), rtol=1e-5, atol=0)
-    if tp > 1:
-        assert per_rank[0] == last
+    if tp * pp == 1:  # data parallel: each rank saw half the micro-batches
+        loss = torch.tensor([r["loss"] for r in per_rank]).mean(dim=0)
+    else:  # the last pipeline stage reports the loss
+        loss = torch.tensor(per_rank[-1]["loss"])
+    torch.testing.assert_close(loss, torch.tensor(expected["loss"]), rtol=1e-5, atol=0)
+    for rank, result in enumerate(per_rank):
+        torch.testing.assert_close(
+            torch.tensor(result["grad_norm"]),
+            torch.tensor(expected["grad_norm"]),
+            rtol=1e-5,
+            atol=0,
+            msg=lambda m: f"grad norm on rank {rank}: {m}",
+        )
 
 
 def test_disable_restores_torch_cuda():
