@@ -1,0 +1,267 @@
+"""End-to-end training throughput: plain Megatron GPT vs AttnRes (H=1) vs MHAR (H=8).
+
+    python benchmarks/bench_training.py --out benchmarks/results/training_h200.json
+    python benchmarks/bench_training.py --sizes tiny --steps 2   # CPU smoke of the script
+
+One process, one run, one GPU: every model of a size is built with the same builder,
+trained with the same Megatron components (bf16 params, Megatron DDP with fp32 grad
+buffers, Megatron's optimizer with fp32 main weights, Adam (0.9, 0.95), clip 1.0, the
+non-pipelined forward/backward schedule) at the paper's per-GPU micro-batch and
+gradient-accumulation counts (MHAR.md §5), on random tokens. Attention is torch SDPA
+(flash backend) for every model. Reported per model: tokens/s (median over timed
+steps), the baseline's MFU, peak memory, and ratios to the baseline measured in the
+same run; for MHAR models one profiled step splits CUDA time into routing kernels,
+routing reference ops and everything else.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_mhar.config import MHARConfig  # noqa: E402
+from megatron_mhar.models.builder import build_gpt_model, make_transformer_config  # noqa: E402
+from megatron_mhar.models.config import GPTModelConfig  # noqa: E402
+
+QWEN3_VOCAB = 151936
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12}
+
+
+@dataclasses.dataclass
+class SizeCase:
+    name: str
+    model: GPTModelConfig
+    micro_batch: int
+    num_microbatches: int  # global batch / micro-batch on one GPU
+
+
+def _qwen3(d, layers, heads, kv, ffn, seq, vocab=QWEN3_VOCAB):
+    return GPTModelConfig(num_layers=layers, hidden_size=d, num_attention_heads=heads,
+                          num_query_groups=kv, ffn_hidden_size=ffn, vocab_size=vocab,
+                          seq_length=seq, qk_layernorm=True, attention_backend="sdpa")
+
+
+SIZES = {
+    "100m": SizeCase("100m", _qwen3(512, 12, 8, 4, 1536, 2048), 8, 8),
+    "350m": SizeCase("350m", _qwen3(1024, 24, 16, 8, 4096, 1024), 4, 8),
+    "1b": SizeCase("1b", _qwen3(1280, 36, 16, 8, 5120, 1024), 2, 16),
+    "tiny": SizeCase("tiny", _qwen3(64, 2, 4, 2, 128, 32, vocab=256), 2, 2),
+}
+
+MODELS = {
+    "baseline": MHARConfig(variant="none"),
+    "attnres": MHARConfig(variant="full", num_heads=1),
+    "mhar": MHARConfig(variant="full", num_heads=8),
+}
+
+
+def flops_per_token(model: GPTModelConfig, vocab: int) -> float:
+    """Training FLOPs per token: 6 x matmul params + causal attention (fwd + bwd)."""
+    d, layers, seq = model.hidden_size, model.num_layers, model.seq_length
+    kv_dim = d // model.num_attention_heads * (model.num_query_groups or model.num_attention_heads)
+    ffn = model.ffn_hidden_size
+    per_layer = d * (d + 2 * kv_dim) + d * d + d * ffn * (3 if model.swiglu else 2)
+    matmul_params = layers * per_layer + vocab * d
+    attention = 6 * layers * seq * d  # 12 L s d for QK^T and AV, halved by the causal mask
+    return 6 * matmul_params + attention
+
+
+def _train_setup(case: SizeCase, mhar: MHARConfig, device: str):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    bf16 = device == "cuda"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = make_transformer_config(case.model, mhar, bf16=bf16, params_dtype=dtype,
+                                     pipeline_dtype=dtype, use_cpu_initialization=not bf16)
+    model = build_gpt_model(case.model, mhar, config)
+    if bf16:
+        model = model.cuda()
+    ddp = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+        module=model,
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=5e-4, weight_decay=0.1, adam_beta1=0.9,
+                        adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0, bf16=bf16,
+                        params_dtype=dtype),
+        [ddp],
+    )
+    return ddp, optimizer
+
+
+def _batches(case: SizeCase, device: str, vocab: int):
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    seq, mb = case.model.seq_length, case.micro_batch
+    tokens = torch.randint(0, vocab, (case.num_microbatches, mb, seq + 1), generator=generator)
+    tokens = tokens.to(device)
+    positions = torch.arange(seq, device=device).unsqueeze(0).expand(mb, seq)
+    return [(t[:, :-1], t[:, 1:], positions) for t in tokens]
+
+
+def _step(ddp, optimizer, case: SizeCase, batches):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        tokens, labels, positions = next(data_iterator)
+        losses = model(tokens, positions, None, labels=labels)
+        return losses, lambda out: (out.float().mean(), {"loss": out.float().mean().detach()})
+
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    result = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
+        num_microbatches=case.num_microbatches, seq_length=case.model.seq_length,
+        micro_batch_size=case.micro_batch, forward_only=False,
+    )
+    optimizer.step()
+    return sum(r["loss"].item() for r in result) / len(result)
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+ROUTING_KERNEL_MARKERS = ("route", "depth")
+
+
+def _profile_step(ddp, optimizer, case, batches):
+    """CUDA time of one step: routing kernels vs everything else (ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _step(ddp, optimizer, case, batches)
+        torch.cuda.synchronize()
+    routing = other = 0.0
+    for event in prof.key_averages():
+        total = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+        if total <= 0 or event.key.startswith("ProfilerStep"):
+            continue
+        if any(marker in event.key.lower() for marker in ROUTING_KERNEL_MARKERS):
+            routing += total
+        else:
+            other += total
+    return {"routing_ms": routing / 1e3, "other_ms": other / 1e3,
+            "routing_fraction": routing / max(routing + other, 1e-9)}
+
+
+def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profile: bool):
+    vocab = case.model.padded_vocab_size()
+    results = {}
+    for name, mhar in models.items():
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        torch.manual_seed(0)
+        ddp, optimizer = _train_setup(case, mhar, device)
+        batches = _batches(case, device, vocab)
+        losses, times = [], []
+        for step in range(warmup + steps):
+            _sync(device)
+            start = time.perf_counter()
+            losses.append(_step(ddp, optimizer, case, batches))
+            _sync(device)
+            if step >= warmup:
+                times.append(time.perf_counter() - start)
+        tokens = case.micro_batch * case.model.seq_length * case.num_microbatches
+        entry = {
+            "tokens_per_s": tokens / statistics.median(times),
+            "step_s_median": statistics.median(times),
+            "step_s_all": times,
+            "losses": losses,
+            "params": sum(p.numel() for p in ddp.module.parameters()),
+        }
+        if device == "cuda":
+            entry["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            if profile and mhar.enabled:
+                entry["profile"] = _profile_step(ddp, optimizer, case, batches)
+        results[name] = entry
+        print(f"[{case.name}] {name}: {entry['tokens_per_s']:.0f} tok/s, "
+              f"peak {entry.get('peak_memory_gib', 0):.1f} GiB, loss {losses[-1]:.3f}", flush=True)
+        del ddp, optimizer, batches
+    base = results.get("baseline")
+    if base:
+        peak = _peak_flops()
+        if peak:
+            base["mfu"] = flops_per_token(case.model, vocab) * base["tokens_per_s"] / peak
+        for name, entry in results.items():
+            entry["throughput_ratio"] = entry["tokens_per_s"] / base["tokens_per_s"]
+            if "peak_memory_gib" in entry:
+                entry["memory_ratio"] = entry["peak_memory_gib"] / base["peak_memory_gib"]
+    if "attnres" in results and "mhar" in results:
+        results["attnres"]["throughput_vs_mhar"] = (
+            results["attnres"]["tokens_per_s"] / results["mhar"]["tokens_per_s"]
+        )
+    return {"case": dataclasses.asdict(case), "flops_per_token": flops_per_token(case.model, vocab),
+            "models": results}
+
+
+def _peak_flops():
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def environment():
+    import megatron.core
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "megatron_core": megatron.core.__version__}
+    if torch.cuda.is_available():
+        import triton
+
+        env.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda,
+                   triton=triton.__version__, peak_bf16_flops=_peak_flops())
+    return env
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="100m,350m,1b", help="comma list of " + ",".join(SIZES))
+    parser.add_argument("--models", default=",".join(MODELS), help="comma list of " + ",".join(MODELS))
+    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per model")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation, autotune)")
+    parser.add_argument("--kernel-impl", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--logit-scale", type=float, default=1.0)
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--out", help="JSON output path")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.sizes.split(",") if s not in SIZES]
+    unknown += [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown sizes/models {unknown}; choose from {list(SIZES)} and {list(MODELS)}")
+
+    from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    initialize_model_parallel_from_env(seed=1234, device=device)
+    models = {m: dataclasses.replace(MODELS[m], kernel_impl=args.kernel_impl)
+              if MODELS[m].enabled else MODELS[m] for m in args.models.split(",")}
+    report = {"environment": environment(), "args": vars(args), "sizes": {}}
+    try:
+        for size in args.sizes.split(","):
+            report["sizes"][size] = run_size(SIZES[size], models, args.steps, args.warmup,
+                                             device, profile=not args.no_profile)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(report, f, indent=1)
+    finally:
+        destroy()
+    print(json.dumps({s: {m: {k: round(v, 3) for k, v in e.items() if k in (
+        "tokens_per_s", "throughput_ratio", "memory_ratio", "mfu", "peak_memory_gib")}
+        for m, e in r["models"].items()} for s, r in report["sizes"].items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
