@@ -10,28 +10,39 @@ type names (``'torch.cuda.FloatTensor'``). :func:`enable_cpu_runtime` makes each
 those land on the CPU, so the *unchanged* Megatron code paths (schedules, DDP,
 ``get_megatron_optimizer``, ``finalize_model_grads``, activation recomputation)
 run on a CPU-only torch build with the gloo backend. Production code never
-branches on this module; it is switched on by the test fixtures and by the
-training driver's ``--cpu`` smoke mode only.
+branches on this module; it is switched on by the test fixtures and by
+``megatron_mhar.runtime.distributed.initialize_model_parallel_from_env`` when
+it runs on the CPU (smoke runs).
 
-What a CPU run must also do (Megatron options, not patches):
+What a CPU run's configuration must set (Megatron options, not patches):
 
-* ``batch_p2p_comm=False`` in the ``ModelParallelConfig``: gloo has no
-  ``batch_isend_irecv``; the non-batched p2p path uses plain ``isend``/``irecv``.
-* ``overlap_p2p_comm=False`` for the interleaved schedule, which requires
-  ``batch_p2p_comm=False`` otherwise anyway.
-* Model specs use :class:`SequenceParallelTorchNorm` (below) instead of
-  Megatron's ``WrappedTorchNorm`` when sequence parallelism is on: the wrapped
-  torch norm refuses ``sequence_parallel`` without apex/TE.
-* fp32 or bf16 parameters; no fp8, no CUDA graphs, no ``enable_autocast``,
-  no TE RNG tracker, no ``use_cudagraphable_rng``.
+* ``batch_p2p_comm=False`` in the ``ModelParallelConfig``. The plain
+  ``isend``/``irecv`` path is the one the tests cover on gloo (PP=2, 1F1B and
+  interleaved). The batched path (``batch_isend_irecv`` plus a
+  ``torch.cuda.synchronize``) also gave identical losses in a one-off check
+  with torch 2.13, but is not tested, so CPU configs must not rely on it.
+  Keep ``overlap_p2p_comm=False`` (the default) too.
+* :class:`SequenceParallelTorchNorm` (below) instead of Megatron's
+  ``WrappedTorchNorm`` in model specs when sequence parallelism is on: the
+  wrapped torch norm refuses ``sequence_parallel`` without apex/TE.
+* fp32 parameters (the tested case); no fp8, no CUDA graphs, no
+  ``enable_autocast``, no TE RNG tracker, no ``use_cudagraphable_rng``.
 
-Scope and limits: the patches are process-global attributes on ``torch.cuda``
-and ``megatron.core.tensor_parallel.random`` plus one
-:class:`torch.overrides.TorchFunctionMode`, which is *thread-local* (push it in
-every thread that runs Megatron code; the autograd engine runs CPU backward on
-the calling thread, so backward is covered). Every torch call goes through the
-mode's Python handler while it is active: fine for tiny models, not for
-benchmarks.
+Scope and limits: the patches are process-global attributes on ``torch.cuda``,
+``torch.autograd.function.BackwardCFunction`` and
+``megatron.core.tensor_parallel.random`` plus one
+:class:`torch.overrides.TorchFunctionMode`, which is *thread-local*: enable the
+runtime in the thread that runs Megatron (the autograd engine runs CPU
+backward on the calling thread). The CPU default generator doubles as the
+"CUDA" generator, so ``torch.manual_seed`` and ``torch.cuda.manual_seed`` seed
+the same stream; the tracker's forks still switch streams correctly. Every
+torch call goes through the mode's Python handler while it is active: fine for
+tiny models, not for benchmarks. Known to work with megatron-core 0.16.1:
+GPTModel (local spec) with TP+SP, PP (1F1B and interleaved), DP with DDP
+(overlapped or not), the non-distributed and the distributed optimizer (Adam;
+gloo provides reduce-scatter and all-gather), ``finalize_model_grads`` and full
+activation recomputation. Not covered: ``num_distributed_optimizer_instances >
+1`` (needs CUDA streams), NCCL user buffers, FSDP, MoE token dispatchers, TE.
 """
 
 from __future__ import annotations
@@ -94,13 +105,15 @@ class _CudaToCpuMode(TorchFunctionMode):
     * ``Tensor.to(<cuda device>)`` keeps the CPU device (other ``to`` arguments,
       dtype and copy flags, are honoured).
     * ``Tensor.type()`` without arguments reports the CUDA type name for
-      fp32/fp16/bf16, because Megatron's (distributed) mixed-precision optimizer
-      sorts parameters by ``param.type() == 'torch.cuda.FloatTensor'`` and
-      raises ``TypeError`` on anything else.
+      fp32/fp16/bf16, because the distributed optimizer and the fp16/bf16
+      optimizer sort parameters by ``param.type() == 'torch.cuda.FloatTensor'``
+      (etc.) and raise ``TypeError`` on anything else.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs) if kwargs else {}
+        kwargs = kwargs or {}
+        if "device" in kwargs or "pin_memory" in kwargs:
+            kwargs = dict(kwargs)
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:

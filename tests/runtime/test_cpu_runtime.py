@@ -158,6 +158,7 @@ def _train(
     lr: float = 0.1,
     use_distributed_optimizer: bool = False,
     batches: Optional[List[Dict[str, torch.Tensor]]] = None,
+    overlap: bool = False,
 ) -> Dict[str, List[float]]:
     """Megatron DDP + get_megatron_optimizer + get_forward_backward_func over
     ``batches`` (default: all of ``_batches()``) as the micro-batches of every
@@ -171,7 +172,11 @@ def _train(
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap and use_distributed_optimizer,
+    )
     model = [
         DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
@@ -223,6 +228,7 @@ def _parallel_worker(
     vpp: Optional[int],
     use_distributed_optimizer: bool = False,
     optimizer: str = "sgd",
+    overlap: bool = False,
 ):
     from megatron.core import parallel_state
 
@@ -245,6 +251,7 @@ def _parallel_worker(
             optimizer=optimizer,
             use_distributed_optimizer=use_distributed_optimizer,
             batches=batches,
+            overlap=overlap,
         )
     finally:
         destroy()
@@ -337,8 +344,9 @@ def test_activation_recompute_restores_rng(megatron_world1):
         pytest.param(1, 2, None, 2, False, id="pp2-1f1b"),  # non-interleaved 1F1B, p2p on gloo
         pytest.param(1, 2, 2, 4, False, id="pp2-vpp2"),  # interleaved 1F1B, 2 chunks per rank
         pytest.param(2, 1, None, 2, False, id="tp2-sp"),  # tensor + sequence parallel, SP norms
-        # data parallel, distributed optimizer (Adam only): grad reduce-scatter, param all-gather
-        pytest.param(1, 1, None, 2, True, id="dp2-distopt"),
+        # data parallel, distributed optimizer (Adam only), overlapped (async) grad
+        # reduce-scatter and param all-gather on gloo
+        pytest.param(1, 1, None, 2, True, id="dp2-distopt-overlap"),
     ],
 )
 def test_parallel_layout_matches_single_process(
@@ -361,6 +369,7 @@ def test_parallel_layout_matches_single_process(
         vpp,
         use_distributed_optimizer,
         optimizer,
+        use_distributed_optimizer,  # overlap
         timeout=120,
     )
     if tp * pp == 1:  # data parallel: each rank saw half the micro-batches
