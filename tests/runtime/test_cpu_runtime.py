@@ -36,13 +36,13 @@ def _config(num_layers: int, tp: int = 1, pp: int = 1, vpp: Optional[int] = None
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         pipeline_dtype=torch.float32,
-        batch_p2p_comm=False,  # gloo has no batch_isend_irecv (see runtime/cpu.py)
+        batch_p2p_comm=False,  # required on CPU (see megatron_mhar/runtime/cpu.py)
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def _layer_spec(config):
+def _layer_spec(config, vp_stage: Optional[int]):
     """Megatron's local GPT spec; with sequence parallelism its norms (and the
     block's final norm) become SequenceParallelTorchNorm."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -59,7 +59,7 @@ def _layer_spec(config):
     spec.submodules.input_layernorm = SequenceParallelTorchNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
     return TransformerBlockSubmodules(
-        layer_specs=[spec] * get_num_layers_to_build(config),
+        layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
         layer_norm=SequenceParallelTorchNorm,
     )
 
@@ -68,21 +68,14 @@ def _build_chunks(config) -> List[torch.nn.Module]:
     """One GPTModel per virtual pipeline stage of this rank (one without VPP)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
 
+    vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
-    for vp_stage in range(config.virtual_pipeline_model_parallel_size or 1):
-        vp = vp_stage if config.virtual_pipeline_model_parallel_size else None
-        spec = _layer_spec(config)
-        if isinstance(spec, TransformerBlockSubmodules):
-            spec.layer_specs = spec.layer_specs[:1] * get_num_layers_to_build(config, vp_stage=vp)
+    for vp in range(vpp) if vpp else [None]:
         chunks.append(
             GPTModel(
                 config,
-                spec,
+                _layer_spec(config, vp),
                 vocab_size=VOCAB,
                 max_sequence_length=SEQ,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
