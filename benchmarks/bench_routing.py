@@ -299,7 +299,7 @@ def run_sweep(copy_gbps):
         nb = site_bytes(case)
         _, lse = K.route_forward(view, None, query, norm_weight, HEADS, EPS, 1.0)
         fbt, fw = K._fwd_config(bh * bhd)
-        bbt, bw = K._bwd_config(bh * bhd)
+        bbt, bw, _ = K._bwd_config(bh * bhd)
         variants = []
         for pre in (True, False):
             variants.append(("fwd", "fwd", fbt, fw, pre, lambda bt, w, pre: K._launch_fwd(

@@ -111,7 +111,14 @@ def _kernel(sources, extra, query, norm_weight, grad_out, heads, tau):
 NAMES = ("out", "dsources", "dextra", "dquery", "dnorm")
 
 
-def _assert_rule(got, ref32, ref_lp, atol_frac):
+def _atol(name, ref, frac, tokens):
+    """frac of the largest reference value, plus, for dquery/dnorm (sums over tokens), a
+    floor for per-token rounding: with one source the exact logit gradient is 0, but the
+    kernel's recomputed weights (FMA-contracted) leave ~1e-7 per token."""
+    return frac * ref.abs().max().item() + (1e-7 * tokens if name in ("dquery", "dnorm") else 1e-6)
+
+
+def _assert_rule(got, ref32, ref_lp, atol_frac, tokens):
     """Flash-attention rule: |got - ref32| <= 2 |ref_lp - ref32| + atol, by max error."""
     for name, g, r, lp in zip(NAMES, got, ref32, ref_lp):
         if r is None:
@@ -120,7 +127,7 @@ def _assert_rule(got, ref32, ref_lp, atol_frac):
         r = r.float()
         err = (g.float() - r).abs().max().item()
         err_lp = (lp.float() - r).abs().max().item()
-        atol = atol_frac * r.abs().max().item() + 1e-6
+        atol = _atol(name, r, atol_frac, tokens)
         assert err <= 2 * err_lp + atol, f"{name}: kernel err {err:.3e}, torch err {err_lp:.3e}"
 
 
@@ -139,11 +146,11 @@ def test_route_forward_backward(t, n, d, heads, has_extra, tau, layout, dtype):
             if r is None:
                 assert g is None, name
                 continue
-            scale = r.abs().max().item()
-            torch.testing.assert_close(g, r, rtol=2e-4, atol=2e-5 * scale + 1e-6, msg=name)
+            atol = _atol(name, r, 2e-5, _tokens(t))
+            torch.testing.assert_close(g, r, rtol=2e-4, atol=atol, msg=name)
     else:
         ref_lp = _reference(*inputs, heads, tau)
-        _assert_rule(got, ref32, ref_lp, atol_frac=2e-3)
+        _assert_rule(got, ref32, ref_lp, atol_frac=2e-3, tokens=_tokens(t))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -210,7 +217,9 @@ def test_fused_depth_route_autograd(n, tokens, d, heads, dtype):
 def test_deterministic(t, n, d, heads, has_extra):
     """Two forward+backward passes are bitwise equal (no atomics in the dq/dg reduction)."""
     inputs = _inputs(t, n, d, heads, has_extra, 8.0, "buffer", torch.bfloat16)
+    torch.manual_seed(1)  # the same initial gradient buffer for both runs
     first = _kernel(*inputs, heads, 8.0)
+    torch.manual_seed(1)
     second = _kernel(*inputs, heads, 8.0)
     for name, a, b in zip(NAMES, first, second):
         if a is not None:
