@@ -174,7 +174,7 @@ def run_distributed(
         for r in sorted(failures):
             lines.append(f"--- rank {r} ({failures[r][0]}) ---\n{failures[r][1].rstrip()}")
         if missing:
-            reason = "timed out" if first_failure_at is None else "stopped after another rank failed"
+            reason = "timed out" if first_failure_at is None else "stopped after a failure"
             lines.append(f"--- ranks {missing}: no result ({reason}, timeout={timeout}s) ---")
         raise DistributedTestError("\n".join(lines))
     return [

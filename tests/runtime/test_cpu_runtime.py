@@ -72,14 +72,16 @@ def _build_chunks(config) -> List[torch.nn.Module]:
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp in range(vpp) if vpp else [None]:
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         chunks.append(
             GPTModel(
                 config,
                 _layer_spec(config, vp),
                 vocab_size=VOCAB,
                 max_sequence_length=SEQ,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                pre_process=first,
+                post_process=last,
                 vp_stage=vp,
             )
         )
