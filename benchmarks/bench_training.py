@@ -16,6 +16,7 @@ routing reference ops and everything else.
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -189,6 +190,7 @@ def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profi
         print(f"[{case.name}] {name}: {entry['tokens_per_s']:.0f} tok/s, "
               f"peak {entry.get('peak_memory_gib', 0):.1f} GiB, loss {losses[-1]:.3f}", flush=True)
         del ddp, optimizer, batches
+        gc.collect()
     base = results.get("baseline")
     if base:
         peak = _peak_flops()

@@ -111,8 +111,11 @@ class MHARTransformerBlock(TransformerBlock):
                     layer(depth_stream=stream, **layer_kwargs)
 
         if not self.post_process:
-            return stream.pack(self.next_site)
+            packed = stream.pack(self.next_site)
+            stream.history.release()
+            return packed
         output = stream.output(self.final_router)
+        stream.history.release()
         if self.final_layernorm is not None:
             output = self.final_layernorm(output)
         return make_viewless_tensor(inp=output, requires_grad=True, keep_graph=True)

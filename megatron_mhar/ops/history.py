@@ -99,7 +99,17 @@ class SourceHistory:
         s, b, h = self.shape
         return self.grad_buffer.view(s * b, self.capacity, h)[:, :stop]
 
-    # -- the three operations the model uses --------------------------------------------
+    def release(self) -> None:
+        """Drop the last token once the forward pass is done.
+
+        The autograd nodes keep the history (for the buffer) and the history keeps the
+        last token, an output of one of those nodes: a reference cycle through C++ that
+        Python's garbage collector cannot free, which would keep every micro-batch's
+        graph alive. Call this when no more reads or writes follow.
+        """
+        self.token = None
+
+    # -- the operations the model uses --------------------------------------------
     def write(self, row: int, source: torch.Tensor) -> None:
         """Store ``source`` [s, b, h] as row ``row`` (each row is written once per pass)."""
         if not 0 <= row < self.capacity:

@@ -272,3 +272,28 @@ def test_mhar_config_is_a_plain_dataclass():
     mhar = MHARConfig(variant="block", block_size=4)
     assert dataclasses.replace(mhar, num_heads=1).num_heads == 1
     assert not MHARConfig(variant="none").enabled
+
+
+@pytest.mark.parametrize("variant", ["full", "delta"])
+def test_graph_and_history_are_freed_after_backward(megatron_world1, monkeypatch, variant):
+    """No reference cycle keeps a micro-batch's history (and with it its graph) alive."""
+    import gc
+    import weakref
+
+    from megatron_mhar.ops import history as history_module
+
+    created = []
+    original_init = history_module.SourceHistory.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        created.append(weakref.ref(self))
+
+    monkeypatch.setattr(history_module.SourceHistory, "__init__", recording_init)
+    model = _build(_model_config(), MHARConfig(variant=variant))
+    for seed in range(2):
+        tokens, positions = _batch(seed)
+        model(tokens, positions, None, labels=tokens).float().mean().backward()
+    gc.collect()
+    assert len(created) == 2
+    assert all(ref() is None for ref in created)

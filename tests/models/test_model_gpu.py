@@ -34,13 +34,14 @@ def _model_config(attention_backend):
                           seq_length=SEQ, qk_layernorm=True, attention_backend=attention_backend)
 
 
-def _build(mhar, attention_backend="sdpa", seed=5):
+def _build(mhar, attention_backend="sdpa", seed=5, dtype=torch.bfloat16):
     from megatron.core import tensor_parallel
 
     from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
 
     model_cfg = _model_config(attention_backend)
-    config = make_transformer_config(model_cfg, mhar, **BF16)
+    precision = BF16 if dtype == torch.bfloat16 else {}
+    config = make_transformer_config(model_cfg, mhar, **precision)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return build_gpt_model(model_cfg, mhar, config).cuda()
@@ -55,7 +56,8 @@ def _batch():
 
 def _loss_and_grads(model):
     tokens, positions = _batch()
-    loss = model(tokens, positions, None, labels=tokens).float().mean()
+    labels = tokens.roll(1, dims=0)  # unrelated to the inputs: loss ~ ln(vocab) at init
+    loss = model(tokens, positions, None, labels=labels).float().mean()
     loss.backward()
     return loss.detach(), {n: p.grad.float().clone() for n, p in model.named_parameters()}
 
@@ -65,6 +67,7 @@ VARIANTS = [
     pytest.param(MHARConfig(variant="full", num_heads=8), id="full-H8"),
     pytest.param(MHARConfig(variant="full", num_heads=1), id="full-H1"),
     pytest.param(MHARConfig(variant="block", num_heads=8, block_size=3), id="block3"),
+    pytest.param(MHARConfig(variant="delta", num_heads=8, delta_block_layers=1), id="delta1"),
 ]
 
 
@@ -72,30 +75,47 @@ VARIANTS = [
 def test_bf16_forward_backward(megatron_cuda_world1, mhar):
     model = _build(mhar)
     loss, grads = _loss_and_grads(model)
-    assert torch.isfinite(loss) and 5.0 < loss.item() < 8.0  # ~ln(512) at init
+    assert torch.isfinite(loss) and 5.5 < loss.item() < 7.0  # ln(512) = 6.24 at init
     assert all(torch.isfinite(g).all() for g in grads.values())
 
 
 @pytest.mark.parametrize("mhar", VARIANTS[1:])
 def test_fused_kernels_match_reference_in_model(megatron_cuda_world1, mhar):
-    """impl=triton vs impl=torch inside the bf16 model: loss and every gradient."""
+    """impl=triton vs impl=torch inside the bf16 model, judged against an fp32 model.
+
+    Flash-attention rule: the fused model's error against the fp32 reference is at most
+    twice the error of the bf16 reference path, plus a small atol, for the loss and
+    every gradient.
+    """
     import dataclasses
 
-    reference = _build(dataclasses.replace(mhar, kernel_impl="torch"))
-    fused = _build(dataclasses.replace(mhar, kernel_impl="triton"))
-    with torch.no_grad():  # non-trivial routing: random queries and norm weights
+    fp32 = _build(dataclasses.replace(mhar, kernel_impl="torch"), dtype=torch.float32)
+    # Non-trivial routing: random queries, norm weights, gates. Scale 0.1 keeps the H=1
+    # logits (a sum over all 256 channels) in the range trained queries reach; at 0.3
+    # they saturate the softmax and bf16 noise elsewhere dominates both paths.
+    with torch.no_grad():
         generator = torch.Generator(device="cuda").manual_seed(1)
-        for (name, p_ref), p_fused in zip(reference.named_parameters(), fused.parameters()):
+        for name, param in fp32.named_parameters():
             if "router" in name:
-                p_ref.add_(0.5 * torch.randn(p_ref.shape, generator=generator, device="cuda"))
-            p_fused.copy_(p_ref)
-    loss_ref, grads_ref = _loss_and_grads(reference)
-    loss_fused, grads_fused = _loss_and_grads(fused)
-    torch.testing.assert_close(loss_fused, loss_ref, rtol=2e-2, atol=2e-2)
+                param.add_(0.1 * torch.randn(param.shape, generator=generator, device="cuda"))
+    results = {}
+    for impl, dtype in (("torch", torch.float32), ("torch", torch.bfloat16), ("triton", torch.bfloat16)):
+        model = _build(dataclasses.replace(mhar, kernel_impl=impl), dtype=dtype)
+        with torch.no_grad():
+            for p_model, p_ref in zip(model.parameters(), fp32.parameters()):
+                p_model.copy_(p_ref)
+        results[impl, dtype] = _loss_and_grads(model)
+    (loss_ref, grads_ref) = results["torch", torch.float32]
+    (loss_bf16, grads_bf16) = results["torch", torch.bfloat16]
+    (loss_fused, grads_fused) = results["triton", torch.bfloat16]
+    assert (loss_fused - loss_ref).abs() <= 2 * (loss_bf16 - loss_ref).abs() + 1e-2
     for name, grad in grads_ref.items():
-        scale = grad.abs().max().clamp_min(1e-6)
-        error = (grads_fused[name] - grad).abs().max() / scale
-        assert error < 0.1, f"{name}: relative max error {error:.3g}"
+        fused_error = (grads_fused[name] - grad).abs().max()
+        bf16_error = (grads_bf16[name] - grad).abs().max()
+        atol = 1e-2 * grad.abs().max() + 1e-6
+        assert fused_error <= 2 * bf16_error + atol, (
+            f"{name}: fused error {fused_error:.3g} vs bf16 reference error {bf16_error:.3g}"
+        )
 
 
 def test_variant_none_bitwise_equals_megatron_gpt(megatron_cuda_world1):
