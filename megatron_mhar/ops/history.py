@@ -155,15 +155,14 @@ class _WriteRow(torch.autograd.Function):
     @staticmethod
     def forward(ctx, history, row, source, token):
         history.buffer[:, :, row].copy_(source)
+        ctx.set_materialize_grads(False)
         ctx.history, ctx.row, ctx.dtype = history, row, source.dtype
-        ctx.has_token = token is not None
         return _new_token(source)
 
     @staticmethod
     def backward(ctx, _grad_token):
         grad_source = ctx.history.grad_buffer[:, :, ctx.row].to(ctx.dtype)
-        grad_token = _grad_token if ctx.has_token else None
-        return None, None, grad_source, grad_token
+        return None, None, grad_source, None
 
 
 class _RouteRows(torch.autograd.Function):
@@ -180,13 +179,15 @@ class _RouteRows(torch.autograd.Function):
             history.eps,
             history.logit_scale,
         )
+        ctx.set_materialize_grads(False)
         ctx.history, ctx.num_rows, ctx.saved = history, num_rows, saved
-        ctx.has_token = token is not None
         ctx.save_for_backward(query, norm_weight, extra)
         return out.view(s, b, h)
 
     @staticmethod
     def backward(ctx, grad_out):
+        if grad_out is None:  # the routed output was not used
+            return (None,) * 6
         history = ctx.history
         query, norm_weight, extra = ctx.saved_tensors
         s, b, h = history.shape
@@ -205,11 +206,12 @@ class _RouteRows(torch.autograd.Function):
         )
         if grad_extra is not None:
             grad_extra = grad_extra.view(s, b, h).to(extra.dtype)
-        grad_token = torch.zeros((), device=grad_out.device) if ctx.has_token else None
+        # Tokens carry ordering only; their gradient is None (materialize_grads is off,
+        # so no zero tensors are allocated, and autograd still runs the producers).
         return (
             None,
             None,
-            grad_token,
+            None,
             grad_query.to(query.dtype),
             grad_norm.to(norm_weight.dtype),
             grad_extra,
@@ -220,18 +222,18 @@ class _PackRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, history, num_rows, token):
         s, b, h = history.shape
+        ctx.set_materialize_grads(False)
         ctx.history, ctx.num_rows = history, num_rows
-        ctx.has_token = token is not None
         return history.buffer[:, :, :num_rows].reshape(s, b, num_rows * h).clone()
 
     @staticmethod
     def backward(ctx, grad_packed):
-        s, b, h = ctx.history.shape
-        ctx.history.grad_buffer[:, :, : ctx.num_rows].add_(
-            grad_packed.view(s, b, ctx.num_rows, h)
-        )
-        grad_token = torch.zeros((), device=grad_packed.device) if ctx.has_token else None
-        return None, None, grad_token
+        if grad_packed is not None:
+            s, b, h = ctx.history.shape
+            ctx.history.grad_buffer[:, :, : ctx.num_rows].add_(
+                grad_packed.view(s, b, ctx.num_rows, h)
+            )
+        return None, None, None
 
 
 class _LoadRows(torch.autograd.Function):
@@ -239,6 +241,7 @@ class _LoadRows(torch.autograd.Function):
     def forward(ctx, history, num_rows, packed):
         s, b, h = history.shape
         history.buffer[:, :, :num_rows].copy_(packed.view(s, b, num_rows, h))
+        ctx.set_materialize_grads(False)
         ctx.history, ctx.num_rows, ctx.dtype = history, num_rows, packed.dtype
         return _new_token(packed)
 
