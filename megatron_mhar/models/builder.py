@@ -6,6 +6,10 @@ from typing import Optional
 
 from megatron.core.models.gpt import gpt_model as megatron_gpt_model
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mhar.config import MHARConfig
@@ -43,6 +47,12 @@ class MHARTransformerConfig(TransformerConfig):
             value = getattr(self, field, supported)
             if value != supported:
                 raise ValueError(f"{field}={value!r} is not supported with MHAR decoders: {fix}")
+        if self.pipeline_model_parallel_size > 1 and self.variable_seq_lengths:
+            raise ValueError(
+                "variable_seq_lengths=True is not supported with MHAR pipeline parallelism (the "
+                "p2p shapes follow from the depth layout at one sequence length); pad "
+                "micro-batches to one length and set variable_seq_lengths=False"
+            )
 
 
 def make_transformer_config(model: GPTModelConfig, mhar: MHARConfig, **overrides) -> TransformerConfig:
@@ -104,9 +114,17 @@ def build_gpt_model(
             "make_transformer_config(model, mhar, ...)"
         )
     model_class = MHARGPTModel if mhar.enabled else GPTModel
+    spec = get_mhar_layer_spec(model, mhar, layer_norm)
+    if layer_norm is not None and model.spec == "local":
+        # The block's final norm is not part of the layer spec; Megatron's default for it
+        # (WrappedTorchNorm without apex/TE) refuses sequence parallelism.
+        spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+            layer_norm=layer_norm,
+        )
     return model_class(
         config=config,
-        transformer_layer_spec=get_mhar_layer_spec(model, mhar, layer_norm),
+        transformer_layer_spec=spec,
         vocab_size=model.padded_vocab_size(config.tensor_model_parallel_size),
         max_sequence_length=model.seq_length,
         pre_process=pre_process,

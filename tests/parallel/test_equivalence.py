@@ -1,0 +1,138 @@
+"""TP / SP / DP / PP / interleaved PP on CPU (gloo) == the single-process run.
+
+Every layout trains the same tiny model (4 layers, d=32) from the same weights on the
+same global batch for 3 optimizer steps through Megatron's schedules, DDP,
+``finalize_model_grads`` and ``get_megatron_optimizer``, then runs one forward-only
+pass. Losses must agree within 1e-5 relative, and every parameter's gradient at step 1,
+gathered back to full shape (TP shards concatenated, pipeline chunks mapped to global
+layer numbers), within fp32 tolerance.
+
+All jobs of one world size run in one spawned process group (module-scoped), so the
+grid costs two process starts.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+
+from tests.multiprocess import run_distributed
+from tests.parallel import harness as H
+
+L = H.Layout
+LAYOUTS = [
+    # column/row-parallel shards; routing replicated, every rank sees the whole sequence
+    pytest.param(L(tp=2), id="tp2"),
+    # tokens sharded over TP: routing grads are partial sums until finalize sums them
+    pytest.param(L(tp=2, sp=True), id="tp2-sp"),
+    # DDP all-reduce; the 4 micro-batches split over 2 replicas
+    pytest.param(L(dp=2), id="dp2"),
+    # 1F1B, one boundary (adjust_tensor_shapes_fn); block: a partial crosses it
+    pytest.param(L(pp=2), id="pp2"),
+    # uneven stages (1 + 3 layers): the boundary moves to site 3
+    pytest.param(L(pp=2, first=1, last=3), id="pp2-uneven-1-3"),
+    # interleaved 1F1B: 3 boundaries of 3 widths over 2 ranks (LayoutP2PCommunicator)
+    pytest.param(L(pp=2, vpp=2), id="pp2-vpp2"),
+    # 3 boundaries, 4 ranks
+    pytest.param(L(pp=4), id="pp4"),
+    pytest.param(L(tp=2, pp=2), id="tp2-pp2"),
+    # p2p tensors are [s/tp, b, width*h]
+    pytest.param(L(tp=2, pp=2, sp=True), id="tp2-sp-pp2"),
+]
+VARIANTS = [pytest.param(v, id=v) for v in H.VARIANTS]
+
+# Routing parameters without their sequence_parallel marking (negative control).
+UNMARKED = {v: L(tp=2, sp=True, unmark_routing_sp=True) for v in ("full", "block")}
+
+LOSS_RTOL = 1e-5
+GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-5  # atol relative to the tensor's largest reference grad
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Single-process run of each variant: (weights, losses, step-1 grads)."""
+    from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in LAUNCHER_ENV:
+            mp.delenv(name, raising=False)
+        initialize_model_parallel_from_env(tp=1, pp=1, seed=H.SEED, device="cpu")
+        try:
+            return {variant: H.reference(variant) for variant in H.VARIANTS}
+        finally:
+            destroy()
+
+
+def _all_jobs() -> List[Tuple[H.Layout, str]]:
+    jobs = [(p.values[0], v) for p in LAYOUTS for v in H.VARIANTS]
+    return jobs + [(layout, v) for v, layout in UNMARKED.items()]
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(references):
+    """(layout, variant) -> per-rank results; one process group per world size."""
+    cache: Dict[Tuple[H.Layout, str], List[dict]] = {}
+    weights = {variant: ref[0] for variant, ref in references.items()}
+
+    def get(layout: H.Layout, variant: str) -> List[dict]:
+        if (layout, variant) not in cache:
+            jobs = [job for job in _all_jobs() if job[0].world == layout.world]
+            per_rank = run_distributed(H.parallel_worker, layout.world, jobs, weights, timeout=600)
+            for index, job in enumerate(jobs):
+                cache[job] = [rank[index] for rank in per_rank]
+        return cache[(layout, variant)]
+
+    return get
+
+
+def _assert_grads_close(grads: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]):
+    tied = grads.pop("output_layer.weight", None)  # the last stage's tied copy
+    assert grads.keys() == expected.keys()
+    if tied is not None:
+        grads["output_layer.weight (tied copy)"] = tied
+        expected = dict(expected, **{"output_layer.weight (tied copy)":
+                                     expected["embedding.word_embeddings.weight"]})
+    for name, grad in grads.items():
+        ref = expected[name]
+        torch.testing.assert_close(
+            grad, ref, rtol=GRAD_RTOL, atol=GRAD_ATOL * ref.abs().max().item(), msg=lambda m: f"{name}: {m}"
+        )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matches_single_process(references, parallel_runs, layout, variant):
+    _, expected_losses, expected_grads = references[variant]
+    results = parallel_runs(layout, variant)
+    for result in results:  # every rank sees the global loss of every step
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor(expected_losses), rtol=LOSS_RTOL, atol=0
+        )
+    _assert_grads_close(H.gather_grads(results), expected_grads)
+    for name in H.replicated_names(results):  # TP replicas were reduced to one value
+        scale = expected_grads.get(name, expected_grads["embedding.word_embeddings.weight"])
+        assert H.replicated_grad_spread(results, name) <= GRAD_ATOL * scale.abs().max().item(), name
+
+
+@pytest.mark.parametrize("variant", ["full", "block"])
+def test_routing_grads_need_the_sequence_parallel_marking(references, parallel_runs, variant):
+    """Without ``sequence_parallel`` on the routing parameters, finalize_model_grads does
+    not sum their partial gradients over the TP group: they diverge from the reference
+    (and between TP ranks), while every other gradient still matches."""
+    _, _, expected = references[variant]
+    results = parallel_runs(UNMARKED[variant], variant)
+    grads = H.gather_grads(results)
+    routing = sorted(name for name in expected if name.split(".")[-2].endswith("router"))
+    assert routing
+    for name in routing:
+        scale = expected[name].abs().max().item()
+        if scale == 0:  # site 1 routes over the embedding alone: nothing to learn
+            assert name.startswith("decoder.layers.0.input_router."), name
+            continue
+        assert (grads[name] - expected[name]).abs().max().item() > 1e-2 * scale, name
+        assert H.replicated_grad_spread(results, name) > 1e-2 * scale, name
+    _assert_grads_close({n: g for n, g in grads.items() if n not in routing},
+                        {n: g for n, g in expected.items() if n not in routing})
