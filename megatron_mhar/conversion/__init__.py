@@ -1,0 +1,11 @@
+"""Checkpoint conversion between Hugging Face Llama/Qwen3 and Megatron MHAR GPT models.
+
+* :mod:`~megatron_mhar.conversion.mapping`: the weight-name table and its special cases.
+* :mod:`~megatron_mhar.conversion.hf_config`: HF ``config.json`` <-> ``GPTModelConfig``.
+* :mod:`~megatron_mhar.conversion.hf_io`: safetensors directories and the MHAR side file.
+* :mod:`~megatron_mhar.conversion.checkpoint`: the distributed-checkpoint layout.
+* :mod:`~megatron_mhar.conversion.convert`: :func:`plan_import` / :func:`hf_to_mcore`
+  and :func:`mcore_to_hf`, what ``checkpoint_tools/`` runs.
+
+Importing this package does not import Megatron.
+"""

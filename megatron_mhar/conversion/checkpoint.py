@@ -1,0 +1,277 @@
+"""Megatron distributed checkpoints of converted models: layout, publishing, build and load.
+
+A converted checkpoint uses the training driver's layout
+(``megatron_mhar/training/checkpointing.py``), so ``checkpoint.load`` of a recipe
+points at it directly::
+
+    out/
+      latest                  text: iter_0000000
+      iter_0000000/           one megatron.core.dist_checkpointing checkpoint
+        common.pt, metadata.json, __*.distcp
+        train_config.yaml     the model and mhar sections a recipe must repeat
+        conversion.json       source, architecture, dtype, layout of the conversion
+        hf/                   the source config.json and tokenizer files (for the export)
+
+The common state holds what the driver's ``load_checkpoint(..., model_only=True)``
+reads: ``config`` (``{"model": ..., "mhar": ...}`` as dicts of
+:class:`GPTModelConfig` and :class:`MHARConfig`), ``iteration`` 0, an empty
+``train_state`` and ``checkpoint_version``. There is no optimizer state, so a run
+starting from it sets ``checkpoint.load_model_only: true``.
+
+The whole ``out/`` directory is written under ``.tmp.<name>`` beside it and renamed
+into place only once complete (:func:`publish`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.config import GPTModelConfig
+
+LATEST = "latest"
+ITERATION_DIR = "iter_0000000"
+TMP_PREFIX = ".tmp."
+OLD_PREFIX = ".old."
+CHECKPOINT_VERSION = 1
+HF_SUBDIR = "hf"
+CONVERSION_FILE = "conversion.json"
+TRAIN_CONFIG_FILE = "train_config.yaml"
+
+
+# ---------------------------------------------------------------- layout and publishing
+
+
+def find_checkpoint(path: Path) -> Path:
+    """The checkpoint ``path`` designates: via its ``latest`` file, or ``path`` itself."""
+    path = Path(path)
+    latest = path / LATEST
+    if latest.is_file():
+        target = path / latest.read_text().strip()
+        if not (target / "metadata.json").is_file():
+            raise FileNotFoundError(f"{latest} names {target.name!r}, which is not a complete checkpoint")
+        return target
+    if (path / "metadata.json").is_file():
+        return path
+    raise FileNotFoundError(
+        f"{path} is not a Megatron distributed checkpoint (no {LATEST} file, no metadata.json)"
+    )
+
+
+def staging_dir(out: Path) -> Path:
+    """Where ``out`` is written before :func:`publish` renames it into place."""
+    out = Path(out).absolute()
+    return out.parent / f"{TMP_PREFIX}{out.name}"
+
+
+def prepare_output(out: Path, overwrite: bool) -> Path:
+    """Check ``out`` may be written; return a fresh, empty staging directory."""
+    out = Path(out).absolute()
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; choose a new --out or pass --overwrite")
+    tmp = staging_dir(out)
+    if tmp.exists():  # an interrupted earlier conversion
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish(tmp: Path, out: Path) -> Path:
+    """Rename the complete staging directory to ``out`` (replacing an old ``out``)."""
+    from megatron_mhar.conversion.hf_io import fsync_tree
+
+    out = Path(out).absolute()
+    fsync_tree(tmp)
+    old = None
+    if out.exists():
+        old = out.parent / f"{OLD_PREFIX}{out.name}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(out, old)
+    os.rename(tmp, out)
+    fd = os.open(out.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old is not None:
+        shutil.rmtree(old)
+    return out
+
+
+# ---------------------------------------------------------------- configs
+
+
+def config_dicts(model: GPTModelConfig, mhar: MHARConfig) -> Dict[str, Any]:
+    """The ``config`` entry of the common state (the driver compares these sections)."""
+    return {"model": dataclasses.asdict(model), "mhar": dataclasses.asdict(mhar)}
+
+
+def read_configs(checkpoint: Path) -> Tuple[GPTModelConfig, MHARConfig, Dict[str, Any]]:
+    """(model config, mhar config, common state) of a converted or trained checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(checkpoint))
+    saved = common.get("config") if isinstance(common, dict) else None
+    if not isinstance(saved, dict) or "model" not in saved:
+        raise ValueError(
+            f"{checkpoint} has no model config in its common state; it was written neither by "
+            f"hf_to_mcore_mhar.py nor by megatron_mhar.train"
+        )
+    try:
+        model = GPTModelConfig(**saved["model"])
+        mhar = MHARConfig(**saved.get("mhar", {"variant": "none"}))
+    except TypeError as err:
+        raise ValueError(f"{checkpoint}: its model/mhar config does not fit this version: {err}") from None
+    return model, mhar, common
+
+
+def stored_dtype(checkpoint: Path) -> torch.dtype:
+    """The dtype the checkpoint stores the word embeddings in."""
+    from megatron.core import dist_checkpointing
+
+    metadata = dist_checkpointing.load_tensors_metadata(str(checkpoint))
+    return metadata["embedding.word_embeddings.weight"].dtype
+
+
+# ---------------------------------------------------------------- models
+
+
+def build_model(
+    model: GPTModelConfig,
+    mhar: MHARConfig,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+):
+    """This rank's GPT chunk (no VPP), uninitialised: every tensor is loaded afterwards.
+
+    Routing parameters are exceptions: they are created with their identity values
+    (MHAR.md §3) regardless of ``perform_initialization``.
+    """
+    from megatron.core import parallel_state
+
+    from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    check_layout(model, tp, pp)
+    # The distributed checkpoint keys are the same for the local and the TE spec.
+    local = dataclasses.replace(model, spec="local")
+    config = make_transformer_config(
+        local,
+        mhar,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        use_cpu_initialization=device == "cpu",
+        perform_initialization=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+    )
+    first = parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process
+    last = parallel_state.is_pipeline_last_stage() if post_process is None else post_process
+    chunk = build_gpt_model(local, mhar, config, pre_process=first, post_process=last)
+    return chunk.to(device)
+
+
+def check_layout(model: GPTModelConfig, tp: int, pp: int) -> None:
+    """Clear errors for layouts the model cannot be split into."""
+    groups = model.num_query_groups or model.num_attention_heads
+    if model.num_attention_heads % tp or groups % tp:
+        raise ValueError(
+            f"--tp {tp} must divide the attention heads ({model.num_attention_heads}) and the "
+            f"KV heads ({groups})"
+        )
+    if model.num_layers % pp:
+        raise ValueError(f"--pp {pp} must divide the number of layers ({model.num_layers})")
+
+
+def global_name(chunk, name: str) -> str:
+    """The TP=1/PP=1 name of a chunk's tensor (layer indices made global)."""
+    prefix = "decoder.layers."
+    if name.startswith(prefix):
+        index, rest = name[len(prefix):].split(".", 1)
+        return f"{prefix}{chunk.decoder.layers[int(index)].layer_number - 1}.{rest}"
+    return name
+
+
+def tp_slice(name: str, full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's part of a full (TP=1 layout) tensor.
+
+    Megatron marks split parameters with ``tensor_model_parallel`` and
+    ``partition_dim``. SwiGLU's ``linear_fc1`` is the one split that is not a
+    contiguous chunk: each rank holds ``[gate shard; up shard]``.
+    """
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    if name.endswith("mlp.linear_fc1.weight"):
+        gate, up = full.chunk(2, dim=dim)
+        return torch.cat([gate.chunk(tp_size, dim)[tp_rank], up.chunk(tp_size, dim)[tp_rank]], dim)
+    return full.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def full_state_dict(chunk) -> Dict[str, torch.Tensor]:
+    """Tensors of a TP=1/PP=1 model by name (extra states and tied copies left out)."""
+    return {
+        name: tensor
+        for name, tensor in chunk.state_dict().items()
+        if torch.is_tensor(tensor) and not name.endswith("_extra_state")
+    }
+
+
+def sharded_state(chunk) -> Dict[str, Any]:
+    """What ``dist_checkpointing`` saves and loads for one chunk: the driver's ``model`` key."""
+    return {"model": chunk.sharded_state_dict()}
+
+
+def save(chunk, checkpoint_dir: Path, common: Dict[str, Any]) -> None:
+    """Collective: write this rank's shards and (rank 0) the common state."""
+    from megatron.core import dist_checkpointing
+
+    state = sharded_state(chunk)
+    state.update(common)
+    dist_checkpointing.save(state, str(checkpoint_dir))
+
+
+def load_into(chunk, checkpoint: Path) -> None:
+    """Collective: load the weights of ``checkpoint`` into ``chunk`` (any layout, strict)."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(sharded_state(chunk), str(checkpoint))
+    missing, unexpected = chunk.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"{checkpoint}: missing tensors {missing}, unexpected tensors {unexpected}")
+
+
+def common_state(model: GPTModelConfig, mhar: MHARConfig, conversion: Dict[str, Any]) -> Dict[str, Any]:
+    """The non-tensor part of a converted checkpoint (see the module docstring)."""
+    return {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": 0,
+        "config": config_dicts(model, mhar),
+        "train_state": {},
+        "conversion": conversion,
+    }
+
+
+def write_train_config(iteration_dir: Path, model: GPTModelConfig, mhar: MHARConfig) -> None:
+    import yaml
+
+    text = (
+        "# The model and mhar sections a recipe continuing from this checkpoint must use\n"
+        "# (megatron_mhar.train compares them field by field before loading).\n"
+    )
+    text += yaml.safe_dump(config_dicts(model, mhar), sort_keys=False)
+    (iteration_dir / TRAIN_CONFIG_FILE).write_text(text)

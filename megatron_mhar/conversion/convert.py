@@ -1,0 +1,372 @@
+"""HF Llama/Qwen3 (safetensors) <-> Megatron distributed checkpoint with MHAR parameters.
+
+:func:`hf_to_mcore` runs one process per model-parallel rank (``tp * pp`` gloo
+processes on CPU: spawned here, or given by torchrun/srun). Each rank builds its
+GPT chunk, reads only the HF tensors it holds, fuses and slices them by the table
+in :mod:`megatron_mhar.conversion.mapping`, and Megatron's ``dist_checkpointing``
+writes the shards. The result loads at any TP/PP layout (Megatron's sharded keys
+are global; the padded vocabulary rows are ``allow_shape_mismatch``).
+
+:func:`mcore_to_hf` loads a converted or trained checkpoint into a single-process
+model and writes HF safetensors; MHAR routing parameters go to the side file
+described in :mod:`megatron_mhar.conversion.hf_io`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import shutil
+import socket
+import traceback
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+from megatron_mhar.config import MHARConfig
+from megatron_mhar.conversion import checkpoint, hf_config, hf_io, mapping
+from megatron_mhar.models.config import GPTModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclasses.dataclass
+class ImportPlan:
+    """Everything every rank needs to convert one HF directory (picklable)."""
+
+    hf_dir: str
+    out: str
+    model: GPTModelConfig
+    mhar: MHARConfig
+    dtype: str
+    tp: int
+    pp: int
+    overwrite: bool
+    side_file: bool
+    """Whether routing parameters come from the HF directory's MHAR side file."""
+    hf_ignored: tuple
+
+
+def plan_import(
+    hf_dir: Path,
+    out: Path,
+    variant: Optional[str] = None,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: Optional[str] = None,
+    seq_length: Optional[int] = None,
+    make_vocab_size_divisible_by: int = 128,
+    overwrite: bool = False,
+    mhar_overrides: Optional[Dict[str, Any]] = None,
+    model_overrides: Optional[Dict[str, Any]] = None,
+) -> ImportPlan:
+    """Validate everything that can be checked before any process starts."""
+    hf_dir = Path(hf_dir)
+    raw = hf_io.read_config(hf_dir)
+    model = hf_config.model_config_from_hf(
+        raw, seq_length, make_vocab_size_divisible_by, **(model_overrides or {})
+    )
+    checkpoint.check_layout(model, tp, pp)
+    side = hf_io.read_mhar_side_file(hf_dir)
+    fields: Dict[str, Any] = {}
+    if side is not None:
+        description, _ = side
+        fields.update(description["mhar"])
+        if variant is not None and variant != fields["variant"]:
+            raise ValueError(
+                f"{hf_dir} carries MHAR parameters of variant {fields['variant']!r} "
+                f"({hf_io.MHAR_PARAMS_FILE}); --variant {variant} would drop or misplace them. "
+                f"Use --variant {fields['variant']} or convert a directory without the side file"
+            )
+    elif variant is None:
+        raise ValueError("--variant is required (none, full, block or delta)")
+    else:
+        fields["variant"] = variant
+    fields.update(mhar_overrides or {})
+    mhar = MHARConfig(**fields)
+    mhar.validate_for_model(model.hidden_size, model.num_layers)
+    if side is not None:
+        _check_side_file(side[0], model, mhar, hf_dir)
+    names = hf_io.SafetensorsReader(hf_dir).keys()
+    ignored = mapping.check_hf_names(names, model, str(hf_dir))
+    dtype = dtype or _hf_dtype(raw, hf_dir)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return ImportPlan(str(hf_dir), str(Path(out).absolute()), model, mhar, dtype, tp, pp,
+                      overwrite, side is not None, tuple(ignored))
+
+
+def _hf_dtype(raw: Dict[str, Any], hf_dir: Path) -> str:
+    """The dtype of the HF tensors (kept, so HF -> Megatron -> HF is bitwise)."""
+    reader = hf_io.SafetensorsReader(hf_dir)
+    return _DTYPE_NAMES[reader("model.embed_tokens.weight").dtype]
+
+
+def _check_side_file(description, model: GPTModelConfig, mhar: MHARConfig, hf_dir: Path) -> None:
+    saved = GPTModelConfig(**description["model"])
+    hf_config.check_same_function(saved, model, f"{hf_dir}/config.json and {hf_io.MHAR_CONFIG_FILE}")
+    if {k: v for k, v in description["mhar"].items() if k != "kernel_impl"} != {
+        k: v for k, v in dataclasses.asdict(mhar).items() if k != "kernel_impl"
+    }:
+        raise ValueError(
+            f"{hf_io.MHAR_CONFIG_FILE} has mhar={description['mhar']}, the options ask for "
+            f"{dataclasses.asdict(mhar)}; routing parameters only fit the configuration they "
+            f"were trained with"
+        )
+
+
+def hf_to_mcore(plan: ImportPlan) -> Path:
+    """Convert; spawns ``tp * pp`` ranks unless already launched as that many ranks."""
+    world = plan.tp * plan.pp
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if "WORLD_SIZE" in os.environ and launched != world:
+        raise ValueError(f"launched with WORLD_SIZE={launched}, but --tp x --pp = {world}")
+    if world > 1 and "WORLD_SIZE" not in os.environ:
+        spawn(_import_rank, world, plan)
+    else:
+        _import_rank(plan)
+    return Path(plan.out)
+
+
+def _import_rank(plan: ImportPlan) -> None:
+    """One rank of the import (a collective over ``tp * pp`` ranks)."""
+    from megatron_mhar.runtime import destroy
+
+    started = _ensure_parallel_state(plan.tp, plan.pp)
+    rank = torch.distributed.get_rank()
+    out = Path(plan.out)
+    tmp = checkpoint.staging_dir(out)
+    try:
+        if rank == 0:
+            checkpoint.prepare_output(out, plan.overwrite)
+        torch.distributed.barrier()
+
+        chunk = checkpoint.build_model(plan.model, plan.mhar, DTYPES[plan.dtype])
+        _fill_from_hf(chunk, plan)
+        iteration_dir = tmp / checkpoint.ITERATION_DIR
+        if rank == 0:
+            iteration_dir.mkdir()
+        torch.distributed.barrier()
+        conversion = {
+            "source": str(Path(plan.hf_dir).absolute()),
+            "architecture": hf_config.architecture(hf_io.read_config(Path(plan.hf_dir))),
+            "dtype": plan.dtype,
+            "converted_at_layout": {"tp": plan.tp, "pp": plan.pp},
+            "mhar_params_from_side_file": plan.side_file,
+            "ignored_hf_tensors": list(plan.hf_ignored),
+        }
+        checkpoint.save(chunk, iteration_dir, checkpoint.common_state(plan.model, plan.mhar, conversion))
+        if rank == 0:
+            checkpoint.write_train_config(iteration_dir, plan.model, plan.mhar)
+            (iteration_dir / checkpoint.CONVERSION_FILE).write_text(json.dumps(conversion, indent=2) + "\n")
+            hf_dir = iteration_dir / checkpoint.HF_SUBDIR
+            hf_dir.mkdir()
+            hf_io.copy_auxiliary(Path(plan.hf_dir), hf_dir, ("config.json",) + hf_io.AUXILIARY_FILES)
+            (tmp / checkpoint.LATEST).write_text(checkpoint.ITERATION_DIR + "\n")
+            checkpoint.publish(tmp, out)
+        torch.distributed.barrier()
+    except BaseException:
+        if rank == 0 and tmp.exists():  # never leave a half-written checkpoint behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if started:
+            destroy()
+
+
+def _ensure_parallel_state(tp: int, pp: int) -> bool:
+    """Initialise Megatron for ``tp x pp`` CPU ranks unless it already is; True if started here."""
+    from megatron.core import parallel_state
+
+    from megatron_mhar.runtime import initialize_model_parallel_from_env
+
+    if not torch.distributed.is_initialized():
+        initialize_model_parallel_from_env(tp=tp, pp=pp, device="cpu", create_gloo_process_groups=False)
+        return True
+    have = (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            torch.distributed.get_world_size())
+    if have != (tp, pp, tp * pp):
+        raise ValueError(
+            f"Megatron is already initialised with TP={have[0]}, PP={have[1]}, world size "
+            f"{have[2]}; the conversion needs TP={tp}, PP={pp} on {tp * pp} ranks"
+        )
+    return False
+
+
+def _fill_from_hf(chunk, plan: ImportPlan) -> None:
+    """Copy every tensor of this rank's chunk from the HF checkpoint (or the side file)."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    reader = hf_io.SafetensorsReader(Path(plan.hf_dir))
+    shapes = mapping.Shapes.of(plan.model, tp_size)
+    routing = hf_io.read_mhar_side_file(Path(plan.hf_dir))[1] if plan.side_file else None
+    if plan.model.tie_embeddings and "lm_head.weight" in reader:
+        _check_tied_copy(reader)
+    used_routing = set()
+    for name, param in chunk.named_parameters():
+        key = checkpoint.global_name(chunk, name)
+        if mapping.is_mhar_param(key):
+            if routing is None:
+                continue  # identity values from the model's construction
+            if key not in routing:
+                raise ValueError(f"{hf_io.MHAR_PARAMS_FILE} has no {key!r}")
+            full = routing[key]
+            used_routing.add(key)
+        elif key == "output_layer.weight" and plan.model.tie_embeddings:
+            full = mapping.megatron_tensor("embedding.word_embeddings.weight", reader, shapes)
+        else:
+            full = mapping.megatron_tensor(key, reader, shapes)
+        value = checkpoint.tp_slice(key, full, param, tp_rank, tp_size)
+        if value.shape != param.shape:
+            raise ValueError(
+                f"{key}: converted shape {tuple(value.shape)} does not fit the model's "
+                f"{tuple(param.shape)} (TP rank {tp_rank} of {tp_size})"
+            )
+        with torch.no_grad():
+            param.copy_(value)
+    if routing is not None and parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        extra = sorted(set(routing) - used_routing)
+        if extra:
+            raise ValueError(f"{hf_io.MHAR_PARAMS_FILE} has tensors the model does not: {extra[:8]}")
+
+
+def _check_tied_copy(reader) -> None:
+    if not torch.equal(reader("lm_head.weight"), reader("model.embed_tokens.weight")):
+        raise ValueError(
+            "tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight; "
+            "fix tie_word_embeddings in config.json"
+        )
+
+
+# ---------------------------------------------------------------- Megatron -> HF
+
+
+def mcore_to_hf(
+    ckpt: Path,
+    out: Path,
+    overwrite: bool = False,
+    dtype: Optional[str] = None,
+    hf_reference: Optional[Path] = None,
+) -> Path:
+    """Write an HF directory (plus the MHAR side file for MHAR models) from a checkpoint.
+
+    ``config.json`` and the tokenizer files come from ``hf_reference`` if given, else
+    from the ``hf/`` folder a converted checkpoint carries; a checkpoint with neither
+    (trained from scratch) gets a config derived from its model config.
+    """
+    from megatron_mhar.runtime import destroy
+
+    found = checkpoint.find_checkpoint(Path(ckpt))
+    model_cfg, mhar, common = checkpoint.read_configs(found)
+    stored = checkpoint.stored_dtype(found)
+    target = DTYPES[dtype] if dtype else stored
+    started = _ensure_parallel_state(1, 1)
+    try:
+        chunk = checkpoint.build_model(model_cfg, mhar, stored)
+        checkpoint.load_into(chunk, found)
+        state = {k: v.to(target) for k, v in checkpoint.full_state_dict(chunk).items()}
+    finally:
+        if started:
+            destroy()
+    shapes = mapping.Shapes.of(model_cfg)
+    tensors, routing = mapping.hf_tensors(state, model_cfg, shapes)
+
+    out = Path(out).absolute()
+    tmp = checkpoint.prepare_output(out, overwrite)
+    source_hf = Path(hf_reference) if hf_reference else found / checkpoint.HF_SUBDIR
+    if hf_reference and not (source_hf / "config.json").is_file():
+        raise FileNotFoundError(f"--hf-reference {hf_reference} has no config.json")
+    if (source_hf / "config.json").is_file():
+        config = json.loads((source_hf / "config.json").read_text())
+        derived = hf_config.model_config_from_hf(config)
+        hf_config.check_same_function(derived, model_cfg, "the stored HF config and the checkpoint's model")
+        hf_io.copy_auxiliary(source_hf, tmp)
+    else:
+        config = hf_config.hf_config_from_model(model_cfg, _DTYPE_NAMES[target])
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    hf_io.write_safetensors(tensors, tmp)
+    if mhar.enabled:
+        hf_io.write_mhar_side_file(
+            tmp,
+            routing,
+            {
+                "variant": mhar.variant,
+                "mhar": dataclasses.asdict(mhar),
+                "model": dataclasses.asdict(model_cfg),
+                "source_checkpoint": str(found),
+            },
+        )
+    elif routing:
+        raise ValueError(f"variant none checkpoint holds routing tensors: {sorted(routing)[:4]}")
+    return checkpoint.publish(tmp, out)
+
+
+# ---------------------------------------------------------------- local ranks
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, fn, args, errors) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    try:
+        fn(*args)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+def spawn(fn, world: int, *args, timeout: float = 24 * 3600.0) -> None:
+    """Run ``fn(*args)`` on ``world`` local gloo ranks; raise with the first failure's traceback.
+
+    When one rank fails the others are stopped (they would wait in a collective).
+    """
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, fn, args, errors), daemon=False)
+        for r in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    failure = None
+    try:
+        while any(p.is_alive() for p in procs) and failure is None and time.monotonic() < deadline:
+            try:
+                failure = errors.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead and errors.empty():
+                    failure = (dead[0], f"exited with code {procs[dead[0]].exitcode}")
+        if failure is None and not errors.empty():
+            failure = errors.get()
+    finally:
+        for proc in procs:
+            if proc.is_alive() and (failure is not None or time.monotonic() >= deadline):
+                proc.terminate()
+        for proc in procs:
+            proc.join()
+    if failure is not None:
+        rank, text = failure
+        raise RuntimeError(f"conversion rank {rank} of {world} failed:\n{text}")
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"conversion ranks exited with codes {[p.exitcode for p in procs]}")

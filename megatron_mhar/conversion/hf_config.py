@@ -1,0 +1,233 @@
+"""Hugging Face ``config.json`` <-> :class:`GPTModelConfig`, for Llama and Qwen3.
+
+Reads the raw ``config.json`` dict (no ``transformers`` import), in both the
+transformers 4.x spelling (``rope_theta`` + ``rope_scaling``) and the 5.x one
+(``rope_parameters``). Anything the Megatron model would compute differently
+(biases, sliding windows, other RoPE scalings, a non-SiLU MLP) raises a
+``ValueError`` that names the field, instead of converting into a model that is
+silently not the same function.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from megatron_mhar.models.config import GPTModelConfig
+
+# architecture class -> (model_type, per-head q/k RMSNorm, default head_dim or None for d/heads)
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", False, None),
+    "Qwen3ForCausalLM": ("qwen3", True, 128),
+}
+_BY_MODEL_TYPE = {model_type: arch for arch, (model_type, _, _) in ARCHITECTURES.items()}
+
+# Megatron's Llama-3.1 RoPE scaling hard-codes these (RotaryEmbedding._apply_scaling).
+_MEGATRON_LLAMA3_SCALING = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def architecture(hf: Dict[str, Any]) -> str:
+    """The supported architecture class of an HF config, or a ``ValueError``."""
+    archs = hf.get("architectures") or []
+    if len(archs) > 1:
+        raise ValueError(f"config.json lists several architectures {archs}; expected exactly one")
+    arch = archs[0] if archs else _BY_MODEL_TYPE.get(hf.get("model_type"))
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {arch or hf.get('model_type')!r}: the converter handles "
+            f"{', '.join(ARCHITECTURES)}"
+        )
+    expected_type = ARCHITECTURES[arch][0]
+    if hf.get("model_type", expected_type) != expected_type:
+        raise ValueError(
+            f"config.json: architectures={archs} but model_type={hf.get('model_type')!r}; "
+            f"expected model_type={expected_type!r}"
+        )
+    return arch
+
+
+def _rope(hf: Dict[str, Any]):
+    """(theta, llama3 scaling factor or None) from either transformers spelling."""
+    params = hf.get("rope_parameters")
+    if params is not None:
+        theta = params.get("rope_theta", hf.get("rope_theta"))
+        scaling = params
+    else:
+        theta = hf.get("rope_theta", 10000.0)
+        scaling = hf.get("rope_scaling") or {}
+    if theta is None:
+        raise ValueError("config.json has no rope_theta")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return float(theta), None
+    if kind != "llama3":
+        raise ValueError(
+            f"config.json: RoPE scaling {kind!r} is not supported (Megatron's RoPE implements "
+            f"only 'llama3'); supported: default, llama3"
+        )
+    for key, megatron_value in _MEGATRON_LLAMA3_SCALING.items():
+        if key in scaling and float(scaling[key]) != float(megatron_value):
+            raise ValueError(
+                f"config.json: llama3 RoPE scaling with {key}={scaling[key]}; Megatron's RoPE "
+                f"hard-codes {key}={megatron_value}"
+            )
+    if "factor" not in scaling:
+        raise ValueError("config.json: llama3 RoPE scaling without 'factor'")
+    return float(theta), float(scaling["factor"])
+
+
+def _refuse(hf: Dict[str, Any], key: str, ok, why: str) -> None:
+    value = hf.get(key, ok)
+    if value != ok:
+        raise ValueError(f"config.json: {key}={value!r} is not supported ({why})")
+
+
+def model_config_from_hf(
+    hf: Dict[str, Any],
+    seq_length: Optional[int] = None,
+    make_vocab_size_divisible_by: int = 128,
+    **overrides,
+) -> GPTModelConfig:
+    """The :class:`GPTModelConfig` computing the same function as an HF Llama/Qwen3 config.
+
+    Args:
+        hf: the parsed ``config.json``.
+        seq_length: training sequence length; ``None`` takes ``max_position_embeddings``.
+        make_vocab_size_divisible_by: Megatron pads the embedding to a multiple of this
+            (times TP); the padded rows are zero and never predicted.
+        overrides: other GPTModelConfig fields that do not change the weights
+            (``attention_backend``, ``spec``, dropouts).
+    """
+    arch = architecture(hf)
+    _, qk_norm, default_head_dim = ARCHITECTURES[arch]
+    _refuse(hf, "hidden_act", "silu", "the Megatron model is a SwiGLU MLP")
+    _refuse(hf, "attention_bias", False, "Megatron's add_qkv_bias has no output-projection bias")
+    _refuse(hf, "mlp_bias", False, "MLP biases are not mapped")
+    _refuse(hf, "use_sliding_window", False, "sliding-window attention is not supported")
+    _refuse(hf, "pretraining_tp", 1, "set it to 1; it only changes how HF splits the matmuls")
+    _refuse(hf, "partial_rotary_factor", 1.0, "partial RoPE is not mapped")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "vocab_size", "rms_norm_eps"):
+        if key not in hf:
+            raise ValueError(f"config.json has no {key!r}")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or default_head_dim or hf["hidden_size"] // heads
+    theta, scaling = _rope(hf)
+    if theta != int(theta):
+        raise ValueError(f"config.json: rope_theta={theta} is not an integer (Megatron takes an int)")
+    fields = dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        kv_channels=head_dim,
+        vocab_size=hf["vocab_size"],
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        seq_length=seq_length or hf.get("max_position_embeddings") or 4096,
+        normalization="RMSNorm",
+        norm_epsilon=float(hf["rms_norm_eps"]),
+        swiglu=True,
+        qk_layernorm=qk_norm,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        rotary_base=theta,
+        rotary_percent=1.0,
+        rope_scaling=scaling is not None,
+        rope_scaling_factor=scaling if scaling is not None else 8.0,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_method_std=float(hf.get("initializer_range", 0.02)),
+        attention_dropout=float(hf.get("attention_dropout", 0.0)),
+    )
+    fields.update(overrides)
+    return GPTModelConfig(**fields)
+
+
+def hf_config_from_model(model: GPTModelConfig, dtype: str = "float32") -> Dict[str, Any]:
+    """A ``config.json`` for a checkpoint that has no source HF config (trained from scratch).
+
+    Qwen3ForCausalLM when the model has q/k norms, LlamaForCausalLM otherwise.
+    """
+    problems = []
+    if model.normalization != "RMSNorm":
+        problems.append("normalization must be RMSNorm")
+    if not model.swiglu:
+        problems.append("swiglu must be true")
+    if model.add_bias_linear or model.add_qkv_bias:
+        problems.append("add_bias_linear and add_qkv_bias must be false")
+    if model.rotary_percent != 1.0:
+        problems.append("rotary_percent must be 1.0")
+    if problems:
+        raise ValueError(f"model config has no Llama/Qwen3 equivalent: {'; '.join(problems)}")
+    arch = "Qwen3ForCausalLM" if model.qk_layernorm else "LlamaForCausalLM"
+    heads = model.num_attention_heads
+    rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": float(model.rotary_base)}
+    if model.rope_scaling:
+        rope = {"rope_type": "llama3", "factor": model.rope_scaling_factor,
+                **_MEGATRON_LLAMA3_SCALING, "rope_theta": float(model.rotary_base)}
+    config = {
+        "architectures": [arch],
+        "model_type": ARCHITECTURES[arch][0],
+        "hidden_size": model.hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": model.num_query_groups or heads,
+        "head_dim": model.kv_channels or model.hidden_size // heads,
+        "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size,
+        "vocab_size": model.vocab_size,
+        "max_position_embeddings": model.seq_length,
+        "rms_norm_eps": model.norm_epsilon,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": model.attention_dropout,
+        "tie_word_embeddings": model.tie_embeddings,
+        "initializer_range": model.init_method_std,
+        "rope_theta": float(model.rotary_base),
+        "rope_scaling": None if rope["rope_type"] == "default" else
+        {k: v for k, v in rope.items() if k != "rope_theta"},
+        "rope_parameters": rope,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+    if arch == "LlamaForCausalLM":
+        config["mlp_bias"] = False
+    return config
+
+
+def _function_fields(model: GPTModelConfig) -> Dict[str, Any]:
+    """The fields that define the weights and the function they compute, defaults resolved.
+
+    The rest (seq_length, spec, attention_backend, dropout, init, vocab padding) may
+    differ between a checkpoint and the config that exports or loads it.
+    """
+    heads = model.num_attention_heads
+    return dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=model.num_query_groups or heads,
+        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        kv_channels=model.kv_channels or model.hidden_size // heads,
+        vocab_size=model.vocab_size,
+        normalization=model.normalization,
+        norm_epsilon=model.norm_epsilon,
+        swiglu=model.swiglu,
+        qk_layernorm=model.qk_layernorm,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        rotary_base=model.rotary_base,
+        rotary_percent=model.rotary_percent,
+        rope_scaling_factor=model.rope_scaling_factor if model.rope_scaling else None,
+        tie_embeddings=model.tie_embeddings,
+    )
+
+
+def check_same_function(a: GPTModelConfig, b: GPTModelConfig, what: str) -> None:
+    """Raise unless two model configs describe the same weights and the same function."""
+    fa, fb = _function_fields(a), _function_fields(b)
+    diffs = [f"{name}: {fa[name]!r} vs {fb[name]!r}" for name in fa if fa[name] != fb[name]]
+    if diffs:
+        raise ValueError(f"{what} differ in: " + "; ".join(diffs))

@@ -1,0 +1,188 @@
+"""Reading and writing Hugging Face checkpoint directories (safetensors only).
+
+Layout written by the export (``mcore_to_hf_mhar.py``)::
+
+    out/
+      config.json                    the source model's config (or one derived from the model)
+      generation_config.json, tokenizer files     copied from the source, when known
+      model.safetensors              or model-0000k-of-0000n.safetensors + model.safetensors.index.json
+      mhar_config.json               only for MHAR models: {"format", "variant", "mhar", "model"}
+      mhar_params.safetensors        only for MHAR models: the routing parameters
+
+The side file ``mhar_params.safetensors`` holds every routing parameter under its
+Megatron name with the global 0-based layer index (``decoder.layers.3.input_router.query``;
+``decoder.final_router.*`` for the final site of the full and block variants); its
+safetensors metadata repeats ``mhar_config.json``. Transformers ignores both files:
+it loads the base model only. ``hf_to_mcore_mhar.py`` reads them back when they are
+present, so a Megatron -> HF -> Megatron round trip keeps the routing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional
+
+import torch
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MHAR_CONFIG_FILE = "mhar_config.json"
+MHAR_PARAMS_FILE = "mhar_params.safetensors"
+SIDE_FILE_FORMAT = "megatron_mhar.routing.v1"
+
+# Files of an HF model directory carried along unchanged (tokenizer, generation settings).
+AUXILIARY_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+
+
+def read_config(hf_dir: Path) -> Dict[str, Any]:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{hf_dir} has no config.json; is it a Hugging Face model directory?")
+    return json.loads(path.read_text())
+
+
+class SafetensorsReader:
+    """Lazy access to the tensors of an HF directory (one file or an index of shards)."""
+
+    def __init__(self, hf_dir: Path):
+        from safetensors import safe_open
+
+        hf_dir = Path(hf_dir)
+        index = hf_dir / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (hf_dir / SINGLE_FILE).is_file():
+            weight_map = None
+        else:
+            found = sorted(p.name for p in hf_dir.glob("*.bin")) + sorted(p.name for p in hf_dir.glob("*.pt"))
+            hint = f" (found {', '.join(found)}: re-save with safe_serialization=True)" if found else ""
+            raise FileNotFoundError(f"{hf_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+        self._files: Dict[str, Any] = {}
+        self._where: Dict[str, str] = {}
+        files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
+        for name in files:
+            path = hf_dir / name
+            if not path.is_file():
+                raise FileNotFoundError(f"{index} names {name}, which does not exist")
+            handle = safe_open(str(path), framework="pt")
+            self._files[name] = handle
+            for key in handle.keys():
+                self._where[key] = name
+        if weight_map is not None:
+            missing = sorted(k for k, f in weight_map.items() if self._where.get(k) != f)
+            if missing:
+                raise ValueError(f"{index} lists tensors its shards do not hold: {missing[:8]}")
+
+    def keys(self) -> List[str]:
+        return sorted(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"HF checkpoint has no tensor {name!r}")
+        return self._files[self._where[name]].get_tensor(name)
+
+
+def write_safetensors(
+    tensors: Mapping[str, torch.Tensor], out_dir: Path, max_shard_bytes: int = 5 * 2**30
+) -> List[str]:
+    """Write ``tensors`` like ``save_pretrained``: one file, or shards plus an index."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
+        return [SINGLE_FILE]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
+def write_mhar_side_file(
+    out_dir: Path, routing: Mapping[str, torch.Tensor], description: Dict[str, Any]
+) -> None:
+    """Write ``mhar_params.safetensors`` and ``mhar_config.json`` (see the module docstring)."""
+    from safetensors.torch import save_file
+
+    description = {"format": SIDE_FILE_FORMAT, **description}
+    text = json.dumps(description, indent=2, sort_keys=False)
+    (Path(out_dir) / MHAR_CONFIG_FILE).write_text(text + "\n")
+    save_file(
+        {k: v.contiguous() for k, v in sorted(routing.items())},
+        str(Path(out_dir) / MHAR_PARAMS_FILE),
+        metadata={"format": "pt", "megatron_mhar": json.dumps(description)},
+    )
+
+
+def read_mhar_side_file(hf_dir: Path) -> Optional[tuple]:
+    """``(description, routing tensors)`` if the directory has the MHAR side file, else None."""
+    hf_dir = Path(hf_dir)
+    config, params = hf_dir / MHAR_CONFIG_FILE, hf_dir / MHAR_PARAMS_FILE
+    if not config.is_file() and not params.is_file():
+        return None
+    if not (config.is_file() and params.is_file()):
+        raise FileNotFoundError(
+            f"{hf_dir} has only one of {MHAR_CONFIG_FILE} and {MHAR_PARAMS_FILE}; both or neither"
+        )
+    from safetensors.torch import load_file
+
+    description = json.loads(config.read_text())
+    if description.get("format") != SIDE_FILE_FORMAT:
+        raise ValueError(
+            f"{config}: format {description.get('format')!r}, expected {SIDE_FILE_FORMAT!r}"
+        )
+    return description, load_file(str(params))
+
+
+def copy_auxiliary(src: Path, dst: Path, names: Iterable[str] = AUXILIARY_FILES) -> List[str]:
+    """Copy tokenizer and generation files that exist in ``src``; returns their names."""
+    copied = []
+    for name in names:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file and directory under ``path`` to disk before it is published."""
+    for root, dirs, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,320 @@
+"""The HF Llama/Qwen3 <-> Megatron GPT weight map: one table, its reverse, named special cases.
+
+Names on the Megatron side are the local-spec ``state_dict`` names of a single
+(TP=1, PP=1) GPTModel, with global layer indices. The distributed checkpoint
+stores the same tensors under Megatron's own sharded keys (``input_layernorm.``
+is written as ``self_attention.linear_qkv.layer_norm_`` by the local spec's
+``sharded_state_dict_keys_map``), so one checkpoint serves the local and the
+Transformer Engine spec at any TP/PP layout.
+
+``{}`` in a pattern is the 0-based layer index, the same on both sides.
+
+Special cases are named functions, each with its inverse:
+
+* :func:`fuse_qkv` / :func:`split_qkv`: Megatron's ``linear_qkv`` holds, for each
+  query group g in order, the g-th group's query heads, then its key head, then its
+  value head (``[ng, (np/ng + 2) * hn, h]``). HF's GQA reads key head
+  ``i // (np/ng)`` for query head ``i``, which is the same grouping. TP ranks hold
+  contiguous runs of groups, so this layout is also the TP-concatenated one.
+* :func:`fuse_gate_up` / :func:`split_gate_up`: ``linear_fc1 = cat[gate, up]``
+  (Megatron's SwiGLU takes ``silu(first half) * second half``).
+* :func:`pad_vocab` / :func:`strip_vocab`: Megatron pads the vocabulary to a
+  multiple of ``make_vocab_size_divisible_by * TP``; the padded rows are zero.
+
+Every tensor on either side must be claimed by a rule (or be an MHAR routing
+parameter, which HF models do not have); anything else raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_mhar.models.config import GPTModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """What the special cases need to know about the model."""
+
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    """The tokenizer's vocabulary (HF rows)."""
+    padded_vocab_size: int
+    """Megatron's rows (``vocab_size`` rounded up)."""
+
+    @classmethod
+    def of(cls, model: GPTModelConfig, tensor_model_parallel_size: int = 1) -> "Shapes":
+        heads = model.num_attention_heads
+        return cls(
+            num_attention_heads=heads,
+            num_query_groups=model.num_query_groups or heads,
+            head_dim=model.kv_channels or model.hidden_size // heads,
+            vocab_size=model.vocab_size,
+            padded_vocab_size=model.padded_vocab_size(tensor_model_parallel_size),
+        )
+
+
+# ---------------------------------------------------------------- special cases
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shapes: Shapes) -> torch.Tensor:
+    """HF q/k/v projections [np*hn, h], [ng*hn, h], [ng*hn, h] -> Megatron linear_qkv."""
+    ng, hn = shapes.num_query_groups, shapes.head_dim
+    per_group = shapes.num_attention_heads // ng
+    _expect(q, (shapes.num_attention_heads * hn, None), "q_proj")
+    _expect(k, (ng * hn, q.shape[1]), "k_proj")
+    _expect(v, (ng * hn, q.shape[1]), "v_proj")
+    hidden = q.shape[1]
+    fused = torch.cat(
+        [q.reshape(ng, per_group * hn, hidden), k.reshape(ng, hn, hidden), v.reshape(ng, hn, hidden)],
+        dim=1,
+    )
+    return fused.reshape(-1, hidden)
+
+
+def split_qkv(qkv: torch.Tensor, shapes: Shapes) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv`."""
+    ng, hn = shapes.num_query_groups, shapes.head_dim
+    per_group = shapes.num_attention_heads // ng
+    _expect(qkv, ((per_group + 2) * ng * hn, None), "linear_qkv")
+    hidden = qkv.shape[1]
+    q, k, v = qkv.reshape(ng, (per_group + 2) * hn, hidden).split([per_group * hn, hn, hn], dim=1)
+    return (q.reshape(-1, hidden).contiguous(), k.reshape(-1, hidden).contiguous(),
+            v.reshape(-1, hidden).contiguous())
+
+
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor, shapes: Shapes) -> torch.Tensor:
+    """HF gate_proj and up_proj [f, h] -> Megatron linear_fc1 [2f, h] = cat[gate, up]."""
+    _expect(up, tuple(gate.shape), "up_proj")
+    return torch.cat([gate, up], dim=0)
+
+
+def split_gate_up(fc1: torch.Tensor, shapes: Shapes) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_gate_up`."""
+    gate, up = fc1.chunk(2, dim=0)
+    return gate.contiguous(), up.contiguous()
+
+
+def pad_vocab(weight: torch.Tensor, shapes: Shapes) -> torch.Tensor:
+    """[vocab, h] -> [padded vocab, h] with zero rows."""
+    _expect(weight, (shapes.vocab_size, None), "embedding / lm_head")
+    pad = shapes.padded_vocab_size - shapes.vocab_size
+    return torch.cat([weight, weight.new_zeros(pad, weight.shape[1])]) if pad else weight
+
+
+def strip_vocab(weight: torch.Tensor, shapes: Shapes) -> Tuple[torch.Tensor]:
+    """Inverse of :func:`pad_vocab` (the padded rows are dropped)."""
+    if weight.shape[0] < shapes.vocab_size:
+        raise ValueError(
+            f"embedding has {weight.shape[0]} rows, fewer than the vocabulary ({shapes.vocab_size})"
+        )
+    return (weight[: shapes.vocab_size].contiguous(),)
+
+
+def _copy(tensor: torch.Tensor, shapes: Shapes) -> torch.Tensor:
+    return tensor
+
+
+def _uncopy(tensor: torch.Tensor, shapes: Shapes) -> Tuple[torch.Tensor]:
+    return (tensor,)
+
+
+def _expect(tensor: torch.Tensor, shape: Tuple[Optional[int], ...], what: str) -> None:
+    if tensor.dim() != len(shape) or any(s is not None and s != t for s, t in zip(shape, tensor.shape)):
+        wanted = "x".join("*" if s is None else str(s) for s in shape)
+        raise ValueError(f"{what}: shape {tuple(tensor.shape)} does not match the config ({wanted})")
+
+
+# ---------------------------------------------------------------- the table
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One Megatron tensor made of one or more HF tensors."""
+
+    megatron: str
+    hf: Tuple[str, ...]
+    to_megatron: Callable = _copy
+    """``(*hf_tensors, shapes) -> megatron tensor``."""
+    to_hf: Callable = _uncopy
+    """``(megatron tensor, shapes) -> hf tensors`` in ``hf`` order."""
+    when: Optional[str] = None
+    """Only for models where this GPTModelConfig predicate holds (see :data:`CONDITIONS`)."""
+
+
+L = "model.layers.{}."
+M = "decoder.layers.{}."
+
+RULES: Tuple[Rule, ...] = (
+    # Megatron (local spec)                            HF                                      special case
+    Rule("embedding.word_embeddings.weight",           ("model.embed_tokens.weight",),        pad_vocab, strip_vocab),
+    Rule(M + "input_layernorm.weight",                 (L + "input_layernorm.weight",)),
+    Rule(M + "self_attention.linear_qkv.weight",       (L + "self_attn.q_proj.weight",
+                                                        L + "self_attn.k_proj.weight",
+                                                        L + "self_attn.v_proj.weight"),       fuse_qkv, split_qkv),
+    Rule(M + "self_attention.q_layernorm.weight",      (L + "self_attn.q_norm.weight",),      when="qk_layernorm"),
+    Rule(M + "self_attention.k_layernorm.weight",      (L + "self_attn.k_norm.weight",),      when="qk_layernorm"),
+    Rule(M + "self_attention.linear_proj.weight",      (L + "self_attn.o_proj.weight",)),
+    Rule(M + "pre_mlp_layernorm.weight",               (L + "post_attention_layernorm.weight",)),
+    Rule(M + "mlp.linear_fc1.weight",                  (L + "mlp.gate_proj.weight",
+                                                        L + "mlp.up_proj.weight"),            fuse_gate_up, split_gate_up),
+    Rule(M + "mlp.linear_fc2.weight",                  (L + "mlp.down_proj.weight",)),
+    Rule("decoder.final_layernorm.weight",             ("model.norm.weight",)),
+    Rule("output_layer.weight",                        ("lm_head.weight",),                   pad_vocab, strip_vocab,
+         when="untied"),
+)
+
+# MHAR routing parameters (MHAR.md §4): not in HF models. On import they keep the
+# values the model is built with (zero queries and gates, unit norms, zero null
+# sources); on export they go to the side file (see megatron_mhar.conversion.hf_io).
+MHAR_PARAMS: Tuple[str, ...] = (
+    M + "input_router.query",
+    M + "input_router.norm_weight",
+    M + "input_router.null_source",
+    M + "input_router.gate",
+    M + "pre_mlp_router.query",
+    M + "pre_mlp_router.norm_weight",
+    M + "pre_mlp_router.null_source",
+    M + "pre_mlp_router.gate",
+    "decoder.final_router.query",
+    "decoder.final_router.norm_weight",
+)
+
+# HF tensors some checkpoints carry that hold no weights (recomputed buffers).
+HF_IGNORED: Tuple[str, ...] = (L + "self_attn.rotary_emb.inv_freq",)
+
+CONDITIONS: Dict[str, Callable[[GPTModelConfig], bool]] = {
+    "qk_layernorm": lambda model: model.qk_layernorm,
+    "untied": lambda model: not model.tie_embeddings,
+}
+
+
+def _regex(pattern: str) -> "re.Pattern[str]":
+    return re.compile("^" + re.escape(pattern).replace(r"\{\}", r"(\d+)") + "$")
+
+
+# The reverse map, derived from the table: HF pattern -> (rule, position in rule.hf).
+_MEGATRON_RE = [(_regex(rule.megatron), rule) for rule in RULES]
+_HF_RE = [(_regex(pattern), rule, i) for rule in RULES for i, pattern in enumerate(rule.hf)]
+_MHAR_RE = [_regex(pattern) for pattern in MHAR_PARAMS]
+_IGNORED_RE = [_regex(pattern) for pattern in HF_IGNORED]
+
+
+def _applies(rule: Rule, model: GPTModelConfig) -> bool:
+    return rule.when is None or CONDITIONS[rule.when](model)
+
+
+def _expand(pattern: str, layer: Optional[int]) -> str:
+    return pattern.format(layer) if "{}" in pattern else pattern
+
+
+def _instances(rule: Rule, model: GPTModelConfig) -> List[Optional[int]]:
+    return list(range(model.num_layers)) if "{}" in rule.megatron else [None]
+
+
+def is_mhar_param(name: str) -> bool:
+    """Whether a Megatron name is an MHAR routing parameter."""
+    return any(r.match(name) for r in _MHAR_RE)
+
+
+def rule_for_megatron(name: str) -> Tuple[Rule, Optional[int]]:
+    """The rule producing Megatron tensor ``name`` and its layer index; raises if none."""
+    for regex, rule in _MEGATRON_RE:
+        match = regex.match(name)
+        if match:
+            return rule, int(match.group(1)) if match.groups() else None
+    raise KeyError(f"no conversion rule for Megatron tensor {name!r}")
+
+
+def expected_hf_names(model: GPTModelConfig) -> List[str]:
+    """Every HF tensor name a checkpoint of ``model`` must hold, in table order."""
+    return [
+        _expand(pattern, layer)
+        for rule in RULES if _applies(rule, model)
+        for layer in _instances(rule, model)
+        for pattern in rule.hf
+    ]
+
+
+def check_hf_names(names: Iterable[str], model: GPTModelConfig, where: str) -> List[str]:
+    """Raise on missing or unexpected HF tensors; returns the names to ignore.
+
+    A tied model may carry ``lm_head.weight`` as a copy of the embedding; the caller
+    checks that copy (see :func:`check_tied_copy`) and it is then ignored.
+    """
+    names = set(names)
+    expected = set(expected_hf_names(model))
+    ignored = {n for n in names if any(r.match(n) for r in _IGNORED_RE)}
+    if model.tie_embeddings and "lm_head.weight" in names:
+        ignored.add("lm_head.weight")
+    missing = sorted(expected - names)
+    extra = sorted(names - expected - ignored)
+    if missing or extra:
+        lines = [f"{where} does not match the {_arch(model)} config:"]
+        if missing:
+            lines.append(f"  missing {len(missing)} tensors: {_head(missing)}")
+        if extra:
+            why = [f"{n} ({_explain_extra(n, model)})" for n in extra]
+            lines.append(f"  unexpected {len(extra)} tensors: {_head(why)}")
+        raise ValueError("\n".join(lines))
+    return sorted(ignored)
+
+
+def _arch(model: GPTModelConfig) -> str:
+    return ("Qwen3" if model.qk_layernorm else "Llama") + f" ({model.num_layers} layers)"
+
+
+def _explain_extra(name: str, model: GPTModelConfig) -> str:
+    for regex, rule, _ in _HF_RE:
+        match = regex.match(name)
+        if match:
+            if match.groups() and int(match.group(1)) >= model.num_layers:
+                return f"layer {match.group(1)} >= num_hidden_layers={model.num_layers}"
+            if not _applies(rule, model):
+                return f"only expected when {rule.when}"
+    return "no conversion rule"
+
+
+def _head(items: Sequence[str], n: int = 8) -> str:
+    shown = ", ".join(items[:n])
+    return shown + (f", ... ({len(items) - n} more)" if len(items) > n else "")
+
+
+def megatron_tensor(name: str, read_hf: Callable[[str], torch.Tensor], shapes: Shapes) -> torch.Tensor:
+    """Megatron tensor ``name`` (global layer index) built from HF tensors read by ``read_hf``."""
+    rule, layer = rule_for_megatron(name)
+    return rule.to_megatron(*(read_hf(_expand(p, layer)) for p in rule.hf), shapes)
+
+
+def hf_tensors(
+    megatron: Mapping[str, torch.Tensor], model: GPTModelConfig, shapes: Shapes
+) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """Split a full Megatron state dict into (HF tensors, MHAR routing tensors).
+
+    Raises on any Megatron tensor that is neither mapped nor an MHAR parameter, and
+    on any mapped tensor the model config requires but the state dict lacks.
+    """
+    hf: Dict[str, torch.Tensor] = {}
+    used = set()
+    for rule in RULES:
+        if not _applies(rule, model):
+            continue
+        for layer in _instances(rule, model):
+            name = _expand(rule.megatron, layer)
+            if name not in megatron:
+                raise ValueError(f"Megatron checkpoint has no {name!r} (required by the model config)")
+            used.add(name)
+            outputs = rule.to_hf(megatron[name], shapes)
+            for pattern, tensor in zip(rule.hf, outputs, strict=True):
+                hf[_expand(pattern, layer)] = tensor
+    mhar = {n: t for n, t in megatron.items() if n not in used and is_mhar_param(n)}
+    unknown = sorted(set(megatron) - used - set(mhar))
+    if unknown:
+        raise ValueError(f"Megatron tensors without a conversion rule: {_head(unknown)}")
+    return hf, mhar

@@ -1,0 +1,82 @@
+"""Load a converted or trained checkpoint for inference: ``input_ids [b, s] -> logits [b, s, vocab]``.
+
+    import megatron_mhar
+    model = megatron_mhar.load_model("ckpt/llama_delta", device="cpu")
+    logits = model(input_ids)            # [b, s, vocab] over the tokenizer's vocabulary
+
+Full-sequence forward only (no KV cache: MHAR decoders do not run Megatron's
+inference path). The model is built at TP=PP=1 whatever layout wrote the
+checkpoint. Megatron needs its parallel state even for one process: when
+``torch.distributed`` is not initialised, :func:`load_model` starts a
+single-process group (gloo on CPU with the CPU runtime of
+:mod:`megatron_mhar.runtime.cpu`, NCCL on CUDA); ``megatron_mhar.runtime.destroy()``
+tears it down.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.config import GPTModelConfig
+
+
+class CausalLM(torch.nn.Module):
+    """A Megatron GPT (plain or MHAR) seen as ``input_ids [b, s] -> logits [b, s, vocab]``.
+
+    Logits are returned over the real vocabulary (``config.vocab_size``); Megatron's
+    padded rows are cut off.
+    """
+
+    def __init__(self, gpt: torch.nn.Module, config: GPTModelConfig, mhar: MHARConfig):
+        super().__init__()
+        self.gpt = gpt
+        self.config = config
+        self.mhar = mhar
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        logits = self.gpt(input_ids, position_ids, None)
+        return logits[..., : self.config.vocab_size]
+
+
+def load_model(
+    path: Union[str, Path],
+    device: Union[str, torch.device] = "cpu",
+    dtype: Optional[torch.dtype] = None,
+) -> CausalLM:
+    """Build the checkpoint's model and load its weights; returns it in eval mode.
+
+    Args:
+        path: a checkpoint directory, or a directory with a ``latest`` file (the
+            output of ``hf_to_mcore_mhar.py`` or a run's ``checkpoints/``).
+        device: ``cpu`` or a CUDA device.
+        dtype: parameter dtype; ``None`` keeps the dtype the checkpoint stores.
+    """
+    from megatron.core import parallel_state
+
+    from megatron_mhar.conversion import checkpoint
+    from megatron_mhar.runtime import initialize_model_parallel_from_env
+
+    device = torch.device(device)
+    found = checkpoint.find_checkpoint(Path(path))
+    model_cfg, mhar, _ = checkpoint.read_configs(found)
+    if not torch.distributed.is_initialized():
+        initialize_model_parallel_from_env(
+            device="cpu" if device.type == "cpu" else "cuda", create_gloo_process_groups=False
+        )
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if tp != 1 or pp != 1:
+        raise ValueError(f"load_model builds a TP=PP=1 model; Megatron is initialised with TP={tp}, PP={pp}")
+    gpt = checkpoint.build_model(
+        model_cfg, mhar, dtype or checkpoint.stored_dtype(found), device="cpu" if device.type == "cpu" else "cuda"
+    )
+    checkpoint.load_into(gpt, found)
+    return CausalLM(gpt.to(device), model_cfg, mhar).eval()

@@ -1,0 +1,106 @@
+"""Tiny random HF models built locally (no download) and their conversions, shared per session.
+
+Fixtures:
+    hf_dirs: {name: directory} of ``save_pretrained(safe_serialization=True)`` models:
+        ``llama`` (GQA, untied, RoPE theta 5e5 with llama3 scaling), ``qwen3_tied``
+        (q/k norms, head_dim != d/heads, tied embeddings), ``qwen3_untied``, and
+        ``qwen3_bf16`` (bf16 tensors).
+    convert: ``convert(name, variant, tp=1, pp=1, **options) -> checkpoint dir``, cached.
+
+Weights are redrawn larger than HF's init (matrices N(0, 0.1^2), norms 1 + N(0, 0.2^2))
+so that logits are O(1) and a mapping error cannot hide below the tolerance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+VOCAB = 100
+SEQ = 16
+COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=16384,
+              rms_norm_eps=1e-6)
+
+MODELS = {
+    # llama3 scaling with Megatron's fixed low/high factors and original context 8192
+    "llama": ("llama", dict(tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})),
+    "qwen3_tied": ("qwen3", dict(tie_word_embeddings=True, head_dim=24, rope_theta=10000.0)),
+    "qwen3_untied": ("qwen3", dict(tie_word_embeddings=False, head_dim=16, rope_theta=1000000.0)),
+    "qwen3_bf16": ("qwen3", dict(tie_word_embeddings=True, head_dim=16)),
+}
+
+
+def build_hf_model(kind: str, options: dict, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_class, model_class = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }[kind]
+    model = model_class(config_class(**COMMON, **options))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1 + 0.2 * noise if param.dim() == 1 else 0.1 * noise)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {}
+    for seed, (name, (kind, options)) in enumerate(MODELS.items()):
+        model = build_hf_model(kind, options, seed)
+        if name.endswith("bf16"):
+            model = model.to(torch.bfloat16)
+        model.save_pretrained(root / name, safe_serialization=True)
+        dirs[name] = root / name
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def convert(hf_dirs, tmp_path_factory):
+    """Convert (once per argument set) with the library API, as the CLI does."""
+    from megatron_mhar.conversion.convert import hf_to_mcore, plan_import
+
+    root = tmp_path_factory.mktemp("mcore")
+    cache = {}
+
+    def _convert(name: str, variant: str, tp: int = 1, pp: int = 1, **mhar) -> Path:
+        key = (name, variant, tp, pp, tuple(sorted(mhar.items())))
+        if key not in cache:
+            out = root / f"{name}_{variant}_tp{tp}_pp{pp}_{len(cache)}"
+            plan = plan_import(hf_dirs[name], out, variant, tp=tp, pp=pp, seq_length=SEQ,
+                               make_vocab_size_divisible_by=32, mhar_overrides=mhar)
+            cache[key] = hf_to_mcore(plan)
+        return cache[key]
+
+    return _convert
+
+
+def token_batch(seed: int = 0, batch: int = 2, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def read_safetensors(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        if path.name != "mhar_params.safetensors":
+            tensors.update(load_file(str(path)))
+    return tensors
