@@ -48,6 +48,8 @@ class Layout:
     """num_layers_in_first_pipeline_stage (uneven stages)."""
     last: Optional[int] = None
     """num_layers_in_last_pipeline_stage (uneven stages)."""
+    overlap_p2p: bool = False
+    """overlap_p2p_comm (interleaved schedule): receives are posted asynchronously."""
     unmark_routing_sp: bool = False
     """Drop the routing parameters' ``sequence_parallel`` marking (negative test)."""
 
@@ -87,6 +89,7 @@ def transformer_config(layout: Layout, variant: str):
         pipeline_dtype=torch.float32,
         calculate_per_token_loss=True,
         batch_p2p_comm=False,  # gloo has no batch_isend_irecv
+        overlap_p2p_comm=layout.overlap_p2p,
         use_cpu_initialization=True,
     )
 

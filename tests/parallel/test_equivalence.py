@@ -35,6 +35,8 @@ LAYOUTS = [
     pytest.param(L(pp=2, first=1, last=3), id="pp2-uneven-1-3"),
     # interleaved 1F1B: 3 boundaries of 3 widths over 2 ranks (LayoutP2PCommunicator)
     pytest.param(L(pp=2, vpp=2), id="pp2-vpp2"),
+    # interleaved with overlap_p2p_comm: receives posted asynchronously, same order
+    pytest.param(L(pp=2, vpp=2, overlap_p2p=True), id="pp2-vpp2-overlap-p2p"),
     # 3 boundaries, 4 ranks
     pytest.param(L(pp=4), id="pp4"),
     pytest.param(L(tp=2, pp=2), id="tp2-pp2"),
