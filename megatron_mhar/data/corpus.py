@@ -1,0 +1,123 @@
+"""The embedded corpus: the Python standard library's own source files.
+
+Every Python install has it, so the default recipe trains without a download.
+Documents are the ``.py`` files under ``sysconfig.get_paths()["stdlib"]``
+(without ``site-packages`` and the test suites, about 10 MB on CPython 3.11), in
+an order fixed by a hash of their relative path, so Megatron's contiguous
+train/valid split draws both from all packages.
+
+:func:`prepare_embedded` trains the builtin tokenizer on the corpus and writes
+the Megatron ``.bin/.idx`` dataset once, into a directory named after the Python
+version, vocabulary and size; it builds into a temporary directory and renames
+it into place, so concurrent or interrupted builds never publish a partial one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+from megatron_mhar.data.preprocess import write_indexed_dataset
+from megatron_mhar.data.tokenizer import Tokenizer, train_builtin_tokenizer
+
+_SKIP_TOP = {"site-packages", "dist-packages", "test", "idlelib", "lib2to3", "tkinter", "turtledemo"}
+_SKIP_ANY = {"test", "tests", "__pycache__"}
+DATASET_NAME = "stdlib_text_document"
+
+
+def stdlib_files(max_bytes: Optional[int] = None) -> List[Path]:
+    """The corpus' files in corpus order; with ``max_bytes``, a prefix of about that size."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).parts
+        if parts[0] in _SKIP_TOP or _SKIP_ANY.intersection(parts[:-1]):
+            continue
+        files.append(path)
+    if not files:
+        raise RuntimeError(f"no standard-library sources under {root}; is this a full Python install?")
+    key = lambda p: hashlib.sha1(p.relative_to(root).as_posix().encode()).hexdigest()
+    files.sort(key=key)
+    if max_bytes is not None:
+        total, kept = 0, []
+        for path in files:
+            if total >= max_bytes:
+                break
+            kept.append(path)
+            total += path.stat().st_size
+        files = kept
+    return files
+
+
+def read_documents(files: List[Path]) -> List[str]:
+    """File contents (undecodable bytes replaced)."""
+    return [p.read_text(encoding="utf-8", errors="replace") for p in files]
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddedData:
+    """A built embedded dataset."""
+
+    directory: Path
+    """Holds ``tokenizer.json``, the ``.bin/.idx`` pair and ``manifest.json``."""
+
+    @property
+    def prefix(self) -> str:
+        """The dataset prefix for ``data.paths``."""
+        return str(self.directory / DATASET_NAME)
+
+    def tokenizer(self) -> Tokenizer:
+        """The builtin tokenizer trained on this corpus."""
+        return Tokenizer.from_dir(str(self.directory))
+
+    def manifest(self) -> dict:
+        """Files, documents and tokens of the build."""
+        return json.loads((self.directory / "manifest.json").read_text())
+
+
+def embedded_data_dir(root: str, vocab_size: int, max_bytes: Optional[int] = None) -> Path:
+    """Where :func:`prepare_embedded` puts a build with these parameters."""
+    version = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    size = "all" if max_bytes is None else f"{max_bytes}B"
+    return Path(os.path.expanduser(root)) / f"stdlib-{version}-v{vocab_size}-{size}"
+
+
+def prepare_embedded(
+    root: Optional[str] = None, vocab_size: int = 4096, max_bytes: Optional[int] = None
+) -> EmbeddedData:
+    """Build (once) the builtin tokenizer and the indexed dataset of the embedded corpus."""
+    target = embedded_data_dir(root or "~/.cache/megatron_mhar/embedded", vocab_size, max_bytes)
+    if (target / "manifest.json").is_file():
+        return EmbeddedData(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        files = stdlib_files(max_bytes)
+        docs = read_documents(files)
+        tokenizer = train_builtin_tokenizer(docs, vocab_size, tmp)
+        stats = write_indexed_dataset(docs, tokenizer, str(tmp / DATASET_NAME))
+        manifest = dict(
+            source=sysconfig.get_paths()["stdlib"],
+            python=sys.version.split()[0],
+            files=len(files),
+            bytes=sum(p.stat().st_size for p in files),
+            vocab_size=tokenizer.vocab_size,
+            **stats,
+        )
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "manifest.json").is_file():  # not a concurrent build that won
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return EmbeddedData(target)

@@ -1,0 +1,44 @@
+"""Train a GPT (plain or MHAR) with Megatron-Core from a YAML recipe.
+
+    python -m megatron_mhar.train [RECIPE] [dotted.key=value ...]
+    torchrun --nproc-per-node 8 -m megatron_mhar.train recipes/pretrain_350m_mhar.yaml
+
+RECIPE is a path or a name in ``recipes/`` (default: ``smoke_cpu``, tiny models on
+the embedded corpus). ``--print-config`` shows the resolved config and exits.
+The run writes ``runs/<run.name>/``: config.yaml, metrics.jsonl, tensorboard/,
+checkpoints/ and summary.json; it resumes from its own checkpoints when restarted.
+"""
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_mhar.train", description=__doc__.split("\n")[0])
+    parser.add_argument("recipe", nargs="?", default=None, help="recipe path or name (default smoke_cpu)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    args = parser.parse_args(argv)
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe:  # only overrides were given
+        recipe, overrides = None, [recipe] + overrides
+
+    from megatron_mhar.training.config import load_config, to_yaml
+
+    try:
+        cfg = load_config(recipe, overrides)
+    except ValueError as err:
+        parser.exit(2, f"config error: {err}\n")
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+
+    from megatron_mhar.training.loop import run
+
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Megatron distributed checkpoints, written aside and published atomically.
+
+Layout of a checkpoint directory::
+
+    checkpoints/
+      latest                 text: the name of the newest complete checkpoint
+      iter_0000200/          one megatron.core.dist_checkpointing checkpoint
+        common.pt, metadata.json, __*.distcp, train_config.yaml
+      .tmp.iter_0000300/     a save in progress (or interrupted): never read
+
+A save writes into ``.tmp.<name>``, then rank 0 renames it to ``<name>`` (a new
+name, never over an existing checkpoint) and replaces ``latest`` with
+``os.replace``. A save interrupted at any point leaves ``latest`` naming the last
+good checkpoint, which no step of a save ever touches; the next save clears the
+leftovers.
+
+A checkpoint holds the model chunks, the optimizer (Megatron's sharded optimizer
+state), the LR scheduler, per-rank RNG states, the iteration and consumed samples
+(the data position), the evaluation history, and the resolved run config. Loading
+compares the checkpoint's ``model``/``mhar`` config with the current one first and
+names every differing field.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy
+import torch
+import yaml
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megatron_mhar.training.config import config_differences
+from megatron_mhar.training.model import unwrap
+
+LATEST = "latest"
+TMP_PREFIX = ".tmp."
+CHECKPOINT_VERSION = 1
+# Config sections that define the network; any difference makes a checkpoint unusable.
+MODEL_SECTIONS = ("model", "mhar")
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def find_checkpoint(path: Path) -> Optional[Path]:
+    """The checkpoint ``path`` designates: via its ``latest`` file, or ``path`` itself."""
+    path = Path(path)
+    latest = path / LATEST
+    if latest.is_file():
+        name = latest.read_text().strip()
+        target = path / name
+        if not (target / "metadata.json").is_file():
+            raise ValueError(f"{latest} names {name!r}, but {target} is not a complete checkpoint")
+        return target
+    if (path / "metadata.json").is_file():
+        return path
+    return None
+
+
+def _is_rank0() -> bool:
+    return torch.distributed.get_rank() == 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _rng_state() -> Dict[str, Any]:
+    state = {
+        "random": random.getstate(),
+        "numpy": numpy.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    random.setstate(state["random"])
+    numpy.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state_dict(model, optimizer, is_loading: bool, with_optimizer: bool, with_rng: bool):
+    state: Dict[str, Any] = {}
+    if len(model) == 1:
+        state["model"] = unwrap(model[0]).sharded_state_dict()
+    else:
+        for i, chunk in enumerate(model):
+            state[f"model{i}"] = unwrap(chunk).sharded_state_dict()
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+    if with_rng:
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        state["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    return state
+
+
+def save_checkpoint(
+    ckpt_dir: Path,
+    iteration: int,
+    model: List[torch.nn.Module],
+    optimizer,
+    scheduler,
+    train_state: Dict[str, Any],
+    config: Dict[str, Any],
+    keep_last: int = 0,
+) -> Path:
+    """Save on every rank (a collective); returns the published checkpoint directory."""
+    ckpt_dir = Path(ckpt_dir)
+    name = checkpoint_name(iteration)
+    tmp = ckpt_dir / f"{TMP_PREFIX}{name}"
+    if _is_rank0():
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ckpt_dir.glob(f"{TMP_PREFIX}*"):  # leftovers of interrupted saves
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+        tmp.mkdir()
+    torch.distributed.barrier()
+
+    state = _sharded_state_dict(model, optimizer, is_loading=False, with_optimizer=True, with_rng=True)
+    state.update(
+        checkpoint_version=CHECKPOINT_VERSION,
+        iteration=iteration,
+        opt_param_scheduler=scheduler.state_dict(),
+        train_state=train_state,
+        config=config,
+        world_size=torch.distributed.get_world_size(),
+    )
+    dist_checkpointing.save(state, str(tmp))  # ends with a barrier once all ranks wrote
+
+    final = ckpt_dir / name
+    if _is_rank0():
+        (tmp / "train_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        suffix = 1
+        while final.exists():  # never rename over a checkpoint `latest` may name
+            suffix += 1
+            final = ckpt_dir / f"{name}.{suffix}"
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(ckpt_dir)
+        _write_atomic(ckpt_dir / LATEST, final.name + "\n")
+        if keep_last:
+            _prune(ckpt_dir, keep_last, keep=final)
+    torch.distributed.barrier()
+    return ckpt_dir / (ckpt_dir / LATEST).read_text().strip()
+
+
+def _prune(ckpt_dir: Path, keep_last: int, keep: Path) -> None:
+    published = sorted(
+        (p for p in ckpt_dir.glob("iter_*") if p.is_dir()), key=lambda p: p.stat().st_mtime
+    )
+    for old in published[:-keep_last]:
+        if old != keep:
+            shutil.rmtree(old)
+
+
+def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:
+    """The checkpoint's common state; raises if it was written for another model."""
+    common = dist_checkpointing.load_common_state_dict(str(checkpoint))
+    saved = common.get("config")
+    if saved is None:
+        raise ValueError(f"{checkpoint} has no run config; was it written by megatron_mhar.train?")
+    diffs = []
+    for section in MODEL_SECTIONS:
+        diffs += config_differences(saved.get(section, {}), config.get(section, {}), f"{section}.")
+    if diffs:
+        raise ValueError(
+            f"checkpoint {checkpoint} was written for a different model; differing fields:\n  "
+            + "\n  ".join(diffs)
+            + "\nuse the checkpoint's model/mhar settings (its train_config.yaml) or another "
+            "checkpoint directory"
+        )
+    return common
+
+
+def load_checkpoint(
+    checkpoint: Path,
+    model: List[torch.nn.Module],
+    optimizer,
+    scheduler,
+    config: Dict[str, Any],
+    model_only: bool = False,
+) -> Dict[str, Any]:
+    """Load into ``model`` (and optimizer, scheduler, RNG unless ``model_only``).
+
+    Returns ``{"iteration", "train_state"}`` (iteration 0 and an empty train state
+    with ``model_only``).
+    """
+    common = check_config(checkpoint, config)
+    same_world = common.get("world_size") == torch.distributed.get_world_size()
+    sharded = _sharded_state_dict(
+        model, optimizer, is_loading=True, with_optimizer=not model_only, with_rng=not model_only and same_world
+    )
+    state = dist_checkpointing.load(sharded, str(checkpoint))
+    if len(model) == 1:
+        unwrap(model[0]).load_state_dict(state["model"], strict=True)
+    else:
+        for i, chunk in enumerate(model):
+            unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
+    if model_only:
+        return {"iteration": 0, "train_state": {}}
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["opt_param_scheduler"])
+    if same_world:
+        _set_rng_state(state["rng_state"])
+    return {"iteration": state["iteration"], "train_state": state["train_state"]}

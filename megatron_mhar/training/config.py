@@ -1,0 +1,796 @@
+"""Run configuration: YAML recipes mapped one-to-one onto nested dataclasses.
+
+A recipe is a YAML mapping whose top-level keys are the sections of
+:class:`TrainConfig` (``run``, ``model``, ``mhar``, ``parallel``, ``training``,
+``optimizer``, ``eval``, ``data``, ``checkpoint``, ``logging``). Two extra
+mechanisms keep recipes free of copy-paste:
+
+* ``include: [base/pretrain.yaml, ...]`` (paths relative to the including file)
+  merges other recipes first, in order; the including file's own keys win.
+  Mappings merge key by key, lists and scalars replace.
+* Command-line overrides ``dotted.key=value`` (``model.num_layers=4``,
+  ``data.paths=[a,b]``) apply last; the value is parsed as YAML except for string
+  fields, which take the text verbatim.
+
+Loading is strict and happens before any process group starts: an unknown key
+names the closest valid key, a value of the wrong type names the expected type,
+and every section's ``__post_init__`` checks its own values. Checks that need the
+launch (world size, files on disk) live in :func:`validate_launch`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import importlib.util
+import math
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.config import GPTModelConfig
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+"""The repository's recipes; a bare name such as ``smoke_cpu`` resolves here."""
+
+DEFAULT_RECIPE = "smoke_cpu"
+"""Recipe used when the command line names none: tiny models on the embedded corpus."""
+
+INCLUDE_KEY = "include"
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Where the run writes and how it is seeded."""
+
+    name: str = "smoke_cpu"
+    """Run name; the run directory is ``{output_dir}/{name}``."""
+
+    output_dir: str = "runs"
+    """Parent directory of run directories."""
+
+    seed: int = 1234
+    """Seed of parameter init, data order and every RNG (same seed, same losses)."""
+
+    device: str = "auto"
+    """``auto`` (CUDA when available), ``cuda`` or ``cpu`` (gloo; smoke runs and tests)."""
+
+    def __post_init__(self):
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"run.device must be auto, cuda or cpu, got {self.device!r}")
+        if not self.name or "/" in self.name:
+            raise ValueError(f"run.name must be a non-empty name without '/', got {self.name!r}")
+
+    @property
+    def dir(self) -> Path:
+        """The run directory."""
+        return Path(os.path.expanduser(self.output_dir)) / self.name
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    """Parallel layout; the data-parallel size is what the world size leaves over."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel ranks (must divide attention heads and KV heads)."""
+
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages."""
+
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank (interleaved 1F1B); ``None`` for none."""
+
+    sequence_parallel: bool = False
+    """Shard norms and dropout over the sequence across tensor-parallel ranks."""
+
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with the backward pass."""
+
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the forward pass."""
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and (vpp < 2 or self.pipeline_model_parallel_size < 2):
+            raise ValueError(
+                f"parallel.virtual_pipeline_model_parallel_size={vpp} needs a value >= 2 and "
+                f"pipeline_model_parallel_size >= 2 (got {self.pipeline_model_parallel_size}); "
+                f"set it to null for no interleaving"
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(
+                "parallel.sequence_parallel=true needs tensor_model_parallel_size > 1; "
+                "set parallel.sequence_parallel=false"
+            )
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError(
+                "parallel.overlap_param_gather=true needs parallel.use_distributed_optimizer=true"
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one replica of the model."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+
+@dataclasses.dataclass
+class TrainingConfig:
+    """Length, batch and numerics of training."""
+
+    train_iters: int = 100
+    """Optimizer steps."""
+
+    global_batch_size: int = 8
+    """Sequences per optimizer step, over all data-parallel ranks and micro-batches."""
+
+    micro_batch_size: int = 4
+    """Sequences per forward pass on one rank."""
+
+    precision: str = "fp32"
+    """``bf16`` (bf16 parameters, fp32 master weights and gradient reduction; GPU) or ``fp32``."""
+
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation: ``full``, ``selective`` or ``None``."""
+
+    recompute_method: Optional[str] = None
+    """With ``full``: ``uniform`` or ``block``."""
+
+    recompute_num_layers: Optional[int] = None
+    """With ``full``: layers per recomputed chunk (uniform) or recomputed layers (block)."""
+
+    def __post_init__(self):
+        for name in ("train_iters", "global_batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"training.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"training.micro_batch_size={self.micro_batch_size}"
+            )
+        if self.precision not in ("bf16", "fp32"):
+            raise ValueError(f"training.precision must be bf16 or fp32, got {self.precision!r}")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ValueError(
+                f"training.recompute_granularity must be full, selective or null, "
+                f"got {self.recompute_granularity!r}"
+            )
+        if self.recompute_granularity == "full" and (
+            self.recompute_method not in ("uniform", "block") or not self.recompute_num_layers
+        ):
+            raise ValueError(
+                "training.recompute_granularity=full needs training.recompute_method "
+                "(uniform or block) and training.recompute_num_layers >= 1"
+            )
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """AdamW with warm-up and decay, as Megatron's optimizer and OptimizerParamScheduler run it."""
+
+    lr: float = 5e-4
+    """Peak learning rate."""
+
+    min_lr: float = 5e-5
+    """Learning rate at the end of the decay."""
+
+    lr_warmup_iters: int = 10
+    """Linear warm-up steps from 0 to ``lr``."""
+
+    lr_decay_iters: Optional[int] = None
+    """Steps of warm-up plus decay to ``min_lr``; ``None`` means ``training.train_iters``."""
+
+    lr_decay_style: str = "cosine"
+    """``cosine``, ``linear``, ``constant`` or ``inverse-square-root``."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay (not applied to biases and 1-D parameters)."""
+
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+
+    def __post_init__(self):
+        if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(
+                f"optimizer.lr must be positive and optimizer.min_lr in [0, lr], "
+                f"got lr={self.lr}, min_lr={self.min_lr}"
+            )
+        if self.lr_warmup_iters < 0:
+            raise ValueError(f"optimizer.lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
+        styles = ("cosine", "linear", "constant", "inverse-square-root")
+        if self.lr_decay_style not in styles:
+            raise ValueError(
+                f"optimizer.lr_decay_style must be one of {styles}, got {self.lr_decay_style!r}"
+            )
+        if self.weight_decay < 0 or self.clip_grad < 0 or not self.adam_eps > 0:
+            raise ValueError(
+                "optimizer.weight_decay and optimizer.clip_grad must be >= 0 and "
+                "optimizer.adam_eps > 0"
+            )
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Periodic validation on a fixed set of held-out batches."""
+
+    interval: int = 50
+    """Evaluate every this many steps (and always after the last step); 0: only at the end."""
+
+    iters: int = 4
+    """Global batches per evaluation; every evaluation reads the same batches."""
+
+    tail: int = 3
+    """The reported tail loss is the mean of the last this many evaluations."""
+
+    def __post_init__(self):
+        if self.interval < 0 or self.iters < 1 or self.tail < 1:
+            raise ValueError(
+                f"eval.interval must be >= 0 and eval.iters, eval.tail >= 1, got "
+                f"interval={self.interval}, iters={self.iters}, tail={self.tail}"
+            )
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Token data (Megatron ``.bin/.idx`` prefixes) and the tokenizer that wrote it."""
+
+    paths: List[str] = dataclasses.field(default_factory=list)
+    """Dataset prefixes (``path/name`` for ``path/name.bin`` + ``.idx``); ``${VAR}`` is
+    expanded at launch. Empty: the embedded corpus (the standard library's source)."""
+
+    weights: Optional[List[float]] = None
+    """Blend weights, one per path; ``None``: proportional to dataset size."""
+
+    split: str = "98,2,0"
+    """Train, validation, test split over documents (Megatron's ``--split``)."""
+
+    tokenizer: str = "builtin"
+    """``builtin`` (byte-level BPE trained on the embedded corpus) or a local Hugging Face
+    tokenizer directory holding ``tokenizer.json`` (e.g. Qwen3's)."""
+
+    eod_token: Optional[str] = None
+    """End-of-document token; ``None``: ``<|endoftext|>`` (builtin, Qwen) or the
+    tokenizer's configured EOS token."""
+
+    cache_dir: Optional[str] = None
+    """Where GPTDataset caches its sample indices; ``None``: beside each dataset."""
+
+    embedded_dir: str = "~/.cache/megatron_mhar/embedded"
+    """Where the embedded corpus, builtin tokenizer and their ``.bin/.idx`` are built."""
+
+    embedded_vocab_size: int = 4096
+    """Vocabulary of the builtin tokenizer."""
+
+    embedded_max_bytes: Optional[int] = None
+    """Use only this many bytes of the embedded corpus (tests); ``None``: all of it."""
+
+    eod_mask_loss: bool = False
+    """Do not train on predicting the token after an end-of-document token."""
+
+    def __post_init__(self):
+        if self.weights is not None and len(self.weights) != len(self.paths):
+            raise ValueError(
+                f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths; "
+                f"give one weight per path or set data.weights=null"
+            )
+        if self.weights is not None and (any(w < 0 for w in self.weights) or sum(self.weights) <= 0):
+            raise ValueError(f"data.weights must be non-negative with a positive sum: {self.weights}")
+        try:
+            parts = [float(p) for p in self.split.replace("/", ",").split(",")]
+        except ValueError:
+            parts = []
+        if len(parts) != 3 or min(parts) < 0 or parts[0] <= 0 or parts[1] <= 0:
+            raise ValueError(
+                f"data.split must be three comma-separated weights 'train,valid,test' with "
+                f"positive train and valid parts, got {self.split!r}"
+            )
+        if self.embedded_vocab_size < 260:
+            raise ValueError(
+                f"data.embedded_vocab_size must be >= 260 (256 bytes + special tokens), "
+                f"got {self.embedded_vocab_size}"
+            )
+
+    @property
+    def embedded(self) -> bool:
+        """Whether the run trains on the embedded corpus."""
+        return not self.paths
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """Megatron distributed checkpoints, written aside and published atomically."""
+
+    dir: Optional[str] = None
+    """Where checkpoints are saved and resumed from; ``None``: ``{run dir}/checkpoints``."""
+
+    interval: int = 0
+    """Save every this many steps; 0: only at the end and on SIGTERM/SIGUSR1."""
+
+    save_at_end: bool = True
+    """Save after the last step."""
+
+    keep_last: int = 2
+    """Checkpoints kept in ``dir`` (older ones are deleted after a successful save); 0 keeps all."""
+
+    load: Optional[str] = None
+    """Checkpoint to start from when ``dir`` holds none (a checkpoint directory or a
+    directory with a ``latest`` file); resuming from ``dir`` always wins."""
+
+    load_model_only: bool = False
+    """From ``load``: take only the weights (start a new optimizer, schedule and data order)."""
+
+    def __post_init__(self):
+        if self.interval < 0 or self.keep_last < 0:
+            raise ValueError("checkpoint.interval and checkpoint.keep_last must be >= 0")
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    """Console, ``metrics.jsonl`` and TensorBoard."""
+
+    interval: int = 10
+    """Log every this many steps (losses are averaged over the interval)."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files into ``{run dir}/tensorboard``."""
+
+    routing_entropy: bool = True
+    """Log per-site per-head routing entropy of MHAR models."""
+
+    def __post_init__(self):
+        if self.interval < 1:
+            raise ValueError(f"logging.interval must be >= 1, got {self.interval}")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything one training run needs; a recipe file is this, written in YAML."""
+
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    """Name, output directory, seed, device."""
+
+    model: GPTModelConfig = dataclasses.field(default_factory=GPTModelConfig)
+    """Architecture (megatron_mhar.models.config.GPTModelConfig)."""
+
+    mhar: MHARConfig = dataclasses.field(default_factory=MHARConfig)
+    """Depth routing (megatron_mhar.config.MHARConfig); ``variant: none`` is the baseline."""
+
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """Tensor / pipeline / data parallel layout."""
+
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    """Steps, batch sizes, precision, recomputation."""
+
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    """AdamW and the learning-rate schedule."""
+
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Validation."""
+
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Datasets and tokenizer."""
+
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
+
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """Metrics output."""
+
+    def __post_init__(self):
+        model, par = self.model, self.parallel
+        self.mhar.validate_for_model(model.hidden_size, model.num_layers)
+        tp = par.tensor_model_parallel_size
+        groups = model.num_query_groups or model.num_attention_heads
+        if model.num_attention_heads % tp or groups % tp:
+            raise ValueError(
+                f"parallel.tensor_model_parallel_size={tp} must divide model.num_attention_heads="
+                f"{model.num_attention_heads} and the KV heads ({groups})"
+            )
+        chunks = par.pipeline_model_parallel_size * (par.virtual_pipeline_model_parallel_size or 1)
+        if model.num_layers % chunks:
+            raise ValueError(
+                f"model.num_layers={model.num_layers} must be a multiple of the pipeline chunks "
+                f"(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {chunks})"
+            )
+        warmup, decay = self.optimizer.lr_warmup_iters, self.lr_decay_iters
+        if warmup >= decay:
+            source = "optimizer.lr_decay_iters" if self.optimizer.lr_decay_iters else "training.train_iters"
+            raise ValueError(
+                f"optimizer.lr_warmup_iters={warmup} must be shorter than the decay "
+                f"({source}={decay}); shorten the warm-up or lengthen the decay"
+            )
+
+    @property
+    def lr_decay_iters(self) -> int:
+        """Steps of warm-up plus decay."""
+        return self.optimizer.lr_decay_iters or self.training.train_iters
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where this run saves checkpoints."""
+        if self.checkpoint.dir is not None:
+            return Path(os.path.expanduser(self.checkpoint.dir))
+        return self.run.dir / "checkpoints"
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain nested dict (YAML/JSON-serialisable) that :func:`from_dict` reads back."""
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------
+# Loading: YAML -> merged dict -> typed dataclasses
+# --------------------------------------------------------------------------------------
+
+
+def resolve_recipe(recipe: str) -> Path:
+    """A recipe path, or a bare name (``smoke_cpu``) looked up in the repository's recipes."""
+    path = Path(recipe).expanduser()
+    if path.is_file():
+        return path
+    for candidate in (RECIPES_DIR / recipe, RECIPES_DIR / f"{recipe}.yaml"):
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")) if RECIPES_DIR.is_dir() else []
+    close = difflib.get_close_matches(Path(recipe).stem, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known recipes: {', '.join(known)}"
+    raise ValueError(f"recipe {recipe!r} is neither a file nor a name in {RECIPES_DIR}{hint}")
+
+
+def _read_yaml(path: Path, chain: Tuple[Path, ...] = ()) -> Dict[str, Any]:
+    """One recipe file with its includes merged in (depth first, in order)."""
+    path = path.resolve()
+    if path in chain:
+        cycle = " -> ".join(p.name for p in chain + (path,))
+        raise ValueError(f"recipe include cycle: {cycle}")
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a recipe must be a YAML mapping, got {type(raw).__name__}")
+    includes = raw.pop(INCLUDE_KEY, [])
+    if isinstance(includes, str):
+        includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise ValueError(f"{path}: '{INCLUDE_KEY}' must be a path or a list of paths")
+    merged: Dict[str, Any] = {}
+    for include in includes:
+        target = (path.parent / include).resolve()
+        if not target.is_file():
+            raise ValueError(f"{path}: included recipe {include!r} not found at {target}")
+        merged = _deep_merge(merged, _read_yaml(target, chain + (path,)))
+    return _deep_merge(merged, raw)
+
+
+def _deep_merge(base: Dict[str, Any], top: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _field_types(cls) -> Dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _all_paths(cls, prefix: str = "") -> List[str]:
+    paths = []
+    for name, hint in _field_types(cls).items():
+        path = f"{prefix}{name}"
+        paths.append(path)
+        if dataclasses.is_dataclass(hint):
+            paths.extend(_all_paths(hint, path + "."))
+    return paths
+
+
+def _unknown_key(path: str) -> ValueError:
+    """Error for an unknown dotted key, naming the closest valid key."""
+    valid = _all_paths(TrainConfig)
+    leaves = [p for p in valid if "." in p]
+    section, _, leaf = path.rpartition(".")
+    close: List[str] = []
+    if section in valid:  # a typo inside a known section
+        siblings = [p for p in leaves if p.rpartition(".")[0] == section]
+        close = difflib.get_close_matches(path, siblings, n=1, cutoff=0.75)
+    if not close and leaf:  # the right leaf in the wrong section: training.lr -> optimizer.lr
+        by_leaf = {p.rpartition(".")[2]: p for p in leaves}
+        names = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.8)
+        close = [by_leaf[names[0]]] if names else []
+    if not close:
+        close = difflib.get_close_matches(path, leaves if section else valid, n=1, cutoff=0.6)
+    if close:
+        return ValueError(f"unknown config key {path!r}; did you mean {close[0]!r}?")
+    options = [p for p in leaves if p.rpartition(".")[0] == section] if section in valid else [
+        p for p in valid if "." not in p
+    ]
+    return ValueError(f"unknown config key {path!r}; valid keys here: {', '.join(options)}")
+
+
+def _type_name(hint) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``hint``; convert only where lossless."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ValueError as err:
+                errors.append(err)
+        raise errors[0]
+    if origin in (list, List, tuple, Tuple, typing.Sequence):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+        (arg, *_) = typing.get_args(hint) or (Any,)
+        items = [_coerce(v, arg, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin in (tuple, Tuple) else items
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}: expected a mapping of {hint.__name__} fields, got {value!r}")
+        return _build(hint, value, path + ".")
+    if hint is Any:
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 5e-4 (no dot) as a string
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+            else:
+                if math.isfinite(number):
+                    return number
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"{path}: unsupported annotation {hint!r}")
+    raise ValueError(
+        f"{path}: expected {_type_name(hint)}, got {type(value).__name__} {value!r}"
+    )
+
+
+def _build(cls, raw: Dict[str, Any], prefix: str):
+    types_ = _field_types(cls)
+    for key in raw:
+        if key not in types_:
+            raise _unknown_key(f"{prefix}{key}")
+    kwargs = {key: _coerce(value, types_[key], f"{prefix}{key}") for key, value in raw.items()}
+    return cls(**kwargs)
+
+
+def _field_hint(path: str):
+    """The annotation of a dotted key, or an unknown-key error."""
+    cls, hint = TrainConfig, None
+    for part in path.split("."):
+        if cls is None or part not in _field_types(cls):
+            raise _unknown_key(path)
+        hint = _field_types(cls)[part]
+        cls = hint if dataclasses.is_dataclass(hint) else None
+    return hint
+
+
+def _is_str_field(hint) -> bool:
+    if hint is str:
+        return True
+    args = typing.get_args(hint)
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and str in args
+
+
+def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+    """Apply ``dotted.key=value`` overrides to a recipe dict (returns a new dict)."""
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        try:
+            _apply_override(raw, item)
+        except ValueError as err:
+            message = str(err)
+            raise ValueError(message if message.startswith("override") else f"override {item!r}: {message}") from None
+    return raw
+
+
+def _apply_override(raw: Dict[str, Any], item: str) -> None:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"override {item!r} must look like dotted.key=value")
+        hint = _field_hint(key)
+        if dataclasses.is_dataclass(hint):
+            raise ValueError(f"override {key!r} names a whole section; set one of its keys")
+        if _is_str_field(hint) and text.strip() not in ("null", "~"):
+            value: Any = text
+        else:
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError as err:
+                raise ValueError(f"override {item!r}: cannot parse value: {err}") from None
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        node[leaf] = value
+
+
+def from_dict(raw: Dict[str, Any], source: str = "config") -> TrainConfig:
+    """Typed, validated :class:`TrainConfig` from a nested dict."""
+    try:
+        return _build(TrainConfig, raw, "")
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
+
+
+def load_config(recipe: Optional[str] = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read a recipe (a path or a name in ``recipes/``), merge includes and overrides."""
+    path = resolve_recipe(recipe or DEFAULT_RECIPE)
+    try:
+        raw = apply_overrides(_read_yaml(path), overrides)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    return from_dict(raw, source=str(path))
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """The resolved config as YAML (what the run directory records)."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def config_differences(
+    saved: Dict[str, Any], current: Dict[str, Any], prefix: str = ""
+) -> List[str]:
+    """``key: saved -> current`` for every leaf that differs between two config dicts."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(config_differences(a, b, f"{prefix}{key}."))
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} (checkpoint) vs {b!r} (config)")
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Launch checks: need the world size and the file system, still no process group
+# --------------------------------------------------------------------------------------
+
+
+def expand_path(text: str, key: str) -> str:
+    """``~`` and ``${VAR}`` expanded; an unset variable is an error naming ``key``."""
+    expanded = os.path.expandvars(os.path.expanduser(text))
+    if "$" in expanded:
+        raise ValueError(
+            f"{key}={text!r} uses an environment variable that is not set; export it or "
+            f"override {key}"
+        )
+    return expanded
+
+
+def validate_launch(cfg: TrainConfig, world_size: int) -> None:
+    """Checks that need the launch: parallel layout vs world size, batch sizes, files.
+
+    Runs before any process group starts, on every rank (all reach the same verdict).
+    """
+    par, tr = cfg.parallel, cfg.training
+    if world_size % par.model_parallel_size:
+        raise ValueError(
+            f"world size {world_size} is not a multiple of tensor_model_parallel_size x "
+            f"pipeline_model_parallel_size = {par.model_parallel_size}; change the parallel "
+            f"sizes or the number of processes"
+        )
+    dp = world_size // par.model_parallel_size
+    per_step = tr.micro_batch_size * dp
+    if tr.global_batch_size % per_step:
+        raise ValueError(
+            f"training.global_batch_size={tr.global_batch_size} is not a multiple of "
+            f"training.micro_batch_size x data-parallel size = {tr.micro_batch_size} x {dp}; "
+            f"use a global batch of a multiple of {per_step}"
+        )
+    num_micro = tr.global_batch_size // per_step
+    pp = par.pipeline_model_parallel_size
+    if par.virtual_pipeline_model_parallel_size and num_micro % pp:
+        raise ValueError(
+            f"the interleaved pipeline schedule needs the micro-batches per step ({num_micro}) "
+            f"to be a multiple of pipeline_model_parallel_size={pp}; raise "
+            f"training.global_batch_size"
+        )
+    if par.sequence_parallel and cfg.model.seq_length % par.tensor_model_parallel_size:
+        raise ValueError(
+            f"model.seq_length={cfg.model.seq_length} must be a multiple of "
+            f"tensor_model_parallel_size={par.tensor_model_parallel_size} with sequence parallelism"
+        )
+    if cfg.mhar.enabled and pp > 1:
+        from megatron_mhar.training.model import check_pipeline_support
+
+        check_pipeline_support(cfg)
+
+    cuda = _cuda_available()
+    if cfg.run.device == "cuda" and not cuda:
+        raise ValueError("run.device=cuda but CUDA is not available; set run.device=cpu")
+    on_cpu = cfg.run.device == "cpu" or (cfg.run.device == "auto" and not cuda)
+    if on_cpu and tr.precision == "bf16":
+        raise ValueError(
+            "training.precision=bf16 runs on GPUs; on CPU set training.precision=fp32"
+        )
+
+    data = cfg.data
+    for i, prefix in enumerate(data.paths):
+        path = expand_path(prefix, f"data.paths[{i}]")
+        missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(path + ext)]
+        if missing:
+            raise ValueError(
+                f"data.paths[{i}]={prefix!r}: {' and '.join(path + m for m in missing)} not "
+                f"found; write it with python -m megatron_mhar.data.preprocess or fix the path"
+            )
+    if data.tokenizer != "builtin":
+        tok_dir = expand_path(data.tokenizer, "data.tokenizer")
+        if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+            raise ValueError(
+                f"data.tokenizer={data.tokenizer!r}: no tokenizer.json in {tok_dir}; give a local "
+                f"Hugging Face tokenizer directory (e.g. a download of Qwen/Qwen3-0.6B) or 'builtin'"
+            )
+        from megatron_mhar.data.tokenizer import Tokenizer
+
+        vocab = Tokenizer.from_dir(tok_dir, data.eod_token).vocab_size
+        source = f"the tokenizer in {tok_dir}"
+    else:
+        vocab, source = data.embedded_vocab_size, "data.embedded_vocab_size (builtin tokenizer)"
+    if vocab > cfg.model.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than {source} ({vocab} tokens); "
+            f"set model.vocab_size>={vocab}"
+        )
+    if importlib.util.find_spec("psutil") is None:
+        # Megatron's checkpoint writer processes need it and hang the save without it.
+        raise ValueError("megatron.core.dist_checkpointing needs psutil: pip install psutil")
+    if cfg.checkpoint.load is not None:
+        load = expand_path(cfg.checkpoint.load, "checkpoint.load")
+        if not os.path.isdir(load):
+            raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r}: no such directory")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,483 @@
+"""The training loop: Megatron-Core schedules, DDP, optimizer and scheduler, run by one Trainer.
+
+:func:`run` is the whole life of a run on one rank: launch checks, process
+groups, data, model, optimizer, resume, the loop, the last evaluation and save,
+teardown. The pieces are Megatron's own:
+
+* ``get_forward_backward_func`` picks the schedule for the layout (no pipelining,
+  1F1B, interleaved 1F1B); :meth:`Trainer.forward_backward` is the one place that
+  calls it, for training and for evaluation.
+* The loss is a sum over tokens (``calculate_per_token_loss``), and Megatron's
+  ``finalize_model_grads`` divides the gradients by the global token count after
+  the data-parallel reduction: the step is the same for any DP x micro-batch split.
+* ``DistributedDataParallel`` (optionally with the distributed optimizer),
+  ``get_megatron_optimizer`` (AdamW, fp32 master weights under bf16, gradient
+  clipping), ``OptimizerParamScheduler`` (linear warm-up, then cosine decay).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import resource
+import time
+from functools import partial
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_mhar.data.datasets import MicroBatches, build_gpt_datasets
+from megatron_mhar.runtime.distributed import DistributedContext, destroy, initialize_model_parallel_from_env
+from megatron_mhar.training import checkpointing
+from megatron_mhar.training.config import TrainConfig, expand_path, to_yaml, validate_launch
+from megatron_mhar.training.metrics import MetricsWriter, StepTimer, format_duration
+from megatron_mhar.training.model import build_model_chunks, transformer_config, unwrap
+from megatron_mhar.training.signals import StopSignal
+
+SUMMARY_FILE = "summary.json"
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a run did, as rank 0 saw it."""
+
+    run_dir: Path
+    iteration: int
+    """Steps done when the run ended."""
+    losses: Dict[int, float]
+    """Training loss of every step this process ran (step -> loss)."""
+    val_losses: List[List[float]]
+    """``[step, validation loss]`` of every evaluation, including those before a resume."""
+    val_loss_tail: Optional[float]
+    """Mean of the last ``eval.tail`` validation losses."""
+    stopped_by: Optional[str] = None
+    """Name of the signal that stopped the run early, if any."""
+    checkpoint: Optional[Path] = None
+    """The last checkpoint saved."""
+
+
+def run(cfg: TrainConfig, step_hook: Optional[Callable[["Trainer", int], None]] = None) -> TrainResult:
+    """Train one run on this rank (single process, or one rank under torchrun/srun)."""
+    validate_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    par = cfg.parallel
+    on_cpu = cfg.run.device == "cpu" or (cfg.run.device == "auto" and not torch.cuda.is_available())
+    ctx = initialize_model_parallel_from_env(
+        tp=par.tensor_model_parallel_size,
+        pp=par.pipeline_model_parallel_size,
+        vpp=par.virtual_pipeline_model_parallel_size,
+        seed=cfg.run.seed,
+        device="cpu" if on_cpu else "cuda",
+        create_gloo_process_groups=not on_cpu,
+    )
+    try:
+        return Trainer(cfg, ctx, step_hook).train()
+    finally:
+        destroy()
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of token losses, token count, and the pair for reporting (schedule case 2b)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach(), mask.sum()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+class Trainer:
+    """Model chunks, optimizer, scheduler, data iterators and the loop of one run."""
+
+    def __init__(self, cfg: TrainConfig, ctx: DistributedContext, step_hook=None):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.device = ctx.device
+        self.on_cpu = ctx.device.type == "cpu"
+        self.step_hook = step_hook
+        self.is_logger = ctx.rank == 0
+        self.run_dir = cfg.run.dir
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        tr = cfg.training
+        self.num_microbatches = tr.global_batch_size // (tr.micro_batch_size * self.dp_size)
+        self.tokens_per_step = tr.global_batch_size * cfg.model.seq_length
+
+        # Megatron's convention: each pipeline stage seeds differently, so layers at the
+        # same position of different stages do not start equal.
+        seed = cfg.run.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+        import random
+
+        import numpy
+
+        random.seed(seed)
+        numpy.random.seed(seed)
+        torch.manual_seed(seed)
+
+        if self.is_logger:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+
+        self.tokenizer, data_paths = self._prepare_data()
+        if self.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ValueError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                f"{self.tokenizer.vocab_size} tokens; set model.vocab_size>={self.tokenizer.vocab_size}"
+            )
+
+        self.config = transformer_config(cfg, self.on_cpu)
+        self.model = build_model_chunks(cfg, self.config, self.on_cpu)
+        self.optimizer = get_megatron_optimizer(
+            self._optimizer_config(), self.model, use_gloo_process_groups=not self.on_cpu
+        )
+        opt = cfg.optimizer
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=opt.lr,
+            min_lr=opt.min_lr,
+            lr_warmup_steps=opt.lr_warmup_iters,
+            lr_decay_steps=cfg.lr_decay_iters,
+            lr_decay_style=opt.lr_decay_style,
+            start_wd=opt.weight_decay,
+            end_wd=opt.weight_decay,
+            wd_incr_steps=tr.train_iters,
+            wd_incr_style="constant",
+        )
+        self._wire_model_config()
+
+        self.iteration = 0
+        self.val_losses: List[List[float]] = []
+        self.checkpoint: Optional[Path] = None
+        self._resume()
+
+        train_ds, valid_ds, _ = build_gpt_datasets(
+            data_paths,
+            cfg.data.weights,
+            cfg.data.split,
+            cfg.model.seq_length,
+            [tr.train_iters * tr.global_batch_size, cfg.eval.iters * tr.global_batch_size, 0],
+            self.tokenizer,
+            cfg.run.seed,
+            cache_dir=expand_path(cfg.data.cache_dir, "data.cache_dir") if cfg.data.cache_dir else None,
+            eod_mask_loss=cfg.data.eod_mask_loss,
+        )
+        self.train_ds, self.valid_ds = train_ds, valid_ds
+        consumed = self.iteration * tr.global_batch_size
+        self.train_iterators = self._iterators(train_ds, consumed)
+        self.metrics = MetricsWriter(self.run_dir, self.is_logger, cfg.logging.tensorboard, self.iteration)
+
+    # ---------------------------------------------------------------- setup
+
+    def _prepare_data(self):
+        """The tokenizer and the dataset prefixes (building the embedded corpus if needed)."""
+        data = self.cfg.data
+        if data.embedded or data.tokenizer == "builtin":
+            from megatron_mhar.data.corpus import embedded_data_dir, prepare_embedded
+
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one build per node; atomic publish
+                prepare_embedded(data.embedded_dir, data.embedded_vocab_size, data.embedded_max_bytes)
+            torch.distributed.barrier()
+            embedded = prepare_embedded(data.embedded_dir, data.embedded_vocab_size, data.embedded_max_bytes)
+            tokenizer = embedded.tokenizer()
+        else:
+            from megatron_mhar.data.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_dir(expand_path(data.tokenizer, "data.tokenizer"), data.eod_token)
+        if data.embedded:
+            paths = [embedded.prefix]
+        else:
+            paths = [expand_path(p, f"data.paths[{i}]") for i, p in enumerate(data.paths)]
+        return tokenizer, paths
+
+    def _optimizer_config(self) -> MegatronOptimizerConfig:
+        opt, bf16 = self.cfg.optimizer, self.cfg.training.precision == "bf16"
+        return MegatronOptimizerConfig(
+            optimizer="adam",
+            lr=opt.lr,
+            min_lr=opt.min_lr,
+            weight_decay=opt.weight_decay,
+            adam_beta1=opt.adam_beta1,
+            adam_beta2=opt.adam_beta2,
+            adam_eps=opt.adam_eps,
+            clip_grad=opt.clip_grad,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=self.cfg.parallel.use_distributed_optimizer,
+            overlap_param_gather=self.cfg.parallel.overlap_param_gather,
+        )
+
+    def _wire_model_config(self) -> None:
+        """The hooks Megatron's schedules call on the model config."""
+        config, par = self.config, self.cfg.parallel
+        config.grad_scale_func = self.optimizer.scale_loss
+        config.finalize_model_grads_func = finalize_model_grads
+        if par.overlap_grad_reduce:
+            config.no_sync_func = [chunk.no_sync for chunk in self.model]
+            config.grad_sync_func = [chunk.start_grad_sync for chunk in self.model]
+            if len(self.model) == 1:
+                config.no_sync_func = config.no_sync_func[0]
+                config.grad_sync_func = config.grad_sync_func[0]
+        if par.overlap_param_gather:
+            config.param_sync_func = [chunk.start_param_sync for chunk in self.model]
+            if len(self.model) == 1:
+                config.param_sync_func = config.param_sync_func[0]
+
+    def _iterators(self, dataset, consumed_samples: int) -> List[MicroBatches]:
+        """One iterator per model chunk (the interleaved schedule reads one per chunk)."""
+        return [
+            MicroBatches(
+                dataset,
+                self.cfg.training.micro_batch_size,
+                self.dp_rank,
+                self.dp_size,
+                consumed_samples,
+                self.device,
+            )
+            for _ in self.model
+        ]
+
+    def _resume(self) -> None:
+        """Resume from the run's checkpoint directory, else start from ``checkpoint.load``."""
+        cfg = self.cfg
+        found = checkpointing.find_checkpoint(cfg.checkpoint_dir)
+        model_only = False
+        if found is None and cfg.checkpoint.load:
+            load = Path(expand_path(cfg.checkpoint.load, "checkpoint.load"))
+            found = checkpointing.find_checkpoint(load)
+            if found is None:
+                raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r} holds no checkpoint")
+            model_only = cfg.checkpoint.load_model_only
+        if found is None:
+            return
+        loaded = checkpointing.load_checkpoint(
+            found, self.model, self.optimizer, self.scheduler, cfg.to_dict(), model_only=model_only
+        )
+        self.iteration = loaded["iteration"]
+        self.val_losses = [list(v) for v in loaded["train_state"].get("val_losses", [])]
+        self.checkpoint = found
+        if self.is_logger:
+            what = "loaded weights from" if model_only else "resumed from"
+            print(f"{what} {found} at step {self.iteration}", flush=True)
+
+    # ---------------------------------------------------------------- steps
+
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return output, partial(_loss_func, batch["loss_mask"])
+
+    def forward_backward(self, iterators, forward_only: bool) -> list:
+        """The one call into Megatron's schedule (training and evaluation)."""
+        tr = self.cfg.training
+        forward_backward_func = get_forward_backward_func()
+        return forward_backward_func(
+            forward_step_func=self._forward_step,
+            data_iterator=iterators if len(self.model) > 1 else iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=self.num_microbatches,
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=tr.micro_batch_size,
+            decoder_seq_length=self.cfg.model.seq_length,
+            forward_only=forward_only,
+        )
+
+    def _global_loss(self, reports: list) -> torch.Tensor:
+        """``[sum of token losses, tokens]`` over the global batch, on every rank."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if parallel_state.get_tensor_model_parallel_rank() == 0:  # one copy per DP replica
+            for report in reports:  # empty except on the last pipeline stage
+                total += report["lm loss"].to(torch.float64)
+        torch.distributed.all_reduce(total)
+        return total
+
+    def train_step(self):
+        """One optimizer step; returns (loss, grad norm, learning rate)."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = self.forward_backward(self.train_iterators, forward_only=False)
+        lr = self.optimizer.param_groups[0]["lr"]
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if update_ok:
+            self.scheduler.step(increment=1)
+        loss_sum, tokens = self._global_loss(reports).tolist()
+        return loss_sum / tokens, grad_norm, lr
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over ``eval.iters`` global batches of the validation split."""
+        for chunk in self.model:
+            chunk.eval()
+        iterators = self._iterators(self.valid_ds, 0)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for _ in range(self.cfg.eval.iters):
+            total += self._global_loss(self.forward_backward(iterators, forward_only=True))
+        for chunk in self.model:
+            chunk.train()
+        loss_sum, tokens = total.tolist()
+        return loss_sum / tokens
+
+    # ---------------------------------------------------------------- outputs
+
+    def routing_entropy(self) -> Dict[str, List[float]]:
+        """Per-site per-head routing entropy of the last forward, from every rank's chunks."""
+        local: Dict[str, List[float]] = {}
+        if self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+            for chunk in self.model:
+                decoder = getattr(unwrap(chunk), "decoder", None)
+                if hasattr(decoder, "routing_entropy"):
+                    entropy = decoder.routing_entropy()
+                    if entropy:
+                        local.update({k: v.float().tolist() for k, v in entropy.items()})
+        if torch.distributed.get_world_size() == 1:
+            return local
+        gathered: List[Dict[str, List[float]]] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, local)
+        merged: Dict[str, List[float]] = {}
+        for part in gathered:
+            merged.update(part)
+        return merged
+
+    def _memory_gb(self) -> float:
+        if self.on_cpu:
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+        return torch.cuda.max_memory_allocated() / 2**30
+
+    def val_loss_tail(self) -> Optional[float]:
+        tail = [loss for _, loss in self.val_losses[-self.cfg.eval.tail :]]
+        return sum(tail) / len(tail) if tail else None
+
+    def _run_eval(self) -> None:
+        start = time.perf_counter()
+        loss = self.evaluate()
+        self.val_losses.append([self.iteration, loss])
+        tail = self.val_loss_tail()
+        self.metrics.log("eval", self.iteration, {"val_loss": loss, "val_loss_tail": tail})
+        self.metrics.console(
+            f"eval step {self.iteration:>6} | val loss {loss:.4f} | tail({len(self.val_losses[-self.cfg.eval.tail:])}) "
+            f"{tail:.4f} | ppl {math.exp(min(loss, 50)):.2f} | {time.perf_counter() - start:.1f}s"
+        )
+
+    def save(self) -> None:
+        self.checkpoint = checkpointing.save_checkpoint(
+            self.cfg.checkpoint_dir,
+            self.iteration,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            {"val_losses": self.val_losses},
+            self.cfg.to_dict(),
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
+        self.metrics.console(f"saved checkpoint {self.checkpoint}")
+
+    # ---------------------------------------------------------------- loop
+
+    def train(self) -> TrainResult:
+        cfg, tr = self.cfg, self.cfg.training
+        losses: Dict[int, float] = {}
+        window: List[float] = []
+        timer = StepTimer()
+        last_saved = self.iteration if self.checkpoint is not None else -1
+        self.metrics.console(
+            f"training {cfg.run.name}: {tr.train_iters} steps of {tr.global_batch_size} x "
+            f"{cfg.model.seq_length} tokens, mhar={cfg.mhar.variant}, dp={self.dp_size} "
+            f"tp={cfg.parallel.tensor_model_parallel_size} pp={cfg.parallel.pipeline_model_parallel_size}"
+            f", from step {self.iteration}"
+        )
+        stop = StopSignal()
+        with stop:
+            while self.iteration < tr.train_iters:
+                timer.start()
+                loss, grad_norm, lr = self.train_step()
+                timer.stop()
+                self.iteration += 1
+                losses[self.iteration] = loss
+                window.append(loss)
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"loss is {loss} at step {self.iteration}")
+
+                if self.iteration % cfg.logging.interval == 0 or self.iteration == tr.train_iters:
+                    self._log_train(window, grad_norm, lr, timer)
+                    window, _ = [], timer.reset()
+                if self.step_hook is not None:
+                    self.step_hook(self, self.iteration)
+
+                done = self.iteration == tr.train_iters
+                if cfg.eval.interval and self.iteration % cfg.eval.interval == 0 and not done:
+                    self._run_eval()
+                signalled = stop.requested(self.device)
+                if signalled or (cfg.checkpoint.interval and self.iteration % cfg.checkpoint.interval == 0):
+                    self.save()
+                    last_saved = self.iteration
+                if signalled:
+                    self.metrics.console(
+                        f"received {stop.name} at step {self.iteration}: checkpoint saved, exiting"
+                    )
+                    break
+            else:
+                if not self.val_losses or self.val_losses[-1][0] != self.iteration:
+                    self._run_eval()
+                if cfg.checkpoint.save_at_end and last_saved != self.iteration:
+                    self.save()
+
+        result = TrainResult(
+            run_dir=self.run_dir,
+            iteration=self.iteration,
+            losses=losses,
+            val_losses=self.val_losses,
+            val_loss_tail=self.val_loss_tail(),
+            stopped_by=stop.name,
+            checkpoint=self.checkpoint,
+        )
+        if self.is_logger:
+            summary = {
+                "name": cfg.run.name,
+                "variant": cfg.mhar.variant,
+                "iteration": self.iteration,
+                "val_loss": self.val_losses[-1][1] if self.val_losses else None,
+                "val_loss_tail": result.val_loss_tail,
+                "val_losses": self.val_losses,
+                "stopped_by": stop.name,
+                "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+            }
+            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+        self.metrics.close()
+        return result
+
+    def _log_train(self, window: List[float], grad_norm: float, lr: float, timer: StepTimer) -> None:
+        cfg = self.cfg
+        loss = sum(window) / len(window)
+        tokens_per_s = self.tokens_per_step / timer.seconds_per_step
+        memory = self._memory_gb()
+        scalars = {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "tokens_per_s": tokens_per_s,
+            "memory_gb": memory,
+            "consumed_samples": self.iteration * cfg.training.global_batch_size,
+        }
+        extra = {}
+        if cfg.logging.routing_entropy and cfg.mhar.enabled:
+            entropy = self.routing_entropy()
+            if entropy:
+                extra["routing_entropy"] = entropy
+                self.metrics.log_routing_entropy(self.iteration, entropy)
+        self.metrics.log("train", self.iteration, scalars, extra)
+        eta = (cfg.training.train_iters - self.iteration) * timer.seconds_per_step
+        self.metrics.console(
+            f"step {self.iteration:>6}/{cfg.training.train_iters} | loss {loss:.4f} | lr {lr:.3e} | "
+            f"grad norm {scalars['grad_norm'] or 0:.3f} | {tokens_per_s:,.0f} tok/s | "
+            f"mem {memory:.2f} GB | ETA {format_duration(eta)}"
+        )

@@ -1,0 +1,105 @@
+"""Model chunks for the driver: the TransformerConfig, the GPT chunks and their DDP wrappers."""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
+from megatron_mhar.training.config import TrainConfig
+
+
+def check_pipeline_support(cfg: TrainConfig) -> None:
+    """Pipeline parallelism with routing needs per-boundary p2p shapes (history width).
+
+    Megatron's schedules send ``[s, b, h]`` between stages; an MHAR chunk sends the
+    packed history ``[s, b, N*h]`` (MHARTransformerBlock.input_width/output_width).
+    The schedule hook that tells Megatron those shapes (``adjust_tensor_shapes_fn``,
+    passed in :meth:`Trainer.forward_backward`) comes with the parallelism work;
+    until then the combination is refused before any process starts.
+    """
+    raise ValueError(
+        f"parallel.pipeline_model_parallel_size={cfg.parallel.pipeline_model_parallel_size} "
+        f"with mhar.variant={cfg.mhar.variant!r} is not supported by the training driver yet "
+        f"(the pipeline p2p shape hook has not landed); use pipeline_model_parallel_size=1 "
+        f"or mhar.variant=none"
+    )
+
+
+def transformer_config(cfg: TrainConfig, on_cpu: bool) -> TransformerConfig:
+    """The TransformerConfig of this run: architecture + parallel layout + numerics."""
+    par, tr = cfg.parallel, cfg.training
+    bf16 = tr.precision == "bf16"
+    return make_transformer_config(
+        cfg.model,
+        cfg.mhar,
+        tensor_model_parallel_size=par.tensor_model_parallel_size,
+        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
+        sequence_parallel=par.sequence_parallel,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        # Loss is a sum over tokens; finalize_model_grads divides by the global token count.
+        calculate_per_token_loss=True,
+        # gloo has no batched isend/irecv (runtime.cpu); NCCL runs batched p2p.
+        batch_p2p_comm=not on_cpu,
+        recompute_granularity=tr.recompute_granularity,
+        recompute_method=tr.recompute_method,
+        recompute_num_layers=tr.recompute_num_layers,
+    )
+
+
+def build_model_chunks(cfg: TrainConfig, config: TransformerConfig, on_cpu: bool) -> List[DistributedDataParallel]:
+    """One DDP-wrapped GPT chunk per virtual pipeline stage held by this rank."""
+    layer_norm = None
+    if on_cpu and cfg.parallel.sequence_parallel:
+        from megatron_mhar.runtime.cpu import SequenceParallelTorchNorm
+
+        layer_norm = SequenceParallelTorchNorm
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunk = build_gpt_model(
+            cfg.model,
+            cfg.mhar,
+            config,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+            layer_norm=layer_norm,
+        )
+        if not on_cpu:
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
+
+    par = cfg.parallel
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.training.precision == "bf16",
+        overlap_grad_reduce=par.overlap_grad_reduce,
+        overlap_param_gather=par.overlap_param_gather,
+        use_distributed_optimizer=par.use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
+    return [
+        DistributedDataParallel(
+            config=config,
+            ddp_config=ddp_config,
+            module=chunk,
+            # Megatron's convention: only the first chunk buckets (the rest overlap anyway).
+            disable_bucketing=i > 0,
+        )
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def unwrap(chunk) -> torch.nn.Module:
+    """The GPTModel inside a DDP wrapper."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk

@@ -1,0 +1,55 @@
+"""SIGTERM / SIGUSR1: finish the current step, save a checkpoint, exit cleanly.
+
+Slurm sends SIGTERM before killing a job (and SIGUSR1 ``--signal=USR1@90`` ahead
+of the time limit); torchrun forwards SIGTERM to its workers. The handler only
+records the signal; the loop checks :meth:`StopSignal.requested` between steps,
+where every rank agrees through one all-reduce, so all ranks save together.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Dict, Optional
+
+import torch
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopSignal:
+    """Installs the handlers on enter and restores the previous ones on exit."""
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self._previous: Dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    @property
+    def name(self) -> Optional[str]:
+        """Name of the received signal."""
+        return signal.Signals(self.received).name if self.received else None
+
+    def requested(self, device: torch.device) -> bool:
+        """Whether any rank received a signal (a collective when several ranks run)."""
+        flag = 0 if self.received is None else int(self.received)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            tensor = torch.tensor([flag], dtype=torch.int64, device=device)
+            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+            flag = int(tensor.item())
+            if flag and self.received is None:
+                self.received = flag
+        return flag != 0

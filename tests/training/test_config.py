@@ -1,0 +1,174 @@
+"""Recipe loading: strict keys and types, includes, overrides, launch checks.
+
+Every failure must happen before a process group exists, name the key path and say
+what to change.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from megatron_mhar.training.config import (
+    TrainConfig,
+    apply_overrides,
+    from_dict,
+    load_config,
+    validate_launch,
+)
+
+
+def _write(path, text):
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_defaults_are_the_smoke_recipe():
+    cfg = load_config()
+    assert cfg.run.name == "smoke_cpu" and cfg.data.embedded and cfg.data.tokenizer == "builtin"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        # a typo in a known section names the closest valid key
+        pytest.param("model.hiden_size=64", "unknown config key 'model.hiden_size'; did you mean 'model.hidden_size'?", id="typo"),
+        # the right leaf in the wrong section
+        pytest.param("training.lr=1e-3", "did you mean 'optimizer.lr'?", id="wrong-section"),
+        # an unknown section
+        pytest.param("modle.num_layers=2", "did you mean 'model.num_layers'?", id="section-typo"),
+        # wrong scalar types name the expected type
+        pytest.param("model.num_layers=two", "model.num_layers: expected int, got str 'two'", id="int"),
+        pytest.param("model.num_layers=2.5", "model.num_layers: expected int, got float 2.5", id="float-for-int"),
+        pytest.param("parallel.sequence_parallel=1", "parallel.sequence_parallel: expected bool", id="bool"),
+        pytest.param("optimizer.lr=fast", "optimizer.lr: expected float, got str 'fast'", id="float"),
+        pytest.param("data.paths=a.bin", "data.paths: expected a list", id="list"),
+        pytest.param("data.weights=[1, x]", "data.weights[1]: expected float", id="list-item"),
+        # values checked by each section
+        pytest.param("mhar.num_heads=5", "mhar.num_heads=5 does not divide hidden_size=128", id="mhar-heads"),
+        pytest.param("model.num_attention_heads=5", "num_attention_heads=5 does not divide hidden_size=128", id="attn-heads"),
+        pytest.param("mhar.variant=fancy", "mhar.variant must be one of", id="variant"),
+        pytest.param("training.micro_batch_size=3", "global_batch_size=16 is not a multiple of training.micro_batch_size=3", id="micro"),
+        pytest.param("parallel.tensor_model_parallel_size=3", "tensor_model_parallel_size=3 must divide model.num_attention_heads=4", id="tp-heads"),
+        pytest.param("parallel.pipeline_model_parallel_size=3", "model.num_layers=4 must be a multiple of the pipeline chunks", id="pp-layers"),
+        pytest.param("parallel.sequence_parallel=true", "needs tensor_model_parallel_size > 1", id="sp"),
+        pytest.param("optimizer.lr_warmup_iters=500", "optimizer.lr_warmup_iters=500 must be shorter than the decay (training.train_iters=200)", id="warmup"),
+        pytest.param("data.weights=[1.0]", "data.weights has 1 entries for 0 data.paths", id="weights"),
+    ],
+)
+def test_bad_values_fail_at_load(override, message):
+    with pytest.raises(ValueError) as err:
+        load_config("smoke_cpu", [override])
+    assert message in str(err.value)
+    assert "smoke_cpu.yaml" in str(err.value)  # names the recipe
+
+
+def test_recipe_file_errors(tmp_path):
+    bad = _write(tmp_path / "bad.yaml", "model:\n  hidden_sise: 64\n")
+    with pytest.raises(ValueError, match="did you mean 'model.hidden_size'"):
+        load_config(str(bad))
+    with pytest.raises(ValueError, match="did you mean 'smoke_cpu'"):
+        load_config("smoke_cpuu")
+    a = _write(tmp_path / "a.yaml", "include: b.yaml\n")
+    _write(tmp_path / "b.yaml", "include: a.yaml\n")
+    with pytest.raises(ValueError, match="include cycle: a.yaml -> b.yaml -> a.yaml"):
+        load_config(str(a))
+    with pytest.raises(ValueError, match="must look like dotted.key=value"):
+        load_config("smoke_cpu", ["model.num_layers"])
+    with pytest.raises(ValueError, match="names a whole section"):
+        load_config("smoke_cpu", ["model=3"])
+
+
+def test_includes_merge_and_overrides_win(tmp_path):
+    _write(
+        tmp_path / "base.yaml",
+        """
+        model: {num_layers: 4, hidden_size: 64, num_attention_heads: 4}
+        optimizer: {lr: 1.0e-3, min_lr: 0.0}
+        data: {paths: [x, y], weights: [1, 2]}
+        """,
+    )
+    _write(tmp_path / "variant.yaml", "mhar: {variant: none}\nmodel: {num_layers: 6}\n")
+    top = _write(
+        tmp_path / "top.yaml",
+        """
+        include: [base.yaml, variant.yaml]
+        run: {name: top}
+        optimizer: {lr: 5e-4}          # YAML 1.1 reads this as a string; a float field takes it
+        """,
+    )
+    cfg = load_config(str(top), ["data.paths=[p]", "data.weights=null", "run.name=123"])
+    assert cfg.model.num_layers == 6  # later include wins
+    assert cfg.model.hidden_size == 64  # mappings merge key by key
+    assert cfg.mhar.variant == "none"
+    assert cfg.optimizer.lr == 5e-4 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.optimizer.min_lr == 0.0
+    assert cfg.data.paths == ["p"] and cfg.data.weights is None  # lists replace
+    assert cfg.run.name == "123"  # string fields take the text verbatim
+
+
+def test_round_trip_through_dict():
+    cfg = load_config("smoke_cpu", ["model.num_layers=2"])
+    assert from_dict(cfg.to_dict()) == cfg
+    assert isinstance(from_dict({}), TrainConfig)
+
+
+def test_apply_overrides_does_not_mutate():
+    raw = {"model": {"num_layers": 2}}
+    out = apply_overrides(raw, ["model.num_layers=3", "optimizer.lr=0.1"])
+    assert raw == {"model": {"num_layers": 2}} and out["model"]["num_layers"] == 3
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        # global batch not divisible by micro-batch x data-parallel size
+        pytest.param([], 3, "global_batch_size=16 is not a multiple of training.micro_batch_size x data-parallel size = 8 x 3", id="dp-batch"),
+        # world size not a multiple of tp x pp
+        pytest.param(["parallel.tensor_model_parallel_size=2"], 3, "world size 3 is not a multiple of tensor_model_parallel_size x pipeline_model_parallel_size = 2", id="world"),
+        # interleaved schedule needs micro-batches divisible by pp
+        pytest.param(
+            ["mhar.variant=none", "parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2", "training.global_batch_size=24"],
+            2, "micro-batches per step (3) to be a multiple of pipeline_model_parallel_size=2", id="vpp-micro",
+        ),
+        pytest.param(["data.paths=[/nonexistent/corpus]"], 1, "/nonexistent/corpus.bin and /nonexistent/corpus.idx not found", id="data-path"),
+        pytest.param(["data.paths=[\"${MHAR_TEST_UNSET_VAR}/x\"]"], 1, "uses an environment variable that is not set", id="env-var"),
+        pytest.param(["data.tokenizer=/nonexistent/tok"], 1, "no tokenizer.json in /nonexistent/tok", id="tokenizer"),
+        pytest.param(["model.vocab_size=1000"], 1, "model.vocab_size=1000 is smaller than data.embedded_vocab_size", id="vocab"),
+        pytest.param(["training.precision=bf16", "run.device=cpu"], 1, "on CPU set training.precision=fp32", id="bf16-cpu"),
+        pytest.param(["checkpoint.load=/nonexistent/ckpt"], 1, "checkpoint.load='/nonexistent/ckpt': no such directory", id="load"),
+    ],
+)
+def test_launch_checks(overrides, world, message, monkeypatch):
+    monkeypatch.delenv("MHAR_TEST_UNSET_VAR", raising=False)
+    cfg = load_config("smoke_cpu", overrides)
+    with pytest.raises(ValueError) as err:
+        validate_launch(cfg, world)
+    assert message in str(err.value)
+
+
+def test_launch_checks_pass_for_valid_layouts():
+    validate_launch(load_config("smoke_cpu"), 1)
+    validate_launch(load_config("smoke_cpu"), 2)  # dp=2: 16 = 8 x 2
+    validate_launch(load_config("smoke_cpu", ["parallel.tensor_model_parallel_size=2"]), 4)
+
+
+def test_main_reports_config_errors_before_starting(capsys):
+    import torch
+
+    from megatron_mhar.train import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["smoke_cpu", "model.hiden_size=64"])
+    assert exit_info.value.code == 2
+    assert "did you mean 'model.hidden_size'" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
+def test_print_config(capsys):
+    from megatron_mhar.train import main
+
+    assert main(["model.num_layers=3", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "num_layers: 3" in out and "name: smoke_cpu" in out

@@ -1,0 +1,145 @@
+"""End-to-end runs of the training driver on CPU (single process, in-process)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+
+import pytest
+
+from megatron_mhar.training.metrics import read_metrics
+
+
+def _run(cfg, step_hook=None):
+    from megatron_mhar.training.loop import run
+
+    return run(cfg, step_hook=step_hook)
+
+
+def _train_losses(run_dir):
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir, "train")}
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param("none", id="baseline"),  # Megatron's own GPT
+        pytest.param("full", id="mhar-full"),  # routing over every sublayer output
+    ],
+)
+def test_run_writes_outputs_and_learns(tiny, variant):
+    cfg = tiny(f"mhar.variant={variant}", "training.train_iters=12", "eval.interval=6")
+    result = _run(cfg)
+    run_dir = cfg.run.dir
+
+    assert result.iteration == 12
+    train = read_metrics(run_dir, "train")
+    assert [r["step"] for r in train] == list(range(1, 13))  # one record per logged step
+    for record in train:
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "memory_gb", "consumed_samples"):
+            assert math.isfinite(record[key]), (key, record)
+    assert train[-1]["consumed_samples"] == 12 * 4
+    assert train[-1]["loss"] < train[0]["loss"] - 0.3  # it learns
+    assert train[0]["lr"] == 0.0 and train[1]["lr"] == pytest.approx(5e-3)  # warm-up 2 steps
+    assert [r["step"] for r in read_metrics(run_dir, "eval")] == [6, 12]
+
+    evals = read_metrics(run_dir, "eval")
+    assert evals[-1]["val_loss_tail"] == pytest.approx((evals[0]["val_loss"] + evals[1]["val_loss"]) / 2)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["val_loss"] == evals[-1]["val_loss"]
+    assert summary["val_loss_tail"] == result.val_loss_tail
+    assert (run_dir / "config.yaml").is_file()
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(run_dir / "tensorboard"))
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000012"
+
+
+def test_same_seed_same_losses(tiny):
+    a = _run(tiny(name="a"))
+    b = _run(tiny(name="b"))
+    c = _run(tiny("run.seed=99", name="c"))
+    assert a.losses == b.losses  # bitwise
+    assert a.val_losses == b.val_losses
+    assert a.losses != c.losses
+
+
+def test_resume_is_exact(tiny):
+    """2N steps straight == N steps, stop (signal), resume, N steps: bitwise on CPU."""
+    straight = _run(tiny("training.train_iters=8", "eval.interval=4", name="straight"))
+
+    def stop_at_4(trainer, step):
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    cfg = tiny("training.train_iters=8", "eval.interval=4", name="resumed")
+    first = _run(cfg, step_hook=stop_at_4)
+    assert first.stopped_by == "SIGUSR1" and first.iteration == 4
+    assert (cfg.checkpoint_dir / "latest").read_text().strip() == "iter_0000004"
+    second = _run(cfg)
+    assert second.iteration == 8
+    assert min(second.losses) == 5  # resumed after step 4, did not redo steps
+
+    assert _train_losses(cfg.run.dir) == _train_losses(straight.run_dir)  # bitwise
+    assert second.val_losses == straight.val_losses  # includes the eval before the stop
+    assert second.val_loss_tail == straight.val_loss_tail
+
+
+def test_interrupted_save_keeps_last_good_checkpoint(tiny, monkeypatch):
+    from megatron_mhar.training import checkpointing
+
+    cfg = tiny("checkpoint.interval=3", "training.train_iters=3", name="crash")
+    _run(cfg)
+    good = cfg.checkpoint_dir / "iter_0000003"
+    before = sorted(p.name for p in good.iterdir())
+
+    real_save = checkpointing.dist_checkpointing.save
+
+    def save_then_die(state, directory, *args, **kwargs):
+        real_save(state, directory, *args, **kwargs)  # files are written ...
+        raise KeyboardInterrupt("killed while publishing")  # ... but never published
+
+    monkeypatch.setattr(checkpointing.dist_checkpointing, "save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tiny("checkpoint.interval=3", "training.train_iters=6", name="crash"))
+    monkeypatch.setattr(checkpointing.dist_checkpointing, "save", real_save)
+
+    assert (cfg.checkpoint_dir / "latest").read_text().strip() == "iter_0000003"
+    assert sorted(p.name for p in good.iterdir()) == before
+    assert not (cfg.checkpoint_dir / "iter_0000006").exists()
+    assert any(p.name.startswith(".tmp.") for p in cfg.checkpoint_dir.iterdir())
+
+    resumed = _run(tiny("checkpoint.interval=3", "training.train_iters=6", name="crash"))
+    assert min(resumed.losses) == 4 and resumed.iteration == 6
+    assert (cfg.checkpoint_dir / "latest").read_text().strip() == "iter_0000006"
+    assert not any(p.name.startswith(".tmp.") for p in cfg.checkpoint_dir.iterdir())
+
+
+def test_load_into_different_model_names_fields(tiny):
+    _run(tiny("training.train_iters=3", "eval.interval=0", name="mismatch"))
+    cfg = tiny(
+        "training.train_iters=4", "model.hidden_size=64", "model.num_layers=4", name="mismatch"
+    )
+    with pytest.raises(ValueError) as err:
+        _run(cfg)
+    message = str(err.value)
+    assert "model.hidden_size: 32 (checkpoint) vs 64 (config)" in message
+    assert "model.num_layers: 2 (checkpoint) vs 4 (config)" in message
+    assert "model.num_attention_heads" not in message  # only the differing fields
+
+
+def test_model_only_load_starts_fresh_schedule(tiny):
+    source = tiny("training.train_iters=3", "eval.interval=0", name="source")
+    _run(source)
+    result = _run(
+        tiny(
+            f"checkpoint.load={source.checkpoint_dir}",
+            "checkpoint.load_model_only=true",
+            "training.train_iters=3",
+            "eval.interval=0",
+            name="finetune",
+        )
+    )
+    assert sorted(result.losses) == [1, 2, 3]  # a new run from step 0 ...
+    fresh = _run(tiny("training.train_iters=3", "eval.interval=0", name="fresh"))
+    assert result.losses[1] < fresh.losses[1] - 0.1  # ... from trained weights
