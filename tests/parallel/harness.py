@@ -32,6 +32,9 @@ VARIANTS = {
     "none": dict(variant="none"),
     "full": dict(variant="full", num_heads=4),
     "block": dict(variant="block", block_size=3, num_heads=2),
+    # delta: a block source after every decoder layer, so rows, the stream and the
+    # block start all cross stage boundaries.
+    "delta": dict(variant="delta", delta_block_layers=1, num_heads=2),
 }
 
 
@@ -277,6 +280,8 @@ def randomize_routers(model: torch.nn.Module, seed: int = 3) -> None:
                 param.copy_(QUERY_STD * torch.randn(param.shape, generator=generator))
             elif name.endswith("router.norm_weight"):
                 param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(("router.gate", "router.null_source")):  # delta
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
 
 
 def reference(variant: str):

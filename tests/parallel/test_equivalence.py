@@ -46,7 +46,7 @@ LAYOUTS = [
 VARIANTS = [pytest.param(v, id=v) for v in H.VARIANTS]
 
 # Routing parameters without their sequence_parallel marking (negative control).
-UNMARKED = {v: L(tp=2, sp=True, unmark_routing_sp=True) for v in ("full", "block")}
+UNMARKED = {v: L(tp=2, sp=True, unmark_routing_sp=True) for v in ("full", "block", "delta")}
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-5  # atol relative to the tensor's largest reference grad
@@ -119,7 +119,7 @@ def test_matches_single_process(references, parallel_runs, layout, variant):
         assert H.replicated_grad_spread(results, name) <= GRAD_ATOL * scale.abs().max().item(), name
 
 
-@pytest.mark.parametrize("variant", ["full", "block"])
+@pytest.mark.parametrize("variant", ["full", "block", "delta"])
 def test_routing_grads_need_the_sequence_parallel_marking(references, parallel_runs, variant):
     """Without ``sequence_parallel`` on the routing parameters, finalize_model_grads does
     not sum their partial gradients over the TP group: they diverge from the reference
