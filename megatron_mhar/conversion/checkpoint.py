@@ -207,13 +207,25 @@ def global_name(chunk, name: str) -> str:
 def tp_slice(name: str, full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This TP rank's part of a full (TP=1 layout) tensor.
 
-    Megatron marks split parameters with ``tensor_model_parallel`` and
-    ``partition_dim``. SwiGLU's ``linear_fc1`` is the one split that is not a
-    contiguous chunk: each rank holds ``[gate shard; up shard]``.
+    The split dimension is the one where the full tensor is ``tp_size`` times the
+    parameter (Megatron sets ``partition_dim`` only when it initialises weights,
+    and conversion builds models without initialising them). SwiGLU's
+    ``linear_fc1`` is the one split that is not a contiguous chunk: each rank
+    holds ``[gate shard; up shard]``.
     """
-    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+    if tuple(full.shape) == tuple(param.shape):
         return full
-    dim = param.partition_dim
+    split = [d for d in range(full.dim()) if full.shape[d] != param.shape[d]]
+    if (
+        full.dim() != param.dim()
+        or len(split) != 1
+        or full.shape[split[0]] != tp_size * param.shape[split[0]]
+    ):
+        raise ValueError(
+            f"{name}: converted shape {tuple(full.shape)} does not fit the model's "
+            f"{tuple(param.shape)} (TP rank {tp_rank} of {tp_size})"
+        )
+    dim = split[0]
     if name.endswith("mlp.linear_fc1.weight"):
         gate, up = full.chunk(2, dim=dim)
         return torch.cat([gate.chunk(tp_size, dim)[tp_rank], up.chunk(tp_size, dim)[tp_rank]], dim)

@@ -224,11 +224,6 @@ def _fill_from_hf(chunk, plan: ImportPlan) -> None:
         else:
             full = mapping.megatron_tensor(key, reader, shapes)
         value = checkpoint.tp_slice(key, full, param, tp_rank, tp_size)
-        if value.shape != param.shape:
-            raise ValueError(
-                f"{key}: converted shape {tuple(value.shape)} does not fit the model's "
-                f"{tuple(param.shape)} (TP rank {tp_rank} of {tp_size})"
-            )
         with torch.no_grad():
             param.copy_(value)
     if routing is not None and parallel_state.get_pipeline_model_parallel_world_size() == 1:

@@ -124,7 +124,8 @@ def model_config_from_hf(
         num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
         ffn_hidden_size=hf["intermediate_size"],
-        kv_channels=head_dim,
+        # None when it is the default, as recipes write it (the driver compares fields)
+        kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
         vocab_size=hf["vocab_size"],
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         seq_length=seq_length or hf.get("max_position_embeddings") or 4096,

@@ -5,7 +5,8 @@ Fixtures:
         ``llama`` (GQA, untied, RoPE theta 5e5 with llama3 scaling), ``qwen3_tied``
         (q/k norms, head_dim != d/heads, tied embeddings), ``qwen3_untied``, and
         ``qwen3_bf16`` (bf16 tensors).
-    convert: ``convert(name, variant, tp=1, pp=1, **options) -> checkpoint dir``, cached.
+    convert: ``convert(name, variant, tp=1, pp=1, divisible_by=32, **mhar) -> checkpoint dir``,
+        cached; ``tp * pp > 1`` spawns that many gloo ranks, as the CLI does.
 
 Weights are redrawn larger than HF's init (matrices N(0, 0.1^2), norms 1 + N(0, 0.2^2))
 so that logits are O(1) and a mapping error cannot hide below the tolerance.
@@ -72,12 +73,13 @@ def convert(hf_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("mcore")
     cache = {}
 
-    def _convert(name: str, variant: str, tp: int = 1, pp: int = 1, **mhar) -> Path:
-        key = (name, variant, tp, pp, tuple(sorted(mhar.items())))
+    def _convert(name: str, variant: str, tp: int = 1, pp: int = 1, divisible_by: int = 32,
+                 **mhar) -> Path:
+        key = (name, variant, tp, pp, divisible_by, tuple(sorted(mhar.items())))
         if key not in cache:
             out = root / f"{name}_{variant}_tp{tp}_pp{pp}_{len(cache)}"
             plan = plan_import(hf_dirs[name], out, variant, tp=tp, pp=pp, seq_length=SEQ,
-                               make_vocab_size_divisible_by=32, mhar_overrides=mhar)
+                               make_vocab_size_divisible_by=divisible_by, mhar_overrides=mhar)
             cache[key] = hf_to_mcore(plan)
         return cache[key]
 
