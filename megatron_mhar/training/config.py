@@ -740,10 +740,6 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
             f"model.seq_length={cfg.model.seq_length} must be a multiple of "
             f"tensor_model_parallel_size={par.tensor_model_parallel_size} with sequence parallelism"
         )
-    if cfg.mhar.enabled and pp > 1:
-        from megatron_mhar.training.model import check_pipeline_support
-
-        check_pipeline_support(cfg)
 
     cuda = _cuda_available()
     if cfg.run.device == "cuda" and not cuda:

@@ -4,9 +4,10 @@
 groups, data, model, optimizer, resume, the loop, the last evaluation and save,
 teardown. The pieces are Megatron's own:
 
-* ``get_forward_backward_func`` picks the schedule for the layout (no pipelining,
-  1F1B, interleaved 1F1B); :meth:`Trainer.forward_backward` is the one place that
-  calls it, for training and for evaluation.
+* Megatron's schedule for the layout (no pipelining, 1F1B, interleaved 1F1B), through
+  ``megatron_mhar.parallel.pipeline.forward_backward`` which adds the p2p shapes of an
+  MHAR history; :meth:`Trainer.forward_backward` is the one place that calls it, for
+  training and for evaluation.
 * The loss is a sum over tokens (``calculate_per_token_loss``), and Megatron's
   ``finalize_model_grads`` divides the gradients by the global token count after
   the data-parallel reduction: the step is the same for any DP x micro-batch split.
@@ -33,9 +34,9 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_mhar.data.datasets import MicroBatches, build_gpt_datasets
+from megatron_mhar.parallel import pipeline
 from megatron_mhar.runtime.distributed import DistributedContext, destroy, initialize_model_parallel_from_env
 from megatron_mhar.training import checkpointing
 from megatron_mhar.training.config import TrainConfig, expand_path, to_yaml, validate_launch
@@ -277,13 +278,16 @@ class Trainer:
         return output, partial(_loss_func, batch["loss_mask"])
 
     def forward_backward(self, iterators, forward_only: bool) -> list:
-        """The one call into Megatron's schedule (training and evaluation)."""
+        """The one call into Megatron's schedule (training and evaluation).
+
+        ``megatron_mhar.parallel.pipeline.forward_backward`` is Megatron's schedule for
+        the layout plus, for MHAR pipelines, the per-boundary p2p shapes of the history.
+        """
         tr = self.cfg.training
-        forward_backward_func = get_forward_backward_func()
-        return forward_backward_func(
+        return pipeline.forward_backward(
             forward_step_func=self._forward_step,
-            data_iterator=iterators if len(self.model) > 1 else iterators[0],
-            model=self.model if len(self.model) > 1 else self.model[0],
+            data_iterator=iterators,
+            model=self.model,
             num_microbatches=self.num_microbatches,
             seq_length=self.cfg.model.seq_length,
             micro_batch_size=tr.micro_batch_size,
@@ -440,10 +444,13 @@ class Trainer:
             stopped_by=stop.name,
             checkpoint=self.checkpoint,
         )
+        self._write_heatmap()
+        parameters = self._count_parameters()
         if self.is_logger:
             summary = {
                 "name": cfg.run.name,
                 "variant": cfg.mhar.variant,
+                "parameters": parameters,
                 "iteration": self.iteration,
                 "val_loss": self.val_losses[-1][1] if self.val_losses else None,
                 "val_loss_tail": result.val_loss_tail,
@@ -454,6 +461,26 @@ class Trainer:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
         self.metrics.close()
         return result
+
+    def _count_parameters(self) -> int:
+        """Parameters of the whole model (summed over tensor and pipeline ranks)."""
+        local = sum(p.numel() for chunk in self.model for p in unwrap(chunk).parameters())
+        total = torch.tensor([local], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
+        return int(total.item())
+
+    def _write_heatmap(self) -> None:
+        """``routing_heatmap.png`` (and a TensorBoard image) from the last forward's routing."""
+        if not (self.cfg.mhar.enabled and self.cfg.logging.routing_entropy):
+            return
+        entropy = self.routing_entropy()
+        if not entropy or not self.is_logger:
+            return
+        from megatron_mhar.training.heatmap import save_heatmap
+
+        title = f"{self.cfg.run.name}: routing entropy per site and head, step {self.iteration}"
+        image = save_heatmap(entropy, self.run_dir / "routing_heatmap.png", title)
+        self.metrics.add_image("routing/entropy_heatmap", image, self.iteration)
 
     def _log_train(self, window: List[float], grad_norm: float, lr: float, timer: StepTimer) -> None:
         cfg = self.cfg

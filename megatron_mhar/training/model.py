@@ -13,23 +13,6 @@ from megatron_mhar.models.builder import build_gpt_model, make_transformer_confi
 from megatron_mhar.training.config import TrainConfig
 
 
-def check_pipeline_support(cfg: TrainConfig) -> None:
-    """Pipeline parallelism with routing needs per-boundary p2p shapes (history width).
-
-    Megatron's schedules send ``[s, b, h]`` between stages; an MHAR chunk sends the
-    packed history ``[s, b, N*h]`` (MHARTransformerBlock.input_width/output_width).
-    The schedule hook that tells Megatron those shapes (``adjust_tensor_shapes_fn``,
-    passed in :meth:`Trainer.forward_backward`) comes with the parallelism work;
-    until then the combination is refused before any process starts.
-    """
-    raise ValueError(
-        f"parallel.pipeline_model_parallel_size={cfg.parallel.pipeline_model_parallel_size} "
-        f"with mhar.variant={cfg.mhar.variant!r} is not supported by the training driver yet "
-        f"(the pipeline p2p shape hook has not landed); use pipeline_model_parallel_size=1 "
-        f"or mhar.variant=none"
-    )
-
-
 def transformer_config(cfg: TrainConfig, on_cpu: bool) -> TransformerConfig:
     """The TransformerConfig of this run: architecture + parallel layout + numerics."""
     par, tr = cfg.parallel, cfg.training

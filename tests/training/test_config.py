@@ -53,7 +53,7 @@ def test_defaults_are_the_smoke_recipe():
         pytest.param("parallel.tensor_model_parallel_size=3", "tensor_model_parallel_size=3 must divide model.num_attention_heads=4", id="tp-heads"),
         pytest.param("parallel.pipeline_model_parallel_size=3", "model.num_layers=4 must be a multiple of the pipeline chunks", id="pp-layers"),
         pytest.param("parallel.sequence_parallel=true", "needs tensor_model_parallel_size > 1", id="sp"),
-        pytest.param("optimizer.lr_warmup_iters=500", "optimizer.lr_warmup_iters=500 must be shorter than the decay (training.train_iters=200)", id="warmup"),
+        pytest.param("optimizer.lr_warmup_iters=500", "optimizer.lr_warmup_iters=500 must be shorter than the decay (training.train_iters=150)", id="warmup"),
         pytest.param("data.weights=[1.0]", "data.weights has 1 entries for 0 data.paths", id="weights"),
     ],
 )
@@ -124,12 +124,13 @@ def test_apply_overrides_does_not_mutate():
     "overrides, world, message",
     [
         # global batch not divisible by micro-batch x data-parallel size
-        pytest.param([], 3, "global_batch_size=16 is not a multiple of training.micro_batch_size x data-parallel size = 8 x 3", id="dp-batch"),
+        pytest.param([], 3, "global_batch_size=16 is not a multiple of training.micro_batch_size x data-parallel size = 16 x 3", id="dp-batch"),
         # world size not a multiple of tp x pp
         pytest.param(["parallel.tensor_model_parallel_size=2"], 3, "world size 3 is not a multiple of tensor_model_parallel_size x pipeline_model_parallel_size = 2", id="world"),
         # interleaved schedule needs micro-batches divisible by pp
         pytest.param(
-            ["mhar.variant=none", "parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2", "training.global_batch_size=24"],
+            ["mhar.variant=none", "parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2", "training.global_batch_size=24",
+             "training.micro_batch_size=8"],
             2, "micro-batches per step (3) to be a multiple of pipeline_model_parallel_size=2", id="vpp-micro",
         ),
         pytest.param(["data.paths=[/nonexistent/corpus]"], 1, "/nonexistent/corpus.bin and /nonexistent/corpus.idx not found", id="data-path"),
@@ -150,8 +151,10 @@ def test_launch_checks(overrides, world, message, monkeypatch):
 
 def test_launch_checks_pass_for_valid_layouts():
     validate_launch(load_config("smoke_cpu"), 1)
-    validate_launch(load_config("smoke_cpu"), 2)  # dp=2: 16 = 8 x 2
-    validate_launch(load_config("smoke_cpu", ["parallel.tensor_model_parallel_size=2"]), 4)
+    validate_launch(load_config("smoke_cpu", ["training.micro_batch_size=8"]), 2)  # dp=2: 16 = 8 x 2
+    validate_launch(
+        load_config("smoke_cpu", ["parallel.tensor_model_parallel_size=2", "training.micro_batch_size=4"]), 4
+    )
 
 
 def test_main_reports_config_errors_before_starting(capsys):

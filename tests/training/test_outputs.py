@@ -1,0 +1,96 @@
+"""Signals in a real process, the demo, the heatmap and the routing-entropy logging."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy
+import pytest
+
+from megatron_mhar.training.metrics import read_metrics
+from tests.training.conftest import TINY
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path, embedded_dir, single_process):
+    """A real SIGTERM to ``python -m megatron_mhar.train``: checkpoint at the current step, exit 0."""
+    run_dir = tmp_path / "sig"
+    cmd = [sys.executable, "-m", "megatron_mhar.train", "smoke_cpu", *TINY,
+           "training.train_iters=100000", "optimizer.lr_warmup_iters=2", "eval.interval=0",
+           f"run.output_dir={tmp_path}", "run.name=sig", f"data.embedded_dir={embedded_dir}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        deadline = time.monotonic() + 240
+        while len(read_metrics(run_dir, "train")) < 2:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert "received SIGTERM" in output
+    last = read_metrics(run_dir, "train")[-1]["step"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"iter_{last:07d}"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and summary["iteration"] == last
+
+
+def test_heatmap_renders_sites_in_depth_order(tmp_path):
+    from PIL import Image
+
+    from megatron_mhar.training.heatmap import entropy_matrix, save_heatmap
+
+    entropy = {"site10": [0.1, 0.2], "site2": [1.0, 0.5], "site1": [0.0, 0.0]}
+    sites, matrix = entropy_matrix(entropy)
+    assert sites == ["site1", "site2", "site10"]
+    assert matrix.tolist() == [[0.0, 0.0], [1.0, 0.5], [0.1, 0.2]]
+    image = save_heatmap(entropy, tmp_path / "h.png", "title")
+    loaded = numpy.asarray(Image.open(tmp_path / "h.png"))
+    assert loaded.shape == image.shape and loaded.ndim == 3
+    assert len({tuple(p) for p in loaded.reshape(-1, 3)}) > 10  # coloured cells, not blank
+
+
+def test_routing_entropy_is_logged(tiny):
+    """Per-site per-head entropy in metrics.jsonl, TensorBoard and the heatmap."""
+    from megatron_mhar.models.block import MHARTransformerBlock
+    from megatron_mhar.training.loop import run
+
+    if not hasattr(MHARTransformerBlock, "routing_entropy"):
+        pytest.skip("the MHAR block does not expose routing_entropy() yet")
+    cfg = tiny("training.train_iters=3", "eval.interval=0")
+    run(cfg)
+    records = read_metrics(cfg.run.dir, "train")
+    entropy = records[-1]["routing_entropy"]
+    assert len(entropy) == 2 * cfg.model.num_layers + 1  # every site of the full variant
+    for heads in entropy.values():
+        assert len(heads) == cfg.mhar.num_heads and all(0 <= h <= numpy.log(5) + 1e-6 for h in heads)
+    assert (cfg.run.dir / "routing_heatmap.png").is_file()
+
+
+def test_demo_compares_baseline_and_mhar(tmp_path, embedded_dir, single_process, capsys):
+    from megatron_mhar.demo import main
+
+    out = tmp_path / "demo"
+    assert main(["--out", str(out), *TINY, "training.train_iters=4", "eval.interval=0",
+                 f"data.embedded_dir={embedded_dir}"]) == 0
+    printed = capsys.readouterr().out
+    table = (out / "results.md").read_text()
+    assert table.strip() in printed
+    rows = [line for line in table.splitlines() if line.startswith("| baseline") or line.startswith("| mhar")]
+    assert len(rows) == 2 and "| none |" in rows[0] and "| full H=4 |" in rows[1]  # the overrides win over the demo defaults
+    for name in ("baseline", "mhar"):
+        assert read_metrics(out / name, "eval")[-1]["step"] == 4
+        assert os.listdir(out / name / "tensorboard")
+    base = json.loads((out / "baseline" / "summary.json").read_text())
+    mhar = json.loads((out / "mhar" / "summary.json").read_text())
+    # MHAR.md §3: 2 queries + 2 norm weights per layer plus the final site: (4L + 2) d
+    assert mhar["parameters"] - base["parameters"] == (4 * 2 + 2) * 32
+    assert "MHAR - baseline final validation loss" in printed
