@@ -66,6 +66,8 @@ def plan_import(
 ) -> ImportPlan:
     """Validate everything that can be checked before any process starts."""
     hf_dir = Path(hf_dir)
+    if Path(out).exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; choose a new --out or pass --overwrite")
     raw = hf_io.read_config(hf_dir)
     model = hf_config.model_config_from_hf(
         raw, seq_length, make_vocab_size_divisible_by, **(model_overrides or {})
@@ -259,7 +261,9 @@ def mcore_to_hf(
     from megatron_mhar.runtime import destroy
 
     found = checkpoint.find_checkpoint(Path(ckpt))
-    model_cfg, mhar, common = checkpoint.read_configs(found)
+    if Path(out).exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; choose a new --out or pass --overwrite")
+    model_cfg, mhar, _ = checkpoint.read_configs(found)
     stored = checkpoint.stored_dtype(found)
     target = DTYPES[dtype] if dtype else stored
     started = _ensure_parallel_state(1, 1)

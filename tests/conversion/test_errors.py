@@ -1,0 +1,218 @@
+"""Clear errors for what cannot be converted, and outputs published only when complete."""
+
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_mhar.conversion import hf_config, mapping
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Llama-3.1-8B's config.json (Marin-8B is this architecture), as published.
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "vocab_size": 128256,
+}
+
+
+def _edited(src: Path, dst: Path, config=None, drop=(), add=None, replace=None) -> Path:
+    """A copy of an HF directory with config edits and tensors dropped, added or replaced."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    raw.update(config or {})
+    (dst / "config.json").write_text(json.dumps(raw))
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors = {k: v for k, v in tensors.items() if k not in drop}
+    tensors.update(add or {})
+    tensors.update(replace or {})
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _plan(hf_dir, out, variant="none", **kwargs):
+    from megatron_mhar.conversion.convert import plan_import
+
+    return plan_import(hf_dir, out, variant, seq_length=16, **kwargs)
+
+
+@pytest.mark.parametrize("edit,message", [
+    pytest.param(dict(config={"architectures": ["MistralForCausalLM"], "model_type": "mistral"}),
+                 "unsupported architecture 'MistralForCausalLM'", id="unknown-architecture"),
+    pytest.param(dict(config={"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}),
+                 "RoPE scaling 'yarn' is not supported", id="rope-yarn"),
+    pytest.param(dict(config={"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                                                  "high_freq_factor": 4.0, "rope_theta": 5e5,
+                                                  "original_max_position_embeddings": 8192}}),
+                 "low_freq_factor=2.0; Megatron's RoPE hard-codes low_freq_factor=1.0", id="rope-llama3-factors"),
+    pytest.param(dict(config={"attention_bias": True}), "attention_bias=True is not supported",
+                 id="attention-bias"),
+    pytest.param(dict(drop=["model.layers.1.mlp.up_proj.weight"]),
+                 "missing 1 tensors: model.layers.1.mlp.up_proj.weight", id="missing-tensor"),
+    pytest.param(dict(add={"model.layers.4.mlp.up_proj.weight": torch.zeros(96, 64)}),
+                 "model.layers.4.mlp.up_proj.weight (layer 4 >= num_hidden_layers=4)", id="extra-layer"),
+    pytest.param(dict(add={"model.layers.0.self_attn.q_norm.weight": torch.ones(16)}),
+                 "q_norm.weight (only expected when qk_layernorm)", id="qk-norm-in-llama"),
+    pytest.param(dict(add={"model.vision_tower.weight": torch.ones(3)}),
+                 "model.vision_tower.weight (no conversion rule)", id="unknown-tensor"),
+])
+def test_plan_refuses(hf_dirs, tmp_path, edit, message):
+    hf_dir = _edited(hf_dirs["llama"], tmp_path / "hf", **edit)
+    with pytest.raises(ValueError) as err:
+        _plan(hf_dir, tmp_path / "out")
+    assert message in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_layout_and_variant_errors(hf_dirs, tmp_path):
+    with pytest.raises(ValueError, match=r"--tp 4 must divide .* KV heads \(2\)"):
+        _plan(hf_dirs["llama"], tmp_path / "out", tp=4)
+    with pytest.raises(ValueError, match=r"--pp 3 must divide the number of layers \(4\)"):
+        _plan(hf_dirs["llama"], tmp_path / "out", pp=3)
+    with pytest.raises(ValueError, match="--variant is required"):
+        _plan(hf_dirs["llama"], tmp_path / "out", variant=None)
+    with pytest.raises(ValueError, match="mhar.num_heads=7 does not divide hidden_size=64"):
+        _plan(hf_dirs["llama"], tmp_path / "out", variant="delta", mhar_overrides=dict(num_heads=7))
+
+
+def test_shape_mismatch_fails_without_publishing(hf_dirs, tmp_path):
+    """Names all match, one shape does not: the rank raises, nothing is published."""
+    from megatron_mhar.conversion.convert import hf_to_mcore
+
+    hf_dir = _edited(hf_dirs["llama"], tmp_path / "hf",
+                     replace={"model.layers.2.self_attn.k_proj.weight": torch.zeros(16, 64)})
+    with pytest.raises(ValueError, match=r"k_proj: shape \(16, 64\) does not match the config \(32x64\)"):
+        hf_to_mcore(_plan(hf_dir, tmp_path / "out"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no out, no .tmp.out
+
+
+def test_output_is_never_overwritten_by_accident(hf_dirs, convert, tmp_path):
+    from megatron_mhar.conversion.convert import hf_to_mcore
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        _plan(hf_dirs["qwen3_tied"], out)  # refused before any process starts
+    (tmp_path / ".tmp.out").mkdir()  # leftovers of an interrupted conversion are cleared
+    hf_to_mcore(_plan(hf_dirs["qwen3_tied"], out, overwrite=True))
+    assert (out / "latest").read_text() == "iter_0000000\n"
+    assert not (out / "keep").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_export_errors(hf_dirs, convert, tmp_path):
+    from megatron_mhar.conversion.convert import mcore_to_hf
+
+    with pytest.raises(FileNotFoundError, match="not a Megatron distributed checkpoint"):
+        mcore_to_hf(hf_dirs["llama"], tmp_path / "out")
+    with pytest.raises(FileExistsError):
+        mcore_to_hf(convert("qwen3_tied", "none"), hf_dirs["llama"])
+
+
+def test_side_file_variant_must_match(megatron_world1, convert, tmp_path):
+    from megatron_mhar.conversion.convert import mcore_to_hf
+
+    exported = mcore_to_hf(convert("qwen3_tied", "delta"), tmp_path / "hf")
+    with pytest.raises(ValueError, match="carries MHAR parameters of variant 'delta'"):
+        _plan(exported, tmp_path / "out", variant="full")
+    with pytest.raises(ValueError, match="routing parameters only fit the configuration"):
+        _plan(exported, tmp_path / "out", variant="delta", mhar_overrides=dict(num_heads=4))
+
+
+def test_cli_reports_errors_and_converts(hf_dirs, tmp_path, capsys):
+    """The CLIs are thin: argument parsing, one library call, errors as exit code 2."""
+    sys.path.insert(0, str(REPO / "checkpoint_tools"))
+    try:
+        import hf_to_mcore_mhar
+    finally:
+        sys.path.remove(str(REPO / "checkpoint_tools"))
+    with pytest.raises(SystemExit) as exit_info:
+        hf_to_mcore_mhar.main(["--hf-dir", str(tmp_path), "--out", str(tmp_path / "o"), "--variant", "none"])
+    assert exit_info.value.code == 2
+    assert "has no config.json" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- mapping and configs
+
+
+def test_qkv_layout_is_megatrons_grouped_layout():
+    """Rows of linear_qkv: per group, its query heads, then its key head, then its value head."""
+    shapes = mapping.Shapes(num_attention_heads=4, num_query_groups=2, head_dim=3,
+                            vocab_size=10, padded_vocab_size=16)
+    q, k, v = (torch.arange(n * 3).repeat_interleave(5).view(n * 3, 5) + base
+               for n, base in ((4, 0), (2, 100), (2, 200)))
+    qkv = mapping.fuse_qkv(q, k, v, shapes)
+    groups = qkv.view(2, 4 * 3, 5)[..., 0]  # [group, (2 q heads + k + v) * head_dim]
+    assert groups[0].tolist() == [0, 1, 2, 3, 4, 5, 100, 101, 102, 200, 201, 202]
+    assert groups[1].tolist() == [6, 7, 8, 9, 10, 11, 103, 104, 105, 203, 204, 205]
+    assert all(torch.equal(a, b) for a, b in zip(mapping.split_qkv(qkv, shapes), (q, k, v)))
+    gate, up = torch.randn(6, 5), torch.randn(6, 5)
+    fc1 = mapping.fuse_gate_up(gate, up, shapes)
+    assert torch.equal(fc1[:6], gate) and mapping.split_gate_up(fc1, shapes)[1].equal(up)
+    padded = mapping.pad_vocab(torch.ones(10, 5), shapes)
+    assert padded.shape == (16, 5) and not padded[10:].any()
+    assert mapping.strip_vocab(padded, shapes)[0].shape == (10, 5)
+
+
+def test_reverse_map_covers_the_table_and_refuses_unknown_tensors(hf_dirs):
+    from megatron_mhar.conversion.hf_io import SafetensorsReader
+
+    model = hf_config.model_config_from_hf({**LLAMA31_8B, "num_hidden_layers": 2})
+    names = mapping.expected_hf_names(model)
+    assert len(names) == len(set(names)) == 3 + 9 * 2  # embed, norm, lm_head + 9 per layer
+    with pytest.raises(KeyError, match="no conversion rule for Megatron tensor 'decoder.foo'"):
+        mapping.rule_for_megatron("decoder.foo")
+
+    raw = json.loads((hf_dirs["llama"] / "config.json").read_text())
+    model = hf_config.model_config_from_hf(raw)
+    shapes, reader = mapping.Shapes.of(model), SafetensorsReader(hf_dirs["llama"])
+    megatron = {
+        rule.megatron.format(layer): mapping.megatron_tensor(rule.megatron.format(layer), reader, shapes)
+        for rule in mapping.RULES for layer in range(model.num_layers)
+        if rule.when != "qk_layernorm"
+    }
+    hf, routing = mapping.hf_tensors(megatron, model, shapes)
+    assert sorted(hf) == reader.keys() and all(torch.equal(hf[k], reader(k)) for k in hf)
+    with pytest.raises(ValueError, match="without a conversion rule: decoder.extra"):
+        mapping.hf_tensors({**megatron, "decoder.extra": torch.zeros(1)}, model, shapes)
+    del megatron["decoder.layers.3.mlp.linear_fc2.weight"]
+    with pytest.raises(ValueError, match="has no 'decoder.layers.3.mlp.linear_fc2.weight'"):
+        mapping.hf_tensors(megatron, model, shapes)
+
+
+def test_cpt_recipe_matches_a_converted_llama31_8b():
+    """`hf_to_mcore_mhar.py --variant delta --seq-length 4096` on Marin-8B (Llama-3.1-8B)
+    writes exactly the model and mhar sections recipes/cpt_8b_mhar_delta.yaml carries."""
+    from megatron_mhar.config import MHARConfig
+    from megatron_mhar.training.config import load_config
+
+    recipe = load_config("cpt_8b_mhar_delta")
+    converted = hf_config.model_config_from_hf(LLAMA31_8B, seq_length=4096)
+    assert dataclasses.asdict(converted) == dataclasses.asdict(recipe.model)
+    assert dataclasses.asdict(MHARConfig(variant="delta")) == dataclasses.asdict(recipe.mhar)
+    assert recipe.checkpoint.load_model_only
+
+
+def test_hf_config_round_trip_for_models_trained_from_scratch():
+    from megatron_mhar.models.config import GPTModelConfig
+
+    model = GPTModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                           ffn_hidden_size=96, vocab_size=100, qk_layernorm=True)
+    raw = hf_config.hf_config_from_model(model)
+    assert raw["architectures"] == ["Qwen3ForCausalLM"]
+    hf_config.check_same_function(hf_config.model_config_from_hf(raw), model, "round trip")
+    with pytest.raises(ValueError, match="no Llama/Qwen3 equivalent: swiglu must be true"):
+        hf_config.hf_config_from_model(dataclasses.replace(model, swiglu=False))
