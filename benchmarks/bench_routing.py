@@ -12,6 +12,10 @@ Sections (each written to the JSON as soon as it is measured):
   step        the whole routing cost of one training step (forward + backward of every
               site) per model size: full variant sites j = 1..2L+1 with N = j sources;
               8B delta: 2L sites over null + embedding + completed blocks of 4 layers.
+              ``lookahead`` (full variant only) times the two-phase schedule
+              (mhar_kernels.lookahead, groups of G sites; --lookahead-groups, 0 = auto)
+              on the same buffers, as the history runs it; its bytes come from
+              benchmarks/routing_bytes.py.
   sweep       (--sweep) tiles, warps and prefetch of the fused kernels around the defaults.
 
 Times are ``triton.testing.do_bench`` quantiles (median, 20%, 80%) in ms. ``bytes_min``
@@ -39,7 +43,11 @@ from megatron_mhar.ops.depth_route import (  # noqa: E402
     torch_route_backward,
     torch_route_forward,
 )
+from benchmarks.routing_bytes import lookahead as lookahead_bytes  # noqa: E402
+from benchmarks.routing_bytes import per_site as per_site_bytes  # noqa: E402
+from megatron_mhar.ops.lookahead import auto_group_size  # noqa: E402
 from mhar_kernels import depth_route as K  # noqa: E402
+from mhar_kernels import lookahead as LA  # noqa: E402
 
 EPS = 1e-6
 HEADS = 8
@@ -218,7 +226,38 @@ def run_site(case, tau, impls, copy_gbps):
     return rows
 
 
-def run_step(case, tau, impls):
+def lookahead_step(buf, gbuf, queries, norms, grad_out, tau, group):
+    """One step of the two-phase schedule over sites j = 1..S reading rows [0, j), as
+    LookaheadHistory runs it: per group, phase 1 then the merges; backward in reverse."""
+    sites = len(queries)
+    plan = []
+    for s0 in range(1, sites + 1, group):
+        idx = list(range(s0 - 1, min(s0 - 1 + group, sites)))
+        plan.append((s0, torch.stack([queries[i] for i in idx]), torch.stack([norms[i] for i in idx])))
+    t, _, d = buf.shape
+
+    def step():
+        saved = []
+        for n0, qs, ws in plan:
+            m, l, acc = LA.group_forward(buf[:, :n0], qs, ws, HEADS, EPS, tau)
+            lse = torch.empty((len(qs), t, HEADS), device=buf.device)
+            outs = [LA.merge_forward(m[k], l[k], acc[k], buf[:, n0 : n0 + k], qs[k], ws[k], HEADS, EPS, tau,
+                                     lse[k]) for k in range(len(qs))]  # fmt: skip
+            del m, l, acc
+            saved.append((n0, qs, ws, lse, outs))
+        for n0, qs, ws, lse, outs in reversed(saved):
+            grad_outs = torch.empty((len(qs), t, d), dtype=buf.dtype, device=buf.device)
+            deltas = torch.empty((len(qs), t, HEADS), device=buf.device)
+            for k in reversed(range(len(qs))):
+                deltas[k] = LA.merge_backward(grad_out, outs[k], buf[:, n0 : n0 + k], qs[k], ws[k], lse[k],
+                                              HEADS, EPS, tau, gbuf[:, n0 : n0 + k])[0]  # fmt: skip
+                grad_outs[k].copy_(grad_out)
+            LA.group_backward(grad_outs, buf[:, :n0], qs, ws, lse, deltas, HEADS, EPS, tau, gbuf[:, :n0])
+
+    return step
+
+
+def run_step(case, tau, impls, lookahead_groups=(0,)):
     ns = case.site_sources()
     r = max(ns)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -264,7 +303,16 @@ def run_step(case, tau, impls):
         "eager": step_backend(torch_route_forward, torch_route_backward),
         "compile": step_compiled,
     }
-    for impl in impls:
+    names = [impl for impl in impls if impl != "lookahead"]
+    if "lookahead" in impls and case.variant == "full":
+        result["bytes_per_site"] = per_site_bytes(len(ns), case.t, case.d, HEADS)
+        for g in lookahead_groups:
+            group = g or auto_group_size(len(ns))
+            name = "lookahead" if g == 0 else f"lookahead_G{group}"
+            steps[name] = lookahead_step(buf, gbuf, queries, norms, grad_out, tau, group)
+            result[f"bytes_{name}"] = lookahead_bytes(len(ns), case.t, case.d, HEADS, group)
+            names.append(name)
+    for impl in names:
         try:
             steps[impl]()  # warm-up and compilation
             timing = bench(steps[impl])
@@ -275,7 +323,7 @@ def run_step(case, tau, impls):
         result[impl] = timing
         print(f"  step {case.name:9s} {impl:8s} {timing.get('ms', float('nan')):9.2f} ms", flush=True)
     if "ms" in result.get("triton", {}):
-        for impl in impls:
+        for impl in names:
             if "ms" in result.get(impl, {}):
                 result[f"speedup_vs_{impl}"] = result[impl]["ms"] / result["triton"]["ms"]
     return result
@@ -325,6 +373,8 @@ def main():
     parser.add_argument("--impls", default="triton,eager,compile")
     parser.add_argument("--sections", default="site,step", help="comma list of site, step")
     parser.add_argument("--sweep", action="store_true", help="also sweep tile size and warps")
+    parser.add_argument("--lookahead-groups", default="0",
+                        help="comma list of lookahead group sizes for the step section (0 = auto)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_routing.py needs a CUDA device")
@@ -367,7 +417,8 @@ def main():
     if "step" in sections:
         report["step"] = []
         for case in STEP_CASES:
-            report["step"].append(run_step(case, args.logit_scale, impls))
+            groups = [int(g) for g in args.lookahead_groups.split(",")]
+            report["step"].append(run_step(case, args.logit_scale, impls, groups))
             save()
     summarize(report)
     save()
@@ -393,9 +444,10 @@ def summarize(report):
         if hist:
             print(f"{case.name:11s} {'bwd_hist':8s} {hist['ms']:9.3f} {hist['frac_copy_moved']:5.2f}")
     for step in report.get("step", []):
+        impls = ["triton"] + sorted(k for k in step if k.startswith("lookahead")) + ["eager", "compile"]
         cells = " ".join(
             f"{impl} {step[impl]['ms']:.2f} ms" if "ms" in step.get(impl, {}) else f"{impl} -"
-            for impl in ("triton", "eager", "compile")
+            for impl in impls
         )
         print(f"step {step['case']:9s} {cells}")
 

@@ -5,6 +5,7 @@ from typing import Optional
 
 VARIANTS = ("none", "full", "block", "delta")
 KERNEL_IMPLS = ("auto", "torch", "triton")
+ROUTING_SCHEDULES = ("per_site", "lookahead")
 
 
 @dataclasses.dataclass
@@ -33,6 +34,13 @@ class MHARConfig:
     kernel_impl: str = "auto"
     """``auto`` (Triton on CUDA, else torch), ``torch`` (the reference) or ``triton``."""
 
+    routing_schedule: str = "per_site"
+    """``per_site`` (every site reads all its sources) or ``lookahead`` (full variant: groups of
+    sites read the older sources once, MHAR.md §7; see megatron_mhar/ops/lookahead.py)."""
+
+    lookahead_group: int = 0
+    """Sites per lookahead group; 0 picks the power of two nearest sqrt(2L + 1)."""
+
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"mhar.variant must be one of {VARIANTS}, got {self.variant!r}")
@@ -55,6 +63,21 @@ class MHARConfig:
         if self.kernel_impl not in KERNEL_IMPLS:
             raise ValueError(
                 f"mhar.kernel_impl must be one of {KERNEL_IMPLS}, got {self.kernel_impl!r}"
+            )
+        if self.routing_schedule not in ROUTING_SCHEDULES:
+            raise ValueError(
+                f"mhar.routing_schedule must be one of {ROUTING_SCHEDULES}, "
+                f"got {self.routing_schedule!r}"
+            )
+        if self.routing_schedule == "lookahead" and self.variant != "full":
+            raise ValueError(
+                f"mhar.routing_schedule='lookahead' needs variant='full' (got {self.variant!r}); "
+                f"use routing_schedule='per_site' for the block and delta variants"
+            )
+        if not isinstance(self.lookahead_group, int) or self.lookahead_group < 0:
+            raise ValueError(
+                f"mhar.lookahead_group must be a non-negative integer (0 = auto), "
+                f"got {self.lookahead_group!r}"
             )
 
     @property

@@ -63,6 +63,16 @@ class MHARTransformerBlock(TransformerBlock):
         """Hidden-size multiples of this chunk's output (1 on the last stage)."""
         return 1 if self.post_process else self.layout.boundary_width(self.next_site)
 
+    def site_routers(self) -> dict:
+        """Global routing site -> router, for this chunk's sites (and the final site)."""
+        routers = {}
+        for layer in self.layers:
+            routers[layer.attention_site] = layer.input_router
+            routers[layer.attention_site + 1] = layer.pre_mlp_router
+        if self.final_router is not None:
+            routers[self.next_site] = self.final_router
+        return routers
+
     def forward(self, hidden_states, attention_mask, context=None, context_mask=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
                 rotary_pos_cos_sin=None, attention_bias=None, inference_context=None,
@@ -82,7 +92,9 @@ class MHARTransformerBlock(TransformerBlock):
         if not self.pre_process:
             hidden_states = self.input_tensor
         hidden = self.config.hidden_size
-        stream = self.layout.new_stream(self.mhar, self.routing_eps, hidden_states[..., :hidden])
+        stream = self.layout.new_stream(
+            self.mhar, self.routing_eps, hidden_states[..., :hidden], routers=self.site_routers()
+        )
         if self.pre_process:
             stream.write_embedding(hidden_states)
         else:

@@ -22,12 +22,18 @@ depend on their order).
 """
 
 import dataclasses
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
 from megatron_mhar.config import MHARConfig
 from megatron_mhar.ops.history import SourceHistory, get_backend
+from megatron_mhar.ops.lookahead import (
+    GroupSite,
+    LookaheadHistory,
+    auto_group_size,
+    get_lookahead_backend,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +52,10 @@ class DepthLayout:
     def from_config(cls, mhar: MHARConfig, num_layers: int) -> "DepthLayout":
         return cls(num_layers=num_layers, block_size=mhar.block_size if mhar.variant == "block" else 1)
 
-    def new_stream(self, mhar: MHARConfig, eps: float, like: torch.Tensor) -> "DepthStream":
-        return DepthStream(self, mhar, eps, like)
+    def new_stream(
+        self, mhar: MHARConfig, eps: float, like: torch.Tensor, routers: Optional[Dict] = None
+    ) -> "DepthStream":
+        return DepthStream(self, mhar, eps, like, routers)
 
     def new_router(self, config) -> "DepthRouter":
         return DepthRouter(config)
@@ -113,16 +121,58 @@ class DepthStream:
     """What flows through an MHAR decoder for one micro-batch: source history + partial.
 
     Created by the block for each forward call and passed down to every layer.
+    ``routers`` maps each routing site of this chunk of layers to its router; the
+    lookahead schedule (``mhar.routing_schedule``) needs it to read the queries of a
+    group's later sites, and starts a group at the chunk's first site every
+    ``mhar.lookahead_group`` sites, so no group spans a pipeline stage.
     """
 
-    def __init__(self, layout: DepthLayout, mhar: MHARConfig, eps: float, like: torch.Tensor):
+    def __init__(
+        self,
+        layout: DepthLayout,
+        mhar: MHARConfig,
+        eps: float,
+        like: torch.Tensor,
+        routers: Optional[Dict[int, DepthRouter]] = None,
+    ):
         self.layout = layout
-        self.history = _history(layout.capacity, mhar, eps, like)
         self.partial: Optional[torch.Tensor] = None
+        self.routers = None
+        if mhar.routing_schedule == "lookahead":
+            if not routers:
+                raise ValueError("routing_schedule='lookahead' needs the chunk's routers by site")
+            self.routers = routers
+            self.first_site, self.last_site = min(routers), max(routers)
+            self.group_size = mhar.lookahead_group or auto_group_size(layout.final_site)
+            self.history = LookaheadHistory(
+                capacity=layout.capacity,
+                like=like,
+                backend=get_backend(mhar.kernel_impl, like.device),
+                lookahead=get_lookahead_backend(mhar.kernel_impl, like.device),
+                num_heads=mhar.num_heads,
+                eps=eps,
+                logit_scale=mhar.logit_scale,
+            )
+        else:
+            self.history = _history(layout.capacity, mhar, eps, like)
+
+    def group_of(self, site: int):
+        """(the sites of ``site``'s lookahead group, ``site``'s index in it)."""
+        start = self.first_site + (site - self.first_site) // self.group_size * self.group_size
+        stop = min(start + self.group_size, self.last_site + 1)
+        sites = []
+        for j in range(start, stop):
+            router = self.routers[j]
+            sites.append(GroupSite(j, self.layout.rows_read(j), router.query, router.norm_weight))
+        return sites, site - start
 
     def read(self, site: int, router: DepthRouter) -> torch.Tensor:
         """The routed input ``x_site`` [s, b, h]."""
         extra = self.partial if self.layout.reads_partial(site) else None
+        if self.routers is not None and extra is None:
+            if self.routers.get(site) is not router:
+                raise ValueError(f"site {site} is routed by a router the stream was not given")
+            return self.history.route_group(*self.group_of(site))
         return self.history.route(
             self.layout.rows_read(site), router.query, router.norm_weight, extra
         )
@@ -164,6 +214,9 @@ class DepthStream:
         return (token,) if self.partial is None else (token, self.partial)
 
     def restore_state(self, token: torch.Tensor, partial: Optional[torch.Tensor] = None) -> None:
+        if self.routers is not None and token is not self.history.token:
+            # A checkpointed chunk restarts here: rerun its group's phase 1 in this graph.
+            self.history.end_group()
         self.history.token = token
         self.partial = partial
 
@@ -228,7 +281,7 @@ class DeltaLayout:
         """Stream ``h``, the block's start ``h_start`` (unless it is ``h``) and the rows."""
         return 1 + int(not self.starts_block(site)) + self.rows_read(site)
 
-    def new_stream(self, mhar: MHARConfig, eps: float, like: torch.Tensor) -> "DeltaStream":
+    def new_stream(self, mhar: MHARConfig, eps: float, like: torch.Tensor, routers=None) -> "DeltaStream":
         return DeltaStream(self, mhar, eps, like)
 
     def new_router(self, config) -> "DeltaRouter":

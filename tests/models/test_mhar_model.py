@@ -199,6 +199,10 @@ RECOMPUTE = [
         pytest.param(dict(variant="full"), id="full"),
         pytest.param(dict(variant="block", block_size=3), id="block3"),
         pytest.param(dict(variant="delta", delta_block_layers=1), id="delta1"),  # rows every layer
+        # Two-phase routing: groups of 3 sites span the recompute chunks' boundaries.
+        pytest.param(dict(variant="full", routing_schedule="lookahead", lookahead_group=3),
+                     id="full-lookahead3"),
+        pytest.param(dict(variant="full", routing_schedule="lookahead"), id="full-lookahead-auto"),
     ],
 )
 @pytest.mark.parametrize("recompute", RECOMPUTE)

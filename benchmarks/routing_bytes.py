@@ -1,0 +1,138 @@
+"""Bytes the routing of one training step moves: per-site vs two-phase ("lookahead").
+
+    python benchmarks/routing_bytes.py --out benchmarks/results/routing_bytes_lookahead.json
+
+Analytic, no GPU: full variant at the paper shapes (MHAR.md §5, micro-batch x sequence
+tokens), bf16 sources, one pipeline stage. Site j = 1 .. 2L+1 reads rows [0, j).
+
+Per-site (mhar_kernels.depth_route history interface):
+  forward   every site reads all its rows once, writes its output;
+  backward  two passes over the rows (pass 1 for delta, pass 2 for the gradients), one
+            read-modify-write of each row's fp32 gradient, grad_out read once.
+Lookahead (mhar_kernels.lookahead), groups of G consecutive sites starting at site 1:
+  forward   phase 1 reads the group's old rows [0, s0) once and writes the G fp32
+            partials (acc [T, D], m and l [T, H]); each site reads its partial, its new
+            rows [s0, j) and writes its output and log-sum-exp;
+  backward  each site's merge reads grad_out and the output (delta), its new rows once,
+            read-modify-writes their fp32 gradients and copies grad_out into the group's
+            workspace; phase 1 reads the old rows once, read-modify-writes their fp32
+            gradients once per group, and reads the G grad_outs, lse and delta.
+
+``source_bytes`` counts the reads of history rows only (the quantity that is O(L^2) for
+per-site routing); ``moved_bytes`` adds every other read and write listed above.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_mhar.ops.lookahead import auto_group_size  # noqa: E402
+
+MODELS = [
+    # name, decoder layers, width, tokens per micro-batch (micro-batch x sequence)
+    ("100M", 12, 512, 8 * 2048),
+    ("350M", 24, 1024, 4 * 1024),
+    ("1B", 36, 1280, 2 * 1024),
+]
+HEADS = 8
+ES = 2  # bf16 activations
+F32 = 4
+
+
+def per_site(sites: int, t: int, d: int, h: int) -> dict:
+    row, stat = t * d, t * h
+    rows_read = sum(range(1, sites + 1))
+    fwd_src = rows_read * row * ES
+    bwd_src = 2 * rows_read * row * ES
+    fwd = fwd_src + sites * (row * ES + stat * F32)
+    bwd = bwd_src + rows_read * row * 2 * F32 + sites * (row * ES + stat * F32)
+    return {
+        "row_reads_fwd": rows_read, "row_reads_bwd": 2 * rows_read,
+        "source_bytes_fwd": fwd_src, "source_bytes_bwd": bwd_src, "source_bytes_step": fwd_src + bwd_src,
+        "moved_bytes_fwd": fwd, "moved_bytes_bwd": bwd, "moved_bytes_step": fwd + bwd,
+        "saved_bytes": sites * stat * F32,
+    }  # fmt: skip
+
+
+def groups(sites: int, group: int):
+    """(first site, number of sites) of each group; site j reads rows [0, j)."""
+    return [(s0, min(group, sites - s0 + 1)) for s0 in range(1, sites + 1, group)]
+
+
+def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:
+    row, stat = t * d, t * h
+    old = new = 0
+    fwd_other = bwd_other = 0
+    for s0, g in groups(sites, group):
+        merged = sum(range(g))  # site s0 + k merges k new rows
+        old += s0
+        new += merged
+        # phase 1 writes (acc, m, l) per site; each merge reads them, writes out and lse.
+        fwd_other += g * (row * F32 + 2 * stat * F32) + g * (row * F32 + 2 * stat * F32 + row * ES + stat * F32)
+        # merges: grad_out + out read, delta written, grad_out copied; fp32 RMW of new rows.
+        bwd_other += g * (2 * row * ES + stat * F32 + 2 * row * ES + stat * F32) + merged * row * 2 * F32
+        # phase 1: fp32 RMW of the old rows, the G grad_outs, lse and delta read.
+        bwd_other += s0 * row * 2 * F32 + g * (row * ES + 2 * stat * F32)
+    reads = old + new
+    src = reads * row * ES
+    return {
+        "group": group, "groups": len(groups(sites, group)),
+        "row_reads_fwd": reads, "row_reads_bwd": reads, "row_reads_phase1": old, "row_reads_merge": new,
+        "source_bytes_fwd": src, "source_bytes_bwd": src, "source_bytes_step": 2 * src,
+        "moved_bytes_fwd": src + fwd_other, "moved_bytes_bwd": src + bwd_other,
+        "moved_bytes_step": 2 * src + fwd_other + bwd_other,
+        "saved_bytes": sites * stat * F32,
+        "transient_partials_bytes": group * (row + 2 * stat) * F32,
+    }  # fmt: skip
+
+
+def report() -> dict:
+    out = {
+        "note": __doc__.strip().splitlines()[0],
+        "dtype": "bfloat16", "heads": HEADS, "variant": "full", "pipeline_stages": 1,
+        "auto_group": "power of two nearest sqrt(2L + 1)", "models": [],
+    }  # fmt: skip
+    for name, layers, d, t in MODELS:
+        sites = 2 * layers + 1
+        base = per_site(sites, t, d, HEADS)
+        auto = auto_group_size(sites)
+        la = lookahead(sites, t, d, HEADS, auto)
+        sweep = {}
+        for g in sorted({1, 2, 4, 8, 16, round(math.sqrt(sites)), auto}):
+            r = lookahead(sites, t, d, HEADS, g)
+            sweep[str(g)] = {k: r[k] for k in ("source_bytes_step", "moved_bytes_step", "transient_partials_bytes")}
+        out["models"].append({
+            "model": name, "layers": layers, "d": d, "tokens": t, "sites": sites,
+            "per_site": base, "lookahead": la,
+            "source_bytes_ratio_step": base["source_bytes_step"] / la["source_bytes_step"],
+            "moved_bytes_ratio_step": base["moved_bytes_step"] / la["moved_bytes_step"],
+            "group_sweep": sweep,
+        })  # fmt: skip
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/routing_bytes_lookahead.json")
+    args = parser.parse_args()
+    data = report()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(data, f, indent=1)
+    gb = 1e9
+    print(f"{'model':5s} {'G':>2s} {'src GB/step per-site':>21s} {'lookahead':>9s} {'x':>5s} "
+          f"{'moved GB per-site':>17s} {'lookahead':>9s} {'x':>5s}")  # fmt: skip
+    for m in data["models"]:
+        p, la = m["per_site"], m["lookahead"]
+        print(f"{m['model']:5s} {la['group']:2d} {p['source_bytes_step'] / gb:21.2f} "
+              f"{la['source_bytes_step'] / gb:9.2f} {m['source_bytes_ratio_step']:5.2f} "
+              f"{p['moved_bytes_step'] / gb:17.2f} {la['moved_bytes_step'] / gb:9.2f} "
+              f"{m['moved_bytes_ratio_step']:5.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

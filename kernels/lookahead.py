@@ -1,0 +1,563 @@
+"""Fused Triton kernels of two-phase ("lookahead") depth routing (MHAR.md §7).
+
+Semantics are those of the reference backend in ``megatron_mhar.ops.lookahead`` (same
+four functions, same signatures); the schedule, the derivation and the memory are in
+``README.md`` beside this file ("Two-phase routing").
+
+- ``group_forward``: phase 1. One pass over the old rows ``[T, N, D]`` computes, for the
+  G sites of a group at once, the online-softmax partials (running max ``m``, denominator
+  ``l``, unnormalised fp32 accumulator ``acc``). Each program holds a ``[BG, BT, BH, BHD]``
+  tile (sites x tokens x heads x head width), so each row is read once per token tile.
+- ``merge_forward``: one site folds the rows written since the group started into its
+  partial and writes the output and its log-sum-exp ``[T, H]``.
+- ``merge_backward``: one site's new rows in a single pass, with ``delta[h] = do . out`` per
+  head taken from the routed output (as in flash attention) instead of a second pass.
+- ``group_backward``: every site's gradient to the old rows in one pass; each row's fp32
+  gradient is read and written once per group. The sites' contributions are added in a
+  fixed order (last site first), and sites outside ``site_range`` contribute exact zeros,
+  so a group whose backward a checkpointed chunk splits gives bit-identical gradients.
+
+dquery/dnorm are reduced over tokens in two deterministic stages (per-program partials,
+then a fixed-order sum), as in ``depth_route.py``; no atomics.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .depth_route import _check_sources, _num_sms, _route_fwd_step, _route_logits, _tile
+
+
+@triton.jit
+def _group_logits(b_v, b_w, eps, scale, D: tl.constexpr):
+    """[BT, BH, BHD] source tile, [BG, BH, BHD] folded queries -> (inverse RMS [BT],
+    head dots [BG, BT, BH], logits [BG, BT, BH])."""
+    b_r = tl.rsqrt(tl.sum(tl.sum(b_v * b_v, axis=2), axis=1) / D + eps)
+    b_dot = tl.sum(b_v[None, :, :, :] * b_w[:, None, :, :], axis=3)
+    b_s = b_dot * (b_r * scale)[None, :, None]
+    return b_r, b_dot, b_s
+
+
+@triton.jit
+def _group_fwd_kernel(
+    V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
+    Q_ptr,  # [NG, D] pseudo-queries of the group's sites, contiguous
+    G_ptr,  # [NG, D] norm weights, contiguous
+    M_ptr,  # [NG, T, H] fp32 running max of the logits
+    L_ptr,  # [NG, T, H] fp32 softmax denominators (relative to M)
+    A_ptr,  # [NG, T, D] fp32 unnormalised accumulators (relative to M)
+    T,
+    N,
+    NG,
+    stride_vt,
+    stride_vn,
+    eps,
+    scale,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    HD: tl.constexpr,
+    BT: tl.constexpr,
+    BH: tl.constexpr,
+    BHD: tl.constexpr,
+    BG: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    i_g = tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_g = i_g * BG + tl.arange(0, BG)
+    o_h = tl.arange(0, BH)
+    o_k = tl.arange(0, BHD)
+    o_d = o_h[:, None] * HD + o_k[None, :]
+    m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
+    m_t = o_t < T
+    m_g = o_g < NG
+    m_v = m_t[:, None, None] & m_d[None, :, :]
+    o_t64 = o_t.to(tl.int64)
+    o_g64 = o_g.to(tl.int64)
+
+    # Folded queries w = q * g^ of the program's sites, g^ rounded to the activation dtype.
+    p_w = o_g64[:, None, None] * D + o_d[None, :, :]
+    m_w = m_g[:, None, None] & m_d[None, :, :]
+    b_g = tl.load(G_ptr + p_w, mask=m_w, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
+    b_w = tl.load(Q_ptr + p_w, mask=m_w, other=0.0).to(tl.float32) * b_g
+
+    b_m = tl.full([BG, BT, BH], float("-inf"), tl.float32)
+    b_l = tl.zeros([BG, BT, BH], dtype=tl.float32)
+    b_acc = tl.zeros([BG, BT, BH, BHD], dtype=tl.float32)
+    p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
+    for _ in range(N):
+        b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+        _, _, b_s = _group_logits(b_v, b_w, eps, scale, D)
+        b_m_new = tl.maximum(b_m, b_s)
+        b_alpha = tl.exp(b_m - b_m_new)
+        b_p = tl.exp(b_s - b_m_new)
+        b_l = b_l * b_alpha + b_p
+        b_acc = b_acc * b_alpha[:, :, :, None] + b_p[:, :, :, None] * b_v[None, :, :, :]
+        b_m = b_m_new
+        p_v += stride_vn
+
+    o_gt = o_g64[:, None] * T + o_t64[None, :]  # [BG, BT] row of the [NG, T, .] outputs
+    m_gt = m_g[:, None] & m_t[None, :]
+    p_ml = o_gt[:, :, None] * H + o_h[None, None, :]
+    m_ml = m_gt[:, :, None] & (o_h < H)[None, None, :]
+    tl.store(M_ptr + p_ml, b_m, mask=m_ml)
+    tl.store(L_ptr + p_ml, b_l, mask=m_ml)
+    p_a = o_gt[:, :, None, None] * D + o_d[None, None, :, :]
+    tl.store(A_ptr + p_a, b_acc, mask=m_gt[:, :, None, None] & m_d[None, None, :, :])
+
+
+@triton.jit
+def _merge_fwd_kernel(
+    V_ptr,  # [T, N, D] rows written since the group started (N may be 0), strides (stride_vt, stride_vn, 1)
+    Q_ptr,  # [D] pseudo-query of the site
+    G_ptr,  # [D] norm weight of the site
+    M_ptr,  # [T, H] fp32 phase-1 running max
+    L_ptr,  # [T, H] fp32 phase-1 denominator
+    A_ptr,  # [T, D] fp32 phase-1 accumulator
+    O_ptr,  # [T, D] routed output in the sources' dtype, strides (stride_ot, 1)
+    LSE_ptr,  # [T, H] fp32 log-sum-exp over all the site's sources
+    T,
+    N,
+    stride_vt,
+    stride_vn,
+    stride_ot,
+    eps,
+    scale,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    HD: tl.constexpr,
+    BT: tl.constexpr,
+    BH: tl.constexpr,
+    BHD: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_h = tl.arange(0, BH)
+    o_k = tl.arange(0, BHD)
+    o_d = o_h[:, None] * HD + o_k[None, :]
+    m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
+    m_t = o_t < T
+    m_v = m_t[:, None, None] & m_d[None, :, :]
+    m_th = m_t[:, None] & (o_h[None, :] < H)
+    o_t64 = o_t.to(tl.int64)
+
+    b_g = tl.load(G_ptr + o_d, mask=m_d, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
+    b_w = tl.load(Q_ptr + o_d, mask=m_d, other=0.0).to(tl.float32) * b_g
+
+    p_ml = o_t64[:, None] * H + o_h[None, :]
+    b_m = tl.load(M_ptr + p_ml, mask=m_th, other=0.0)
+    b_l = tl.load(L_ptr + p_ml, mask=m_th, other=1.0)
+    b_acc = tl.load(A_ptr + o_t64[:, None, None] * D + o_d[None, :, :], mask=m_v, other=0.0)
+    p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
+    for _ in range(N):
+        b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+        b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D)
+        p_v += stride_vn
+
+    b_o = b_acc / b_l[:, :, None]
+    p_o = O_ptr + o_t64[:, None, None] * stride_ot + o_d[None, :, :]
+    tl.store(p_o, b_o.to(O_ptr.dtype.element_ty), mask=m_v)
+    tl.store(LSE_ptr + p_ml, b_m + tl.log(b_l), mask=m_th)
+
+
+@triton.jit
+def _merge_bwd_kernel(
+    V_ptr,  # [T, N, D] new rows, strides (stride_vt, stride_vn, 1)
+    Q_ptr,  # [D] pseudo-query
+    G_ptr,  # [D] norm weight
+    DO_ptr,  # [T, D] gradient of the output, strides (stride_dot, 1)
+    O_ptr,  # [T, D] the routed output, strides (stride_ot, 1)
+    LSE_ptr,  # [T, H] fp32 log-sum-exp saved by the merge
+    DELTA_ptr,  # [T, H] fp32 out: delta[h] = sum over head h of do * out
+    DV_ptr,  # [T, N, D] fp32 gradients of the new rows (+=), strides (stride_dvt, stride_dvn, 1)
+    DW_ptr,  # [P, 1, D] fp32 per-program partial dL/dw, P = number of programs
+    T,
+    N,
+    num_tiles,
+    stride_vt,
+    stride_vn,
+    stride_dot,
+    stride_ot,
+    stride_dvt,
+    stride_dvn,
+    eps,
+    scale,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    HD: tl.constexpr,
+    BT: tl.constexpr,
+    BH: tl.constexpr,
+    BHD: tl.constexpr,
+):
+    i_p = tl.program_id(0)
+    n_p = tl.num_programs(0)
+    o_h = tl.arange(0, BH)
+    o_k = tl.arange(0, BHD)
+    o_d = o_h[:, None] * HD + o_k[None, :]
+    m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
+
+    b_g = tl.load(G_ptr + o_d, mask=m_d, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
+    b_w = tl.load(Q_ptr + o_d, mask=m_d, other=0.0).to(tl.float32) * b_g
+    b_dw = tl.zeros([BT, BH, BHD], dtype=tl.float32)
+
+    # Fixed tile -> program map (grid-stride), so the dw partials are deterministic.
+    for i_t in range(i_p, num_tiles, n_p):
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        m_v = m_t[:, None, None] & m_d[None, :, :]
+        m_th = m_t[:, None] & (o_h[None, :] < H)
+        o_t64 = o_t.to(tl.int64)
+        b_do = tl.load(DO_ptr + o_t64[:, None, None] * stride_dot + o_d[None, :, :], mask=m_v, other=0.0).to(tl.float32)
+        b_o = tl.load(O_ptr + o_t64[:, None, None] * stride_ot + o_d[None, :, :], mask=m_v, other=0.0).to(tl.float32)
+        b_delta = tl.sum(b_do * b_o, axis=2)
+        p_th = o_t64[:, None] * H + o_h[None, :]
+        tl.store(DELTA_ptr + p_th, b_delta, mask=m_th)
+        b_lse = tl.load(LSE_ptr + p_th, mask=m_th, other=0.0)
+        p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
+        p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
+        for _ in range(N):
+            b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+            b_r, b_dot, b_s = _route_logits(b_v, b_w, eps, scale, D)
+            b_p = tl.exp(b_s - b_lse)
+            b_ds = b_p * (tl.sum(b_do * b_v, axis=2) - b_delta)
+            b_c = tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
+            b_rs = (b_r * scale)[:, None, None]
+            b_dv = b_p[:, :, None] * b_do + b_rs * (b_ds[:, :, None] * b_w[None, :, :] - b_c[:, None, None] * b_v)
+            b_dw += b_rs * b_ds[:, :, None] * b_v
+            b_dv += tl.load(p_dv, mask=m_v, other=0.0)
+            tl.store(p_dv, b_dv, mask=m_v)
+            p_v += stride_vn
+            p_dv += stride_dvn
+
+    tl.store(DW_ptr + i_p * D + o_d, tl.sum(b_dw, axis=0), mask=m_d)
+
+
+@triton.jit
+def _group_bwd_kernel(
+    V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
+    Q_ptr,  # [NG, D] pseudo-queries, contiguous
+    G_ptr,  # [NG, D] norm weights, contiguous
+    DO_ptr,  # [NG, T, D] gradients of the sites' outputs, contiguous
+    LSE_ptr,  # [NG, T, H] fp32 log-sum-exp of each site
+    DELTA_ptr,  # [NG, T, H] fp32 delta of each site (from its merge backward)
+    DV_ptr,  # [T, N, D] fp32 gradients of the old rows (+=), strides (stride_dvt, stride_dvn, 1)
+    DW_ptr,  # [P, NG, D] fp32 per-program partial dL/dw of each site
+    T,
+    N,
+    NG,
+    site_lo,
+    site_hi,
+    num_tiles,
+    stride_vt,
+    stride_vn,
+    stride_dvt,
+    stride_dvn,
+    eps,
+    scale,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    HD: tl.constexpr,
+    BT: tl.constexpr,
+    BH: tl.constexpr,
+    BHD: tl.constexpr,
+    BG: tl.constexpr,
+):
+    i_p = tl.program_id(0)
+    n_p = tl.num_programs(0)
+    o_g = tl.arange(0, BG)
+    o_h = tl.arange(0, BH)
+    o_k = tl.arange(0, BHD)
+    o_d = o_h[:, None] * HD + o_k[None, :]
+    m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
+    m_g = o_g < NG
+    # Sites outside [site_lo, site_hi) (not merged in this graph) and padding: lse = +inf
+    # and do = delta = 0 make their every contribution an exact zero.
+    m_gs = m_g & (o_g >= site_lo) & (o_g < site_hi)
+    o_g64 = o_g.to(tl.int64)
+
+    p_w = o_g64[:, None, None] * D + o_d[None, :, :]
+    m_w = m_g[:, None, None] & m_d[None, :, :]
+    b_g = tl.load(G_ptr + p_w, mask=m_w, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
+    b_w = tl.load(Q_ptr + p_w, mask=m_w, other=0.0).to(tl.float32) * b_g
+    b_dw = tl.zeros([BG, BH, BHD], dtype=tl.float32)
+
+    for i_t in range(i_p, num_tiles, n_p):
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        m_v = m_t[:, None, None] & m_d[None, :, :]
+        o_t64 = o_t.to(tl.int64)
+        o_gt = o_g64[:, None] * T + o_t64[None, :]
+        m_gt = m_gs[:, None] & m_t[None, :]
+        p_do = DO_ptr + o_gt[:, :, None, None] * D + o_d[None, None, :, :]
+        b_do = tl.load(p_do, mask=m_gt[:, :, None, None] & m_d[None, None, :, :], other=0.0).to(tl.float32)
+        p_th = o_gt[:, :, None] * H + o_h[None, None, :]
+        m_th = m_gt[:, :, None] & (o_h < H)[None, None, :]
+        b_lse = tl.load(LSE_ptr + p_th, mask=m_th, other=float("inf"))
+        b_delta = tl.load(DELTA_ptr + p_th, mask=m_th, other=0.0)
+        p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
+        p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
+        for _ in range(N):
+            b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+            b_r, b_dot, b_s = _group_logits(b_v, b_w, eps, scale, D)
+            b_p = tl.exp(b_s - b_lse)
+            b_ds = b_p * (tl.sum(b_do * b_v[None, :, :, :], axis=3) - b_delta)
+            b_c = tl.sum(b_ds * b_dot, axis=2) * (b_r * b_r / D)[None, :]
+            b_rs = (b_r * scale)[None, :, None, None]
+            b_dvg = b_p[:, :, :, None] * b_do + b_rs * (
+                b_ds[:, :, :, None] * b_w[:, None, :, :] - b_c[:, :, None, None] * b_v[None, :, :, :]
+            )
+            b_dw += tl.sum(b_rs * b_ds[:, :, :, None] * b_v[None, :, :, :], axis=1)
+            # Add the sites one by one, last first: the same order whatever site_range is.
+            b_dv = tl.load(p_dv, mask=m_v, other=0.0)
+            for k in tl.static_range(BG):
+                b_dv += tl.sum(tl.where(o_g[:, None, None, None] == BG - 1 - k, b_dvg, 0.0), axis=0)
+            tl.store(p_dv, b_dv, mask=m_v)
+            p_v += stride_vn
+            p_dv += stride_dvn
+
+    p_dw = DW_ptr + (i_p * NG + o_g64)[:, None, None] * D + o_d[None, :, :]
+    tl.store(p_dw, b_dw, mask=m_w)
+
+
+@triton.jit
+def _dw_reduce_kernel(
+    DW_ptr,  # [P, NG, D] fp32 per-program partial dL/dw
+    V_ptr,  # sources; only their dtype is used (the rounding of g)
+    Q_ptr,  # [NG, D] pseudo-queries, contiguous
+    G_ptr,  # [NG, D] norm weights, contiguous
+    DQ_ptr,  # [NG, D] fp32 gradients of the queries
+    DG_ptr,  # [NG, D] fp32 gradients of the norm weights
+    P,
+    NG,
+    D: tl.constexpr,
+    BP: tl.constexpr,
+    BD: tl.constexpr,
+):
+    i_d = tl.program_id(0)
+    i_g = tl.program_id(1)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    b_acc = tl.zeros([BP, BD], dtype=tl.float32)
+    for i_p in range(0, P, BP):
+        o_p = i_p + tl.arange(0, BP)
+        p_dw = DW_ptr + (o_p.to(tl.int64) * NG + i_g)[:, None] * D + o_d[None, :]
+        b_acc += tl.load(p_dw, mask=(o_p < P)[:, None] & m_d[None, :], other=0.0)
+    b_dw = tl.sum(b_acc, axis=0)
+    b_q = tl.load(Q_ptr + i_g * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_g = tl.load(G_ptr + i_g * D + o_d, mask=m_d, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(DQ_ptr + i_g * D + o_d, b_dw * b_g, mask=m_d)
+    tl.store(DG_ptr + i_g * D + o_d, b_dw * b_q, mask=m_d)
+
+
+# ---------------------------------------------------------------------------------------
+# Launch wrappers
+# ---------------------------------------------------------------------------------------
+
+
+def _group_tile(padded_d: int, sites: int, elements: int) -> Tuple[int, int]:
+    """(tokens per program, warps) for a [sites, BT, padded D] tile of about ``elements``."""
+    block_t = max(1, elements // (sites * padded_d))
+    return block_t, 8 if sites * block_t * padded_d > 4096 else 4
+
+
+def _reduce_dw(dw, sources, queries, norm_weights):
+    num_programs, g, d = dw.shape
+    grad_query = torch.empty((g, d), dtype=torch.float32, device=dw.device)
+    grad_norm = torch.empty((g, d), dtype=torch.float32, device=dw.device)
+    block_d = min(64, triton.next_power_of_2(d))
+    _dw_reduce_kernel[(triton.cdiv(d, block_d), g)](
+        dw, sources, queries, norm_weights, grad_query, grad_norm, num_programs, g,
+        D=d, BP=32, BD=block_d, num_warps=4,
+    )  # fmt: skip
+    return grad_query, grad_norm
+
+
+def _backward_programs(num_tiles: int, device: torch.device, programs_per_sm: int) -> int:
+    return max(1, min(num_tiles, _num_sms(device) * programs_per_sm))
+
+
+def group_forward(
+    sources: torch.Tensor,
+    queries: torch.Tensor,
+    norm_weights: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    logit_scale: float,
+    sites_per_program: Optional[int] = None,
+    block_t: Optional[int] = None,
+    num_warps: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Phase 1: partials of G sites over the old rows, each row read once per token tile.
+
+    Args:
+        sources: [T, N, D] view of the old rows (N >= 1), unit stride over D.
+        queries, norm_weights: [G, D].
+        sites_per_program: sites held by one program (default: all G, one read of each row);
+            fewer split the sites over a second grid axis (G / sites_per_program reads).
+
+    Returns:
+        (m [G, T, H], l [G, T, H], acc [G, T, D]) fp32 online-softmax partials.
+    """
+    _check_sources(sources, None, num_heads)
+    t, n, d = sources.shape
+    g = queries.shape[0]
+    if n < 1:
+        raise ValueError("group_forward needs at least one old row")
+    queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
+    head_dim, bh, bhd = _tile(d, num_heads)
+    bg = triton.next_power_of_2(sites_per_program or g)
+    cfg_t, cfg_w = _group_tile(bh * bhd, bg, 8192)
+    block_t, num_warps = block_t or cfg_t, num_warps or cfg_w
+    kw = dict(dtype=torch.float32, device=sources.device)
+    m = torch.empty((g, t, num_heads), **kw)
+    l = torch.empty((g, t, num_heads), **kw)
+    acc = torch.empty((g, t, d), **kw)
+    if t == 0:
+        return m, l, acc
+    _group_fwd_kernel[(triton.cdiv(t, block_t), triton.cdiv(g, bg))](
+        sources, queries, norm_weights, m, l, acc,
+        t, n, g, sources.stride(0), sources.stride(1), eps, float(logit_scale),
+        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, BG=bg, num_warps=num_warps,
+    )  # fmt: skip
+    return m, l, acc
+
+
+def merge_forward(
+    m: torch.Tensor,
+    l: torch.Tensor,
+    acc: torch.Tensor,
+    sources: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    logit_scale: float,
+    lse: torch.Tensor,
+) -> torch.Tensor:
+    """Fold the new rows [T, n, D] (n may be 0) into one site's partial (m, l [T, H],
+    acc [T, D], contiguous fp32); write its log-sum-exp into ``lse`` [T, H] and return
+    the output [T, D] in the sources' dtype."""
+    _check_sources(sources, None, num_heads)
+    t, n, d = sources.shape
+    head_dim, bh, bhd = _tile(d, num_heads)
+    block_t = max(1, 8192 // (bh * bhd))
+    out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
+    if t == 0:
+        return out
+    src = sources if n > 0 else out  # no row is read; the dtype still rounds g
+    _merge_fwd_kernel[(triton.cdiv(t, block_t),)](
+        src, query, norm_weight, m, l, acc, out, lse,
+        t, n, src.stride(0), src.stride(1) if n > 0 else 0, out.stride(0), eps, float(logit_scale),
+        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def merge_backward(
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    sources: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    lse: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    logit_scale: float,
+    grad_sources: torch.Tensor,
+    programs_per_sm: int = 4,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`merge_forward` in one pass over the new rows; adds their
+    gradients into the fp32 view ``grad_sources`` [T, n, D].
+
+    Returns:
+        (delta [T, H] fp32, grad_query fp32 [D], grad_norm_weight fp32 [D]) of the new rows.
+    """
+    _check_sources(sources, None, num_heads)
+    t, n, d = sources.shape
+    head_dim, bh, bhd = _tile(d, num_heads)
+    block_t = max(1, 2048 // (bh * bhd))
+    num_warps = 8 if block_t * bh * bhd > 2048 else 4
+    device = sources.device
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    delta = torch.empty((t, num_heads), dtype=torch.float32, device=device)
+    num_tiles = triton.cdiv(t, block_t)
+    num_programs = _backward_programs(num_tiles, device, programs_per_sm)
+    dw = torch.empty((num_programs, 1, d), dtype=torch.float32, device=device)
+    if t > 0:
+        src, gsrc = (sources, grad_sources) if n > 0 else (out, dw)
+        _merge_bwd_kernel[(num_programs,)](
+            src, query, norm_weight, grad_out, out, lse, delta, gsrc, dw,
+            t, n, num_tiles,
+            src.stride(0), src.stride(1) if n > 0 else 0, grad_out.stride(0), out.stride(0),
+            gsrc.stride(0) if n > 0 else 0, gsrc.stride(1) if n > 0 else 0,
+            eps, float(logit_scale),
+            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, num_warps=num_warps,
+        )  # fmt: skip
+    else:
+        dw.zero_()
+    dq, dg = _reduce_dw(dw, sources if n > 0 else out, query.view(1, d), norm_weight.view(1, d))
+    return delta, dq[0], dg[0]
+
+
+def group_backward(
+    grad_outs: torch.Tensor,
+    sources: torch.Tensor,
+    queries: torch.Tensor,
+    norm_weights: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    logit_scale: float,
+    grad_sources: torch.Tensor,
+    site_range: Optional[Tuple[int, int]] = None,
+    programs_per_sm: int = 4,
+    block_t: Optional[int] = None,
+    num_warps: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Backward of phase 1: the gradients of the sites ``site_range`` (default all) to
+    the old rows, added into the fp32 view ``grad_sources`` [T, N, D], each row read once.
+
+    Args:
+        grad_outs: [G, T, D] contiguous gradients of the sites' outputs.
+        queries, norm_weights: [G, D]; lse, delta: [G, T, H] fp32 contiguous.
+
+    Returns:
+        (grad_query, grad_norm_weight) fp32 [hi - lo, D] for the sites in ``site_range``.
+    """
+    _check_sources(sources, None, num_heads)
+    t, n, d = sources.shape
+    g = queries.shape[0]
+    lo, hi = site_range if site_range is not None else (0, g)
+    if not (0 <= lo < hi <= g):
+        raise ValueError(f"site_range {site_range} outside the group's {g} sites")
+    if grad_sources.shape != sources.shape or grad_sources.dtype != torch.float32:
+        raise ValueError(
+            f"grad_sources must be an fp32 view of shape {tuple(sources.shape)}, got "
+            f"{tuple(grad_sources.shape)} {grad_sources.dtype}"
+        )
+    queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
+    grad_outs, lse, delta = grad_outs.contiguous(), lse.contiguous(), delta.contiguous()
+    head_dim, bh, bhd = _tile(d, num_heads)
+    bg = triton.next_power_of_2(g)
+    cfg_t, cfg_w = _group_tile(bh * bhd, bg, 2048)
+    block_t, num_warps = block_t or cfg_t, num_warps or cfg_w
+    device = sources.device
+    num_tiles = triton.cdiv(t, block_t)
+    num_programs = _backward_programs(num_tiles, device, programs_per_sm)
+    dw = torch.empty((num_programs, g, d), dtype=torch.float32, device=device)
+    if t > 0:
+        _group_bwd_kernel[(num_programs,)](
+            sources, queries, norm_weights, grad_outs, lse, delta, grad_sources, dw,
+            t, n, g, lo, hi, num_tiles,
+            sources.stride(0), sources.stride(1), grad_sources.stride(0), grad_sources.stride(1),
+            eps, float(logit_scale),
+            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, BG=bg, num_warps=num_warps,
+        )  # fmt: skip
+    else:
+        dw.zero_()
+    dq, dg = _reduce_dw(dw, sources, queries, norm_weights)
+    return dq[lo:hi], dg[lo:hi]

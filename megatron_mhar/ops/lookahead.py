@@ -1,0 +1,486 @@
+"""Two-phase ("lookahead") routing for the full variant (MHAR.md §7).
+
+The pseudo-queries do not depend on the input, and softmax partials merge exactly. So
+consecutive routing sites are grouped: for a group of G sites whose first site reads
+rows ``[0, n0)``,
+
+- **phase 1** (at the group's first site, when the rows ``[0, n0)`` exist) reads each
+  of those *old* rows once and computes, for all G sites at once, the online-softmax
+  partials per token and head: running max ``m`` and denominator ``l`` (fp32 ``[T, H]``
+  per site) and the unnormalised accumulator ``acc`` (fp32 ``[T, D]`` per site);
+- **merge**: site j then folds only the rows written since the group started (fewer
+  than G) into its partial, exactly (log-sum-exp merge), and writes ``x_j`` and its
+  log-sum-exp.
+
+Backward mirrors it. Each site's merge backward computes ``delta[h] = sum_k do[k] x[k]``
+from its routed output (the output is the sublayer's saved input, so no extra memory),
+writes the gradients of the few new rows, and leaves ``do`` and ``delta`` to the group;
+one phase-1 backward then reads each old row once and adds the contributions of all G
+sites to it (one read-modify-write of the fp32 gradient per old row and group instead
+of one per site). dquery/dnorm: per site, the merge's part plus the phase-1 part.
+
+Source reads per forward drop from ``sum_j N_j`` (O(L^2)) to about ``S^2 / (2G) + S G / 2``
+for S sites, i.e. O(S^1.5) at ``G ~ sqrt(S)``; ``benchmarks/routing_bytes.py`` counts the
+bytes per training step.
+
+Memory. Saved for backward per site: the log-sum-exp (fp32 ``[T, H]``) and a reference
+to the routed output. Transient: the G accumulators of the current group, fp32
+``[G, T, D]`` (G * T * D * 4 bytes: 84 MB at the 1B shape, G = 8, T = 2048, D = 1280)
+from the group's first site to its last merge, plus ``m`` and ``l`` (``2 G T H * 4``);
+during backward, the group's grad outputs ``[G, T, D]`` in the activation dtype from the
+last site's merge backward to the group's phase-1 backward.
+
+This module holds the pure-torch implementation of the four backend functions (the
+reference the Triton kernels of ``mhar_kernels.lookahead`` are tested against, and the
+CPU path), the group object and :class:`LookaheadHistory`, a :class:`SourceHistory`
+whose reads go through groups. The per-site path is untouched.
+"""
+
+import math
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_mhar.ops.depth_route import resolve_impl
+from megatron_mhar.ops.history import RoutingBackend, SourceHistory
+
+# ---------------------------------------------------------------------------------------
+# Reference backend: same signatures as mhar_kernels.lookahead. Shapes: T tokens, N rows,
+# D width, H heads, G sites. The norm weight is rounded to the sources' dtype and folded
+# into the query (w = q * g), as the fused kernels do; all statistics in fp32.
+# ---------------------------------------------------------------------------------------
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _folded(queries, norm_weights, dtype, num_heads):
+    """[G, D] queries and norm weights -> w [G, H, D/H] in the compute dtype."""
+    compute = _compute_dtype(dtype)
+    w = queries.to(compute) * norm_weights.to(dtype).to(compute)
+    return w.unflatten(-1, (num_heads, -1))
+
+
+def _logits(v, w, eps, logit_scale):
+    """v [T, H, D/H], w [G, H, D/H] -> (inverse RMS [T], dots [G, T, H], logits [G, T, H])."""
+    inv_rms = torch.rsqrt(v.pow(2).flatten(-2).mean(-1) + eps)
+    dots = (v.unsqueeze(0) * w.unsqueeze(1)).sum(-1)
+    return inv_rms, dots, dots * (inv_rms * logit_scale)[None, :, None]
+
+
+def _online(sources, w, m, l, acc, eps, logit_scale):
+    """Fold every row of ``sources`` [T, N, D] into the partials (m, l [G, T, H], acc [G, T, H, D/H])."""
+    compute = w.dtype
+    heads = w.shape[1]
+    for i in range(sources.shape[1]):
+        v = sources[:, i].to(compute).unflatten(-1, (heads, -1))
+        _, _, s = _logits(v, w, eps, logit_scale)
+        m_new = torch.maximum(m, s)
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new)
+        l = l * alpha + p
+        acc = acc * alpha.unsqueeze(-1) + p.unsqueeze(-1) * v.unsqueeze(0)
+        m = m_new
+    return m, l, acc
+
+
+def _source_grads(sources, w, grad_outs, lse, delta, eps, logit_scale, grad_sources):
+    """Add one site's gradient to each row of ``sources`` into ``grad_sources``; return dw [1, H, D/H].
+
+    w [1, H, D/H], grad_outs [1, T, H, D/H], lse and delta [1, T, H], in the compute dtype.
+    """
+    compute = w.dtype
+    heads, d = w.shape[1], sources.shape[-1]
+    dw = torch.zeros_like(w)
+    for i in range(sources.shape[1]):
+        v = sources[:, i].to(compute).unflatten(-1, (heads, -1))
+        inv_rms, dots, s = _logits(v, w, eps, logit_scale)
+        p = torch.exp(s - lse)
+        dp = (grad_outs * v.unsqueeze(0)).sum(-1)
+        ds = p * (dp - delta)
+        c = (ds * dots).sum(-1) * (inv_rms * inv_rms / d)  # [G, T]
+        rs = (inv_rms * logit_scale)[None, :, None, None]
+        dv = p.unsqueeze(-1) * grad_outs + rs * (
+            ds.unsqueeze(-1) * w.unsqueeze(1) - c[..., None, None] * v.unsqueeze(0)
+        )
+        grad_sources[:, i] += dv.sum(0).flatten(-2).to(grad_sources.dtype)
+        dw += (rs * ds.unsqueeze(-1) * v.unsqueeze(0)).sum(1)
+    return dw
+
+
+def _weight_grads(dw, queries, norm_weights, dtype):
+    """dw [G, H, D/H] -> (dquery, dnorm_weight) fp32 [G, D] (the cast g -> g^ passes through)."""
+    dw = dw.flatten(-2).float()
+    return dw * norm_weights.to(dtype).float(), dw * queries.float()
+
+
+def torch_group_forward(
+    sources: torch.Tensor,
+    queries: torch.Tensor,
+    norm_weights: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    logit_scale: float,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Phase 1: partials of G sites over the old rows, each row read once.
+
+    Args:
+        sources: [T, N, D] view of the old rows (N >= 1).
+        queries, norm_weights: [G, D], one row per site of the group.
+
+    Returns:
+        (m [G, T, H], l [G, T, H], acc [G, T, D]) fp32 online-softmax partials.
+    """
+    t, _, d = sources.shape
+    g = queries.shape[0]
+    w = _folded(queries, norm_weights, sources.dtype, num_heads)
+    compute = w.dtype
+    m = torch.full((g, t, num_heads), float("-inf"), dtype=compute, device=sources.device)
+    l = torch.zeros((g, t, num_heads), dtype=compute, device=sources.device)
+    acc = torch.zeros((g, t, num_heads, d // num_heads), dtype=compute, device=sources.device)
+    m, l, acc = _online(sources, w, m, l, acc, eps, logit_scale)
+    return m.float(), l.float(), acc.flatten(-2).float()
+
+
+def torch_merge_forward(
+    m: torch.Tensor,
+    l: torch.Tensor,
+    acc: torch.Tensor,
+    sources: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    logit_scale: float,
+    lse: torch.Tensor,
+) -> torch.Tensor:
+    """Merge: fold the new rows into one site's partial and normalise.
+
+    Args:
+        m, l: [T, H] fp32 and acc: [T, D] fp32, the site's phase-1 partial.
+        sources: [T, n, D] view of the rows written since the group started (n may be 0).
+        query, norm_weight: [D].
+        lse: fp32 [T, H] that receives the site's log-sum-exp (saved for backward).
+
+    Returns:
+        out [T, D] in the sources' dtype.
+    """
+    w = _folded(query[None], norm_weight[None], sources.dtype, num_heads)
+    compute = w.dtype
+    acc = acc.to(compute).unflatten(-1, (num_heads, -1))[None]
+    m, l, acc = _online(sources, w, m.to(compute)[None], l.to(compute)[None], acc, eps, logit_scale)
+    lse.copy_((m + torch.log(l))[0])
+    return (acc / l.unsqueeze(-1))[0].flatten(-2).to(sources.dtype)
+
+
+def torch_merge_backward(
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    sources: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    lse: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    logit_scale: float,
+    grad_sources: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of the merge: gradients of the new rows (added into ``grad_sources``).
+
+    Args:
+        grad_out, out: [T, D] gradient and value of the site's routed output.
+        sources: [T, n, D] new rows; grad_sources: fp32 [T, n, D] view receiving ``+=``.
+        lse: [T, H] saved by the merge.
+
+    Returns:
+        (delta [T, H] fp32 = sum over each head of grad_out * out, dquery fp32 [D] and
+        dnorm_weight fp32 [D] of the new rows' logits).
+    """
+    w = _folded(query[None], norm_weight[None], sources.dtype, num_heads)
+    compute = w.dtype
+    do = grad_out.to(compute).unflatten(-1, (num_heads, -1))
+    delta = (do * out.to(compute).unflatten(-1, (num_heads, -1))).sum(-1)
+    dw = _source_grads(
+        sources, w, do[None], lse.to(compute)[None], delta[None], eps, logit_scale, grad_sources
+    )
+    dq, dg = _weight_grads(dw, query[None], norm_weight[None], sources.dtype)
+    return delta.float(), dq[0], dg[0]
+
+
+def torch_group_backward(
+    grad_outs: torch.Tensor,
+    sources: torch.Tensor,
+    queries: torch.Tensor,
+    norm_weights: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    logit_scale: float,
+    grad_sources: torch.Tensor,
+    site_range: Optional[Tuple[int, int]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Backward of phase 1: every site's gradient to the old rows, each row read once.
+
+    Args:
+        grad_outs: [G, T, D] gradients of the sites' routed outputs.
+        sources: [T, N, D] old rows; grad_sources: fp32 [T, N, D] view receiving ``+=``.
+        queries, norm_weights: [G, D]; lse, delta: [G, T, H] fp32 from the merges.
+        site_range: (lo, hi), the sites whose merges ran in this graph (default: all).
+
+    Returns:
+        (dquery, dnorm_weight) fp32 [hi - lo, D]: the old rows' share.
+    """
+    lo, hi = site_range if site_range is not None else (0, queries.shape[0])
+    grad_outs, queries, norm_weights = grad_outs[lo:hi], queries[lo:hi], norm_weights[lo:hi]
+    lse, delta = lse[lo:hi], delta[lo:hi]
+    w = _folded(queries, norm_weights, sources.dtype, num_heads)
+    compute = w.dtype
+    do = grad_outs.to(compute).unflatten(-1, (num_heads, -1))
+    lse, delta = lse.to(compute), delta.to(compute)
+    dw = torch.empty_like(w)
+    # Site by site, last first: each row's gradient receives the sites' contributions in
+    # the same order whether or not a checkpointed chunk split the group's backward.
+    for k in reversed(range(w.shape[0])):
+        dw[k] = _source_grads(
+            sources, w[k : k + 1], do[k : k + 1], lse[k : k + 1], delta[k : k + 1],
+            eps, logit_scale, grad_sources,
+        )[0]  # fmt: skip
+    return _weight_grads(dw, queries, norm_weights, sources.dtype)
+
+
+class LookaheadBackend(NamedTuple):
+    """The four functions of the two-phase schedule (reference or fused)."""
+
+    group_forward: object
+    merge_forward: object
+    merge_backward: object
+    group_backward: object
+
+
+TORCH_LOOKAHEAD = LookaheadBackend(
+    torch_group_forward, torch_merge_forward, torch_merge_backward, torch_group_backward
+)
+
+
+def get_lookahead_backend(impl: str, device: torch.device) -> LookaheadBackend:
+    """The two-phase backend for ``impl`` (``auto`` picks Triton on CUDA when available)."""
+    if resolve_impl(impl, device) == "torch":
+        return TORCH_LOOKAHEAD
+    from mhar_kernels import lookahead as fused
+
+    return LookaheadBackend(
+        fused.group_forward, fused.merge_forward, fused.merge_backward, fused.group_backward
+    )
+
+
+def auto_group_size(num_sites: int) -> int:
+    """Sites per group for ``lookahead_group = 0``: the power of two nearest sqrt(sites)
+    (4 at 100M, 8 at 350M and 1B; see benchmarks/routing_bytes.py)."""
+    return 2 ** max(0, round(math.log2(math.sqrt(max(1, num_sites)))))
+
+
+# ---------------------------------------------------------------------------------------
+# Groups and the history
+# ---------------------------------------------------------------------------------------
+
+
+class GroupSite(NamedTuple):
+    """One routing site of a group: its index, rows read, and parameters."""
+
+    site: int
+    num_rows: int
+    query: torch.Tensor
+    norm_weight: torch.Tensor
+
+
+class RoutingGroup:
+    """One run of a group's phase 1 and the state its merges and backward share.
+
+    Holds no tensor that has an autograd history (the graph references the group through
+    the nodes' contexts; the group must not reference the graph back).
+    """
+
+    def __init__(self, sites: Sequence[GroupSite], history: "LookaheadHistory"):
+        self.sites = tuple(sites)
+        self.old_rows = sites[0].num_rows
+        self.grad_enabled = torch.is_grad_enabled()
+        t, d, heads = history.num_tokens, history.shape[-1], history.num_heads
+        device = history.buffer.device
+        self.partials: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        self.lse = torch.empty((len(sites), t, heads), dtype=torch.float32, device=device)
+        self.next_index = 0
+        self.grad_outs: Optional[torch.Tensor] = None
+        self.deltas: Optional[torch.Tensor] = None
+        self.deposited: List[int] = []
+
+    @property
+    def first_site(self) -> int:
+        return self.sites[0].site
+
+    def deposit(self, index: int, grad_out: torch.Tensor, delta: torch.Tensor) -> None:
+        """Keep site ``index``'s output gradient and delta for the phase-1 backward."""
+        if self.grad_outs is None:
+            g, (t, heads) = len(self.sites), delta.shape
+            self.grad_outs = grad_out.new_zeros((g, t, grad_out.shape[-1]))
+            self.deltas = delta.new_zeros((g, t, heads))
+        self.grad_outs[index].copy_(grad_out)
+        self.deltas[index].copy_(delta)
+        self.deposited.append(index)
+
+
+class LookaheadHistory(SourceHistory):
+    """A :class:`SourceHistory` whose reads run the two-phase schedule group by group.
+
+    ``route_group(sites, index)`` routes site ``sites[index]`` of a group. The group's
+    phase 1 runs at the first read of the group; a run of the group is reused while its
+    sites are read in order under the same grad mode. Anything else (a read out of order,
+    a change of grad mode such as the no-grad first pass of activation checkpointing, or
+    :meth:`end_group`, which the stream calls when a checkpointed chunk restores its state)
+    starts a new run of the whole group, which computes bit-identical partials, so a
+    recomputed chunk reproduces the forward exactly. Each run's backward covers exactly
+    the sites merged in its graph.
+
+    Args:
+        lookahead: the two-phase backend; the other arguments are :class:`SourceHistory`'s.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        like: torch.Tensor,
+        backend: RoutingBackend,
+        lookahead: LookaheadBackend,
+        num_heads: int,
+        eps: float,
+        logit_scale: float,
+    ):
+        super().__init__(capacity, like, backend, num_heads, eps, logit_scale)
+        self.lookahead = lookahead
+        self.group: Optional[RoutingGroup] = None
+        self.group_token: Optional[torch.Tensor] = None
+
+    @property
+    def num_tokens(self) -> int:
+        s, b, _ = self.shape
+        return s * b
+
+    def end_group(self) -> None:
+        """Drop the current run's partials; the next read starts a new run."""
+        if self.group is not None:
+            self.group.partials = None
+        self.group, self.group_token = None, None
+
+    def release(self) -> None:
+        super().release()
+        self.end_group()
+
+    def route_group(self, sites: Sequence[GroupSite], index: int) -> torch.Tensor:
+        """Route site ``sites[index]`` of a group (``sites`` in order, all on this stage)."""
+        site = sites[index]
+        if not 0 < sites[0].num_rows <= site.num_rows <= self.rows_written:
+            raise IndexError(
+                f"site {site.site} routes over {site.num_rows} rows (group start "
+                f"{sites[0].num_rows}) but only {self.rows_written} are written"
+            )
+        group = self.group
+        if (
+            group is None
+            or group.first_site != sites[0].site
+            or len(group.sites) != len(sites)
+            or group.next_index != index
+            or group.grad_enabled != torch.is_grad_enabled()
+        ):
+            self.end_group()
+            group = self.group = RoutingGroup(sites, self)
+            params = [s.query for s in sites] + [s.norm_weight for s in sites]
+            self.group_token = _GroupPartials.apply(self, group, self.token, *params)
+        out = _MergeSite.apply(
+            self, group, index, self.token, self.group_token, site.query, site.norm_weight
+        )
+        group.next_index = index + 1
+        if group.next_index == len(sites):
+            self.end_group()
+        return out
+
+
+class _GroupPartials(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, history, group, token, *params):
+        g = len(group.sites)
+        queries, norms = torch.stack(params[:g]), torch.stack(params[g:])
+        group.partials = history.lookahead.group_forward(
+            history.rows(group.old_rows), queries, norms,
+            history.num_heads, history.eps, history.logit_scale,
+        )  # fmt: skip
+        ctx.history, ctx.group = history, group
+        ctx.has_token = token is not None
+        ctx.save_for_backward(*params)
+        return queries.new_empty(())
+
+    @staticmethod
+    def backward(ctx, _grad_group_token):
+        history, group = ctx.history, ctx.group
+        params = ctx.saved_tensors
+        g = len(group.sites)
+        grads: List[Optional[torch.Tensor]] = [None] * (2 * g)
+        if group.deposited:
+            # The sites merged in this graph; the others' grad_outs and deltas are zeros.
+            lo, hi = min(group.deposited), max(group.deposited) + 1
+            dq, dg = history.lookahead.group_backward(
+                group.grad_outs, history.rows(group.old_rows),
+                torch.stack(params[:g]), torch.stack(params[g:]), group.lse, group.deltas,
+                history.num_heads, history.eps, history.logit_scale,
+                history.grad_rows(group.old_rows), (lo, hi),
+            )  # fmt: skip
+            for k in range(hi - lo):
+                grads[lo + k] = dq[k].to(params[lo + k].dtype)
+                grads[g + lo + k] = dg[k].to(params[g + lo + k].dtype)
+        group.grad_outs = group.deltas = group.lse = None
+        grad_token = torch.zeros((), device=params[0].device) if ctx.has_token else None
+        return (None, None, grad_token, *grads)
+
+
+class _MergeSite(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, history, group, index, token, group_token, query, norm_weight):
+        s, b, h = history.shape
+        site = group.sites[index]
+        m, l, acc = group.partials
+        out = history.lookahead.merge_forward(
+            m[index], l[index], acc[index], history.rows(site.num_rows)[:, group.old_rows :],
+            query, norm_weight, history.num_heads, history.eps, history.logit_scale,
+            group.lse[index],
+        )  # fmt: skip
+        result = out.view(s, b, h)
+        ctx.history, ctx.group, ctx.index = history, group, index
+        ctx.has_token = token is not None
+        ctx.save_for_backward(query, norm_weight, result)
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        history, group, index = ctx.history, ctx.group, ctx.index
+        query, norm_weight, out = ctx.saved_tensors
+        s, b, h = history.shape
+        rows = group.sites[index].num_rows
+        flat_grad = grad_out.reshape(s * b, h)
+        delta, grad_query, grad_norm = history.lookahead.merge_backward(
+            flat_grad, out.reshape(s * b, h), history.rows(rows)[:, group.old_rows :],
+            query, norm_weight, group.lse[index],
+            history.num_heads, history.eps, history.logit_scale,
+            history.grad_rows(rows)[:, group.old_rows :],
+        )  # fmt: skip
+        group.deposit(index, flat_grad, delta)
+        grad_token = torch.zeros((), device=grad_out.device) if ctx.has_token else None
+        grad_group_token = torch.zeros((), device=grad_out.device)
+        return (
+            None,
+            None,
+            None,
+            grad_token,
+            grad_group_token,
+            grad_query.to(query.dtype),
+            grad_norm.to(norm_weight.dtype),
+        )

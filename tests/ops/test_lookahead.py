@@ -1,0 +1,104 @@
+"""The lookahead schedule in the model: same loss and gradients as per-site routing.
+
+CPU, fp32, torch backend of the grouped algorithm (megatron_mhar.ops.lookahead); the
+kernels themselves are compared with the per-site reference in tests/kernels.
+"""
+
+import pytest
+import torch
+
+from megatron_mhar.config import MHARConfig
+from tests.models.test_mhar_model import _batch, _build, _model_config, _randomize_routers
+
+
+def _models(group, **mhar_fields):
+    model_cfg = _model_config(attention_backend="megatron")
+    per_site = _build(model_cfg, MHARConfig(variant="full", num_heads=4, **mhar_fields))
+    _randomize_routers(per_site)
+    lookahead = _build(
+        model_cfg,
+        MHARConfig(variant="full", num_heads=4, routing_schedule="lookahead", lookahead_group=group,
+                   **mhar_fields),
+    )  # fmt: skip
+    lookahead.load_state_dict(per_site.state_dict())
+    return per_site, lookahead
+
+
+def _loss_and_grads(model, seeds):
+    """Forward every micro-batch first (all in flight), then one backward over their sum."""
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for seed in seeds:
+        tokens, positions = _batch(seed)
+        losses.append(model(tokens, positions, None, labels=tokens).float().mean())
+    torch.stack(losses).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return torch.stack(losses).detach(), grads
+
+
+@pytest.mark.parametrize(
+    "group,seeds,logit_scale",
+    [
+        # Groups of one: every site is its own phase 1 (no merge rows).
+        pytest.param(1, (0,), 1.0, id="G1"),
+        # Groups of 3 over 7 sites: ragged last group, merges of 0-2 rows.
+        pytest.param(3, (0,), 4.0, id="G3-tauH"),
+        # One group holding every site but the last ones: phase 1 reads only the embedding.
+        pytest.param(6, (0,), 1.0, id="G6"),
+        # Auto size; two micro-batches in flight before one backward.
+        pytest.param(0, (0, 1), 1.0, id="auto-two-microbatches"),
+    ],
+)
+def test_lookahead_model_matches_per_site(megatron_world1, group, seeds, logit_scale):
+    per_site, lookahead = _models(group, logit_scale=logit_scale)
+    loss, grads = _loss_and_grads(per_site, seeds)
+    loss_l, grads_l = _loss_and_grads(lookahead, seeds)
+    torch.testing.assert_close(loss_l, loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == grads_l.keys() and len(grads) == len(list(per_site.parameters()))
+    for name in grads:
+        # fp32 rounding only: the schedules sum in other orders, and delta comes from the
+        # output instead of a second pass (amplified by the sharp softmax at tau = H).
+        atol = 2e-5 * grads[name].abs().max().item() + 1e-7
+        torch.testing.assert_close(grads_l[name], grads[name], rtol=1e-4, atol=atol,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_lookahead_history_is_freed(megatron_world1):
+    """The groups hold no reference back into the graph: histories die after backward."""
+    import gc
+    import weakref
+
+    from megatron_mhar.ops import lookahead as lookahead_module
+
+    created = []
+    original_init = lookahead_module.LookaheadHistory.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        created.append(weakref.ref(self))
+
+    _, model = _models(3)
+    lookahead_module.LookaheadHistory.__init__ = recording_init
+    try:
+        for seed in range(2):
+            tokens, positions = _batch(seed)
+            model(tokens, positions, None, labels=tokens).float().mean().backward()
+    finally:
+        lookahead_module.LookaheadHistory.__init__ = original_init
+    gc.collect()
+    assert len(created) == 2 and all(ref() is None for ref in created)
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        pytest.param(dict(routing_schedule="ahead"), "routing_schedule must be one of", id="unknown"),
+        pytest.param(dict(variant="block", routing_schedule="lookahead"), "needs variant='full'",
+                     id="block"),
+        pytest.param(dict(routing_schedule="lookahead", lookahead_group=-1), "non-negative",
+                     id="negative-group"),
+    ],
+)
+def test_lookahead_config_errors(fields, message):
+    with pytest.raises(ValueError, match=message):
+        MHARConfig(**fields)
