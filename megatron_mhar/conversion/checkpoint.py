@@ -1,7 +1,7 @@
 """Megatron distributed checkpoints of converted models: layout, publishing, build and load.
 
-A converted checkpoint uses the training driver's layout
-(``megatron_mhar/training/checkpointing.py``), so ``checkpoint.load`` of a recipe
+A converted checkpoint uses the training driver's layout and names
+(:mod:`megatron_mhar.training.checkpointing`), so ``checkpoint.load`` of a recipe
 points at it directly::
 
     out/
@@ -35,11 +35,14 @@ import torch
 from megatron_mhar.config import MHARConfig
 from megatron_mhar.models.config import GPTModelConfig
 
-LATEST = "latest"
-ITERATION_DIR = "iter_0000000"
-TMP_PREFIX = ".tmp."
+from megatron_mhar.training import checkpointing as driver
+
+# The driver's names, so the layouts cannot drift apart.
+LATEST = driver.LATEST
+TMP_PREFIX = driver.TMP_PREFIX
+CHECKPOINT_VERSION = driver.CHECKPOINT_VERSION
+ITERATION_DIR = driver.checkpoint_name(0)
 OLD_PREFIX = ".old."
-CHECKPOINT_VERSION = 1
 HF_SUBDIR = "hf"
 CONVERSION_FILE = "conversion.json"
 TRAIN_CONFIG_FILE = "train_config.yaml"
@@ -49,19 +52,13 @@ TRAIN_CONFIG_FILE = "train_config.yaml"
 
 
 def find_checkpoint(path: Path) -> Path:
-    """The checkpoint ``path`` designates: via its ``latest`` file, or ``path`` itself."""
-    path = Path(path)
-    latest = path / LATEST
-    if latest.is_file():
-        target = path / latest.read_text().strip()
-        if not (target / "metadata.json").is_file():
-            raise FileNotFoundError(f"{latest} names {target.name!r}, which is not a complete checkpoint")
-        return target
-    if (path / "metadata.json").is_file():
-        return path
-    raise FileNotFoundError(
-        f"{path} is not a Megatron distributed checkpoint (no {LATEST} file, no metadata.json)"
-    )
+    """The checkpoint ``path`` designates (the driver's rule: its ``latest`` file, or itself)."""
+    found = driver.find_checkpoint(Path(path))
+    if found is None:
+        raise FileNotFoundError(
+            f"{path} is not a Megatron distributed checkpoint (no {LATEST} file, no metadata.json)"
+        )
+    return found
 
 
 def staging_dir(out: Path) -> Path:

@@ -9,6 +9,7 @@ checkpoint's ``train_config.yaml`` (what a recipe does).
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -128,3 +129,14 @@ def test_continued_pretraining_from_converted_checkpoints(
         assert len(gates) == 4 and all(g.abs().item() > 0 for g in gates.values())
     finally:
         destroy()
+
+    # The trained checkpoint (written by the driver) goes back to HF + the side file.
+    from safetensors.torch import load_file
+
+    from megatron_mhar.conversion.convert import mcore_to_hf
+
+    out = mcore_to_hf(cfg.checkpoint_dir, tmp_path / "hf_out", hf_reference=hf_dir)
+    side = load_file(str(out / "mhar_params.safetensors"))
+    for name, gate in gates.items():
+        assert torch.equal(side[name], gate.detach())
+    assert json.loads((out / "config.json").read_text()) == json.loads((hf_dir / "config.json").read_text())
