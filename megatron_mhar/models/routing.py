@@ -27,6 +27,7 @@ from typing import Dict, Optional
 import torch
 
 from megatron_mhar.config import MHARConfig
+from megatron_mhar.ops.depth_route import routing_entropy
 from megatron_mhar.ops.history import SourceHistory, get_backend
 from megatron_mhar.ops.lookahead import (
     GroupSite,
@@ -137,6 +138,7 @@ class DepthStream:
     ):
         self.layout = layout
         self.partial: Optional[torch.Tensor] = None
+        self.entropy: Optional[Dict[int, torch.Tensor]] = None
         self.routers = None
         if mhar.routing_schedule == "lookahead":
             if not routers:
@@ -169,6 +171,7 @@ class DepthStream:
     def read(self, site: int, router: DepthRouter) -> torch.Tensor:
         """The routed input ``x_site`` [s, b, h]."""
         extra = self.partial if self.layout.reads_partial(site) else None
+        _record_entropy(self, site, router, self.layout.rows_read(site), extra)
         if self.routers is not None and extra is None:
             if self.routers.get(site) is not router:
                 raise ValueError(f"site {site} is routed by a router the stream was not given")
@@ -223,6 +226,25 @@ class DepthStream:
     def output(self, final_router: DepthRouter) -> torch.Tensor:
         """The decoder output before the final norm: the final site's routed mixture."""
         return self.read(self.layout.final_site, final_router)
+
+
+ENTROPY_SAMPLE_TOKENS = 256
+"""Tokens per micro-batch whose routing entropy is recorded (a diagnostic sample)."""
+
+
+def _record_entropy(stream, site: int, router, rows: int, extra: Optional[torch.Tensor]) -> None:
+    """Store the site's per-head routing entropy over a token sample, when recording is on."""
+    if stream.entropy is None:
+        return
+    history = stream.history
+    sources = history.rows(rows)[:ENTROPY_SAMPLE_TOKENS].transpose(0, 1)  # [N, t, h]
+    if extra is not None:
+        sample = extra.reshape(-1, history.shape[-1])[:ENTROPY_SAMPLE_TOKENS]
+        sources = torch.cat([sources, sample.unsqueeze(0)])
+    stream.entropy[site] = routing_entropy(
+        sources, router.query, router.norm_weight, history.num_heads, history.eps,
+        history.logit_scale,
+    )
 
 
 def make_layout(mhar: MHARConfig, num_layers: int):
@@ -307,13 +329,14 @@ class DeltaStream:
         self.history = _history(layout.capacity, mhar, eps, like)
         self.hidden: Optional[torch.Tensor] = None
         self.block_start: Optional[torch.Tensor] = None
+        self.entropy: Optional[Dict[int, torch.Tensor]] = None
 
     def read(self, site: int, router: DeltaRouter) -> torch.Tensor:
         """``x = h + gate * route([null] + rows)`` [s, b, h]."""
         null = router.null_source.to(self.hidden.dtype).expand_as(self.hidden)
-        routed = self.history.route(
-            self.layout.rows_read(site), router.query, router.norm_weight, extra=null
-        )
+        rows = self.layout.rows_read(site)
+        _record_entropy(self, site, router, rows, null)
+        routed = self.history.route(rows, router.query, router.norm_weight, extra=null)
         return self.hidden + router.gate.to(routed.dtype) * routed
 
     def write(self, site: int, output: torch.Tensor) -> None:

@@ -66,9 +66,16 @@ def depth_route_reference(
     Returns:
         [..., D] routed mixture in the sources' dtype.
     """
+    weights, values = _routing_weights(sources, query, norm_weight, num_heads, eps, logit_scale)
+    head_dim = sources.shape[-1] // num_heads
+    mixed = (weights.unsqueeze(-1) * values.unflatten(-1, (num_heads, head_dim))).sum(0)
+    return mixed.flatten(-2).to(sources.dtype)
+
+
+def _routing_weights(sources, query, norm_weight, num_heads, eps, logit_scale):
+    """(softmax weights [N, ..., H], sources in the compute dtype) of the reference."""
     dtype = sources.dtype
-    d = sources.shape[-1]
-    head_dim = d // num_heads
+    head_dim = sources.shape[-1] // num_heads
     # fp32 statistics for 16-bit sources; fp64 stays fp64 (gradcheck).
     compute = torch.promote_types(dtype, torch.float32)
     values = sources.to(compute)
@@ -78,9 +85,26 @@ def depth_route_reference(
     keys = (values * inv_rms).to(dtype) * norm_weight.to(dtype)
     keys = keys.to(compute).unflatten(-1, (num_heads, head_dim))  # [N, ..., H, D/H]
     logits = (keys * query.to(compute).view(num_heads, head_dim)).sum(-1) * logit_scale
-    weights = torch.softmax(logits, dim=0)  # [N, ..., H]: over depth, per token and head
-    mixed = (weights.unsqueeze(-1) * values.unflatten(-1, (num_heads, head_dim))).sum(0)
-    return mixed.flatten(-2).to(dtype)
+    return torch.softmax(logits, dim=0), values  # over depth, per token and head
+
+
+@torch.no_grad()
+def routing_entropy(
+    sources: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    num_heads: int,
+    eps: float = 1e-6,
+    logit_scale: float = 1.0,
+) -> torch.Tensor:
+    """Mean over tokens of each head's routing entropy in nats, [H] fp32 (a diagnostic).
+
+    ``sources`` is [N, T, D]; 0 means every token of that head reads one source, ln N
+    the uniform mean.
+    """
+    weights, _ = _routing_weights(sources, query, norm_weight, num_heads, eps, logit_scale)
+    entropy = -(weights * weights.clamp_min(1e-30).log()).sum(0)  # [T, H]
+    return entropy.float().mean(0)
 
 
 def triton_available(device: torch.device) -> bool:

@@ -333,6 +333,14 @@ class Trainer:
 
     # ---------------------------------------------------------------- outputs
 
+    def _record_routing_entropy(self, enabled: bool) -> None:
+        """Have the MHAR decoders record routing entropy on the steps that get logged."""
+        enabled = enabled and self.cfg.mhar.enabled and self.cfg.logging.routing_entropy
+        for chunk in self.model:
+            decoder = getattr(unwrap(chunk), "decoder", None)
+            if hasattr(decoder, "record_routing_entropy"):
+                decoder.record_routing_entropy = enabled
+
     def routing_entropy(self) -> Dict[str, List[float]]:
         """Per-site per-head routing entropy of the last forward, from every rank's chunks."""
         local: Dict[str, List[float]] = {}
@@ -402,6 +410,8 @@ class Trainer:
         stop = StopSignal()
         with stop:
             while self.iteration < tr.train_iters:
+                logs_next = (self.iteration + 1) % cfg.logging.interval == 0
+                self._record_routing_entropy(logs_next or self.iteration + 1 == tr.train_iters)
                 timer.start()
                 loss, grad_norm, lr = self.train_step()
                 timer.stop()

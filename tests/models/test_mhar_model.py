@@ -301,3 +301,31 @@ def test_graph_and_history_are_freed_after_backward(megatron_world1, monkeypatch
     gc.collect()
     assert len(created) == 2
     assert all(ref() is None for ref in created)
+
+
+@pytest.mark.parametrize(
+    "mhar_fields,sources_read",
+    [
+        pytest.param(dict(variant="full"), lambda site: site, id="full"),
+        # delta, 1-layer blocks: null + embedding + completed layers before the site's layer
+        pytest.param(dict(variant="delta", delta_block_layers=1), lambda site: 1 + (site + 1) // 2,
+                     id="delta"),
+    ],
+)
+def test_routing_entropy_is_recorded_on_request(megatron_world1, mhar_fields, sources_read):
+    """Zero queries route uniformly: every head's entropy is ln(sources read)."""
+    import math
+
+    model = _build(_model_config(), MHARConfig(num_heads=4, **mhar_fields))
+    tokens, positions = _batch()
+    model(tokens, positions, None)
+    assert model.decoder.routing_entropy() is None  # off by default
+    model.decoder.record_routing_entropy = True
+    with torch.no_grad():
+        model(tokens, positions, None)
+    entropy = model.decoder.routing_entropy()
+    sites = 2 * 3 + (1 if mhar_fields["variant"] == "full" else 0)
+    assert list(entropy) == [f"site{j:03d}" for j in range(1, sites + 1)]
+    for j in range(1, sites + 1):
+        expected = torch.full((4,), math.log(sources_read(j)))
+        torch.testing.assert_close(entropy[f"site{j:03d}"], expected, rtol=1e-5, atol=1e-5)
