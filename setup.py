@@ -22,11 +22,13 @@ setup(
         "tokenizers",
         "tensorboard",
         "safetensors",
+        "psutil",  # Megatron's checkpoint writer needs it (without it a save hangs)
+        "pillow",  # routing heatmap of the training driver
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "dali": ["nvidia-dali-cuda120"],
-        "dev": ["pytest", "triton", "transformers", "pillow"],
+        "dev": ["pytest", "triton", "transformers"],
     },
     entry_points={
         "console_scripts": [
