@@ -95,14 +95,14 @@ def plan_import(
         _check_side_file(side[0], model, mhar, hf_dir)
     names = hf_io.SafetensorsReader(hf_dir).keys()
     ignored = mapping.check_hf_names(names, model, str(hf_dir))
-    dtype = dtype or _hf_dtype(raw, hf_dir)
+    dtype = dtype or _hf_dtype(hf_dir)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     return ImportPlan(str(hf_dir), str(Path(out).absolute()), model, mhar, dtype, tp, pp,
                       overwrite, side is not None, tuple(ignored))
 
 
-def _hf_dtype(raw: Dict[str, Any], hf_dir: Path) -> str:
+def _hf_dtype(hf_dir: Path) -> str:
     """The dtype of the HF tensors (kept, so HF -> Megatron -> HF is bitwise)."""
     reader = hf_io.SafetensorsReader(hf_dir)
     return _DTYPE_NAMES[reader("model.embed_tokens.weight").dtype]
