@@ -5,7 +5,13 @@ import torch
 
 from megatron_mhar.config import MHARConfig
 from megatron_mhar.ops import depth_route_reference
-from tests.models.test_mhar_model import _batch, _build, _model_config, _randomize_routers
+from tests.models.test_mhar_model import (
+    _batch,
+    _build,
+    _model_config,
+    _randomize_routers,
+    capture_sublayers,
+)
 
 
 def test_delta_at_init_computes_the_base_model_exactly(megatron_world1):
@@ -45,19 +51,7 @@ def test_delta_sites_read_embedding_and_completed_block_deltas(megatron_world1, 
     mhar = MHARConfig(variant="delta", delta_block_layers=block_layers, num_heads=8)
     model = _build(model_cfg, mhar)
     _randomize_routers(model)
-    inputs, outputs, hooks = [], [], []
-    capture_out = lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple) else out)  # noqa: E731
-    hooks.append(model.embedding.register_forward_hook(capture_out))
-    for layer in model.decoder.layers:
-        hooks.append(layer.input_layernorm.register_forward_hook(lambda m, a, o: inputs.append(a[0])))
-        hooks.append(layer.self_attention.register_forward_hook(capture_out))
-        hooks.append(layer.pre_mlp_layernorm.register_forward_hook(lambda m, a, o: inputs.append(a[0])))
-        hooks.append(layer.mlp.register_forward_hook(capture_out))
-    tokens, positions = _batch()
-    with torch.no_grad():
-        model(tokens, positions, None)
-    for hook in hooks:
-        hook.remove()
+    inputs, outputs = capture_sublayers(model)
 
     routers = [r for layer in model.decoder.layers for r in (layer.input_router, layer.pre_mlp_router)]
     hidden = block_start = outputs[0]

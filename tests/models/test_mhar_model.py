@@ -131,6 +131,37 @@ def _expected_sources(variant, block_size, outputs):
     return reads
 
 
+def capture_sublayers(model):
+    """One no-grad forward; returns (inputs, outputs) of every sublayer.
+
+    ``inputs[j - 1]`` is what site j fed its pre-norm (the final norm's input last, when
+    the model has one); ``outputs[0]`` is the embedding and ``outputs[j]`` sublayer j's
+    output (no bias, no dropout in these models).
+    """
+    inputs, outputs, hooks = [], [], []
+
+    def capture_in(module, args, out):
+        inputs.append(args[0])
+
+    def capture_out(module, args, out):
+        outputs.append(out[0] if isinstance(out, tuple) else out)
+
+    hooks.append(model.embedding.register_forward_hook(capture_out))
+    for layer in model.decoder.layers:
+        hooks.append(layer.input_layernorm.register_forward_hook(capture_in))
+        hooks.append(layer.self_attention.register_forward_hook(capture_out))
+        hooks.append(layer.pre_mlp_layernorm.register_forward_hook(capture_in))
+        hooks.append(layer.mlp.register_forward_hook(capture_out))
+    if model.decoder.final_router is not None:
+        hooks.append(model.decoder.final_layernorm.register_forward_hook(capture_in))
+    tokens, positions = _batch()
+    with torch.no_grad():
+        model(tokens, positions, None)
+    for hook in hooks:
+        hook.remove()
+    return inputs, outputs
+
+
 @pytest.mark.parametrize(
     "variant,block_size,heads",
     [
@@ -150,21 +181,7 @@ def test_every_site_routes_the_right_sources(megatron_world1, variant, block_siz
     model = _build(model_cfg, mhar)
     if not zero_queries:
         _randomize_routers(model)
-    inputs, outputs, hooks = [], [], []
-    capture_out = lambda m, args, out: outputs.append(out[0] if isinstance(out, tuple) else out)  # noqa: E731
-    hooks.append(model.embedding.register_forward_hook(capture_out))
-    for layer in model.decoder.layers:
-        hooks.append(layer.input_layernorm.register_forward_hook(lambda m, a, o: inputs.append(a[0])))
-        hooks.append(layer.self_attention.register_forward_hook(capture_out))
-        hooks.append(layer.pre_mlp_layernorm.register_forward_hook(lambda m, a, o: inputs.append(a[0])))
-        hooks.append(layer.mlp.register_forward_hook(capture_out))
-    hooks.append(model.decoder.final_layernorm.register_forward_hook(lambda m, a, o: inputs.append(a[0])))
-    tokens, positions = _batch()
-    with torch.no_grad():
-        model(tokens, positions, None)
-    for hook in hooks:
-        hook.remove()
-
+    inputs, outputs = capture_sublayers(model)
     routers = [r for layer in model.decoder.layers for r in (layer.input_router, layer.pre_mlp_router)]
     routers.append(model.decoder.final_router)
     reads = _expected_sources(variant, block_size, outputs)
