@@ -61,6 +61,7 @@ MODELS = {
     "baseline": MHARConfig(variant="none"),
     "attnres": MHARConfig(variant="full", num_heads=1),
     "mhar": MHARConfig(variant="full", num_heads=8),
+    "mhar_lookahead": MHARConfig(variant="full", num_heads=8, routing_schedule="lookahead"),
 }
 
 
@@ -231,7 +232,8 @@ def environment():
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100m,350m,1b", help="comma list of " + ",".join(SIZES))
-    parser.add_argument("--models", default=",".join(MODELS), help="comma list of " + ",".join(MODELS))
+    parser.add_argument("--models", default="baseline,attnres,mhar",
+                        help="comma list of " + ",".join(MODELS))
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per model")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation, autotune)")
     parser.add_argument("--kernel-impl", default="auto", choices=["auto", "torch", "triton"])
