@@ -42,42 +42,24 @@ class MHARConfig:
     """Sites per lookahead group; 0 picks the power of two nearest sqrt(2L + 1)."""
 
     def __post_init__(self):
-        if self.variant not in VARIANTS:
-            raise ValueError(f"mhar.variant must be one of {VARIANTS}, got {self.variant!r}")
-        if not isinstance(self.num_heads, int) or self.num_heads < 1:
-            raise ValueError(f"mhar.num_heads must be a positive integer, got {self.num_heads!r}")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(
-                f"mhar.block_size counts sublayers and must be a positive integer, "
-                f"got {self.block_size!r}"
-            )
-        if not isinstance(self.delta_block_layers, int) or self.delta_block_layers < 1:
-            raise ValueError(
-                f"mhar.delta_block_layers counts decoder layers and must be a positive integer, "
-                f"got {self.delta_block_layers!r}"
-            )
+        _require_choice("variant", self.variant, VARIANTS)
+        _require_int("num_heads", self.num_heads, 1, "must be a positive integer")
+        _require_int("block_size", self.block_size, 1,
+                     "counts sublayers and must be a positive integer")
+        _require_int("delta_block_layers", self.delta_block_layers, 1,
+                     "counts decoder layers and must be a positive integer")
+        _require_int("lookahead_group", self.lookahead_group, 0,
+                     "must be a non-negative integer (0 = auto)")
         if self.eps is not None and not self.eps > 0:
             raise ValueError(f"mhar.eps must be positive (or None for the model's), got {self.eps}")
         if not self.logit_scale > 0:
             raise ValueError(f"mhar.logit_scale must be positive, got {self.logit_scale}")
-        if self.kernel_impl not in KERNEL_IMPLS:
-            raise ValueError(
-                f"mhar.kernel_impl must be one of {KERNEL_IMPLS}, got {self.kernel_impl!r}"
-            )
-        if self.routing_schedule not in ROUTING_SCHEDULES:
-            raise ValueError(
-                f"mhar.routing_schedule must be one of {ROUTING_SCHEDULES}, "
-                f"got {self.routing_schedule!r}"
-            )
+        _require_choice("kernel_impl", self.kernel_impl, KERNEL_IMPLS)
+        _require_choice("routing_schedule", self.routing_schedule, ROUTING_SCHEDULES)
         if self.routing_schedule == "lookahead" and self.variant != "full":
             raise ValueError(
                 f"mhar.routing_schedule='lookahead' needs variant='full' (got {self.variant!r}); "
                 f"use routing_schedule='per_site' for the block and delta variants"
-            )
-        if not isinstance(self.lookahead_group, int) or self.lookahead_group < 0:
-            raise ValueError(
-                f"mhar.lookahead_group must be a non-negative integer (0 = auto), "
-                f"got {self.lookahead_group!r}"
             )
 
     @property
@@ -97,3 +79,13 @@ class MHARConfig:
                 f"mhar.block_size={self.block_size} sublayers exceeds the model's "
                 f"{2 * num_layers} sublayers ({num_layers} decoder layers x 2)"
             )
+
+
+def _require_choice(field: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"mhar.{field} must be one of {choices}, got {value!r}")
+
+
+def _require_int(field: str, value, minimum: int, rule: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"mhar.{field} {rule}, got {value!r}")
