@@ -104,6 +104,8 @@ JobCompType=jobcomp/none
 MpiDefault=none
 SwitchType=switch/none
 SchedulerType=sched/backfill
+# Look at pending jobs every 5 s (default 60 s): a requeued job starts again promptly.
+SchedulerParameters=sched_interval=5,bf_interval=5
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 # Batch jobs may be requeued (sbatch --requeue, scontrol requeue).
