@@ -24,19 +24,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if recipe is not None and "=" in recipe:  # only overrides were given
         recipe, overrides = None, [recipe] + overrides
 
-    from megatron_mhar.training.config import load_config, to_yaml
+    from megatron_mhar.training.signals import StopSignal
 
-    try:
-        cfg = load_config(recipe, overrides)
-    except ValueError as err:
-        parser.exit(2, f"config error: {err}\n")
-    if args.print_config:
-        print(to_yaml(cfg), end="")
-        return 0
+    # Installed first: a SIGTERM/SIGUSR1 during imports, data preparation or checkpoint
+    # loading is then honoured at the first step (save and exit) instead of killing the rank.
+    with StopSignal() as stop:
+        from megatron_mhar.training.config import load_config, to_yaml
 
-    from megatron_mhar.training.loop import run
+        try:
+            cfg = load_config(recipe, overrides)
+        except ValueError as err:
+            parser.exit(2, f"config error: {err}\n")
+        if args.print_config:
+            print(to_yaml(cfg), end="")
+            return 0
 
-    run(cfg)
+        from megatron_mhar.training.loop import run
+
+        run(cfg, stop=stop)
     return 0
 
 

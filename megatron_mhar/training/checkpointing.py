@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -37,6 +38,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_mhar.training.config import config_differences
 from megatron_mhar.training.model import unwrap
+from megatron_mhar.training.signals import SIGNALS as STOP_SIGNALS
 
 LATEST = "latest"
 TMP_PREFIX = ".tmp."
@@ -120,6 +122,27 @@ def _sharded_state_dict(model, optimizer, is_loading: bool, with_optimizer: bool
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         state["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
     return state
+
+
+def start_checkpoint_writer() -> None:
+    """Start Megatron's checkpoint-writer helper process now, deaf to the stop signals.
+
+    Megatron's filesystem writer keeps a multiprocessing Manager that it spawns at the
+    first save. Slurm delivers a job step's signals to every process of the step, so a
+    helper that can hear SIGTERM/SIGUSR1 dies of the very signal that asks for a save,
+    and that save fails. Blocked (and ignored) signals are inherited by the spawned
+    helper; in this process they stay pending and are delivered when unblocked.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+    try:
+        filesystem_async._get_write_results_queue()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
 
 
 def save_checkpoint(

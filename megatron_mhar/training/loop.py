@@ -18,6 +18,7 @@ teardown. The pieces are Megatron's own:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -66,8 +67,17 @@ class TrainResult:
     """The last checkpoint saved."""
 
 
-def run(cfg: TrainConfig, step_hook: Optional[Callable[["Trainer", int], None]] = None) -> TrainResult:
-    """Train one run on this rank (single process, or one rank under torchrun/srun)."""
+def run(
+    cfg: TrainConfig,
+    step_hook: Optional[Callable[["Trainer", int], None]] = None,
+    stop: Optional[StopSignal] = None,
+) -> TrainResult:
+    """Train one run on this rank (single process, or one rank under torchrun/srun).
+
+    ``stop``: an entered :class:`StopSignal` (``python -m megatron_mhar.train`` installs
+    it at process start, so a signal during start-up is not lost); by default the
+    handlers are installed for the training loop only.
+    """
     validate_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     par = cfg.parallel
     on_cpu = cfg.run.device == "cpu" or (cfg.run.device == "auto" and not torch.cuda.is_available())
@@ -80,7 +90,7 @@ def run(cfg: TrainConfig, step_hook: Optional[Callable[["Trainer", int], None]] 
         create_gloo_process_groups=not on_cpu,
     )
     try:
-        return Trainer(cfg, ctx, step_hook).train()
+        return Trainer(cfg, ctx, step_hook).train(stop)
     finally:
         destroy()
 
@@ -395,7 +405,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- loop
 
-    def train(self) -> TrainResult:
+    def train(self, stop: Optional[StopSignal] = None) -> TrainResult:
         cfg, tr = self.cfg, self.cfg.training
         losses: Dict[int, float] = {}
         window: List[float] = []
@@ -407,8 +417,10 @@ class Trainer:
             f"tp={cfg.parallel.tensor_model_parallel_size} pp={cfg.parallel.pipeline_model_parallel_size}"
             f", from step {self.iteration}"
         )
-        stop = StopSignal()
-        with stop:
+        checkpointing.start_checkpoint_writer()
+        handlers = contextlib.nullcontext() if stop is not None else StopSignal()
+        with handlers:
+            stop = stop if stop is not None else handlers
             while self.iteration < tr.train_iters:
                 logs_next = (self.iteration + 1) % cfg.logging.interval == 0
                 self._record_routing_entropy(logs_next or self.iteration + 1 == tr.train_iters)

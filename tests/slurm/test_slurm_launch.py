@@ -337,14 +337,6 @@ def test_signal_checkpoints_requeues_and_resumes_exactly(cluster, jobs):
         assert not mismatched, f"{key} differs from the uninterrupted run at (step, resumed, reference): {mismatched[:5]}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # a timeout or a submission error is a real failure
-    reason="driver: Slurm delivers a step's signals to every process of the step, and "
-    "Megatron's checkpoint writer keeps a multiprocessing Manager process (spawned at the "
-    "first save) that dies of SIGUSR1/SIGTERM, so the save the signal asks for fails with "
-    "BrokenPipeError; the driver must start that helper with both signals ignored",
-)
 def test_signal_after_periodic_checkpoint_requeues(cluster, jobs):
     # Submitted only now: a pending job would take the node while `preempted` waits to
     # be requeued.
