@@ -133,8 +133,14 @@ def start_checkpoint_writer() -> None:
     and that save fails. Blocked (and ignored) signals are inherited by the spawned
     helper; in this process they stay pending and are delivered when unblocked.
     """
+    import multiprocessing
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    if multiprocessing.current_process().daemon:
+        # A daemonic process (a test harness's rank) may not start children; Megatron
+        # then creates the helper at the first save, as it would without this call.
+        return
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
     try:
