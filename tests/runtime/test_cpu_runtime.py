@@ -387,15 +387,18 @@ def test_disable_restores_torch_cuda():
 
     from megatron_mhar.runtime import cpu
 
-    originals = (
-        torch.cuda.current_device,
-        torch.cuda.synchronize,
-        torch.cuda.get_rng_state,
-        torch.cuda.random.get_rng_state,
-        torch.cuda.set_rng_state,
-        torch.cuda.manual_seed,
-        mcore_random._set_cuda_rng_state,
-    )
+    def patched_functions():
+        return (
+            torch.cuda.current_device,
+            torch.cuda.synchronize,
+            torch.cuda.get_rng_state,
+            torch.cuda.random.get_rng_state,
+            torch.cuda.set_rng_state,
+            torch.cuda.manual_seed,
+            mcore_random._set_cuda_rng_state,
+        )
+
+    originals = patched_functions()
     with cpu.cpu_runtime():
         with cpu.cpu_runtime():  # nested: the inner exit keeps it enabled
             pass
@@ -407,15 +410,7 @@ def test_disable_restores_torch_cuda():
         assert torch.ones(2).type() == "torch.cuda.FloatTensor"
         cpu.enable_cpu_runtime()  # idempotent
     assert not cpu.is_cpu_runtime_enabled()
-    restored = (
-        torch.cuda.current_device,
-        torch.cuda.synchronize,
-        torch.cuda.get_rng_state,
-        torch.cuda.random.get_rng_state,
-        torch.cuda.set_rng_state,
-        torch.cuda.manual_seed,
-        mcore_random._set_cuda_rng_state,
-    )
+    restored = patched_functions()
     assert all(a is b for a, b in zip(originals, restored))
     assert torch.overrides._get_current_function_mode_stack() == []
     assert torch.ones(2).type() == "torch.FloatTensor"
