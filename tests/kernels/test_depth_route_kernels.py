@@ -89,7 +89,7 @@ def _reference(sources, extra, query, norm_weight, grad_out, heads, tau):
     out, _ = torch_route_forward(sources, extra, query, norm_weight, heads, EPS, tau)
     grad_sources = torch.zeros(sources.shape, device=sources.device)
     ge, gq, gg = torch_route_backward(
-        grad_out, sources, extra, query, norm_weight, None, heads, EPS, tau, grad_sources
+        grad_out, out, sources, extra, query, norm_weight, None, heads, EPS, tau, grad_sources
     )
     return out, grad_sources, ge, gq, gg
 
@@ -100,7 +100,7 @@ def _kernel(sources, extra, query, norm_weight, grad_out, heads, tau):
     base, grad_sources = _grad_buffer(sources)
     initial = base.clone()
     ge, gq, gg = route_backward(
-        grad_out, sources, extra, query, norm_weight, saved, heads, EPS, tau, grad_sources
+        grad_out, out, sources, extra, query, norm_weight, saved, heads, EPS, tau, grad_sources
     )
     n = sources.shape[1]
     # Columns beyond the N routed sources are untouched; the routed ones are added to.
@@ -137,7 +137,7 @@ def test_route_forward_backward(t, n, d, heads, has_extra, tau, layout, dtype):
     torch.manual_seed(t * 1000 + n)
     inputs = _inputs(_tokens(t), n, d, heads, has_extra, tau, layout, dtype)
     got = _kernel(*inputs, heads, tau)
-    assert got[0].dtype == dtype and got[3].dtype == torch.float32
+    assert got[0].dtype == dtype and got[3].dtype == dtype and got[4].dtype == dtype
     if has_extra:
         assert got[2].dtype == dtype
     ref32 = _reference(*[_up(x) for x in inputs], heads, tau)
@@ -151,6 +151,53 @@ def test_route_forward_backward(t, n, d, heads, has_extra, tau, layout, dtype):
     else:
         ref_lp = _reference(*inputs, heads, tau)
         _assert_rule(got, ref32, ref_lp, atol_frac=2e-3, tokens=_tokens(t))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize(
+    "t,n,d,heads",
+    [
+        # The embedding row: the fused write is the first read (no earlier rows).
+        pytest.param(5, 0, 768, 8, id="N0-D768"),
+        pytest.param(7, 6, 1280, 8, id="N6-D1280"),
+        pytest.param(3, 24, 512, 8, id="N24-D512"),
+    ],
+)
+def test_store_extra_row(t, n, d, heads, dtype):
+    """A history write fused into the next read: the forward stores the new source as row
+    N and routes over N + 1 rows; the backward reads it there and returns its gradient
+    (this read's share plus what later reads left in row N's fp32 gradient)."""
+    torch.manual_seed(n + 11)
+    tokens, tau = _tokens(t), 2.0
+    sources, new_row, query, norm_weight, grad_out = _inputs(
+        tokens, n, d, heads, True, tau, "buffer", dtype
+    )
+    base = sources.as_strided((tokens, n + 3, d), sources.stride(), sources.storage_offset())
+    results = []
+    for forward, backward in ((torch_route_forward, torch_route_backward), (route_forward, route_backward)):
+        buffer = base.clone()
+        rows = buffer[:, :n]
+        out, saved = forward(rows, new_row, query, norm_weight, heads, EPS, tau, store_extra=True)
+        assert torch.equal(buffer[:, n], new_row) and torch.equal(buffer[:, n + 1 :], base[:, n + 1 :])
+        grad_buffer = torch.randn(buffer.shape, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(5))
+        initial = grad_buffer.clone()
+        grad_row, gq, gg = backward(
+            grad_out, out, rows, None, query, norm_weight, saved, heads, EPS, tau,
+            grad_buffer[:, :n], extra_row=True,
+        )  # fmt: skip
+        assert grad_row.dtype == dtype
+        # Rows past the new one are untouched.
+        assert torch.equal(grad_buffer[:, n + 1 :], initial[:, n + 1 :])
+        results.append((out, grad_buffer[:, :n] - initial[:, :n], grad_row, gq, gg))
+    got, ref = results[1], results[0]
+    for name, g, r in zip(NAMES, got, ref):
+        if r.numel() == 0:
+            continue
+        scale = r.float().abs().max().item()
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, r, rtol=2e-4, atol=2e-5 * scale + 1e-6, msg=name)
+        else:  # the same computation rounded differently: within bf16 resolution
+            torch.testing.assert_close(g.float(), r.float(), rtol=2e-2, atol=2e-2 * scale, msg=name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -236,7 +283,7 @@ def test_rejects_bad_layout():
 
 @pytest.mark.parametrize("prefetch", [False, True], ids=["plain-loop", "prefetch"])
 def test_loop_variants(prefetch):
-    """Both source loops (with and without the next load in flight) give the same result."""
+    """Both forward source loops (with and without the next load in flight) give the same result."""
     from mhar_kernels.depth_route import _launch_bwd, _launch_fwd
 
     t, n, d, heads = _tokens(6), 5, 512, 8
@@ -244,9 +291,8 @@ def test_loop_variants(prefetch):
     out, lse = _launch_fwd(sources, extra, query, norm_weight, heads, EPS, 1.0, prefetch=prefetch)
     grad_sources = torch.zeros(sources.shape, device=DEVICE)
     ge, gq, gg = _launch_bwd(
-        grad_out, sources, extra, query, norm_weight, lse, heads, EPS, 1.0, grad_sources, True,
-        prefetch=prefetch,
-    )  # fmt: skip
+        grad_out, out, sources, extra, query, norm_weight, lse, heads, EPS, 1.0, grad_sources, True
+    )
     ref = _reference(sources, extra, query, norm_weight, grad_out, heads, 1.0)
     for name, g, r in zip(NAMES, (out, grad_sources, ge, gq, gg), ref):
         scale = r.abs().max().item()
