@@ -20,7 +20,7 @@ Sections (each written to the JSON as soon as it is measured):
 
 Times are ``triton.testing.do_bench`` quantiles (median, 20%, 80%) in ms. ``bytes_min``
 counts each input read once and each output written once; ``bytes_moved`` is what the
-fused kernels move (the backward also reads the routed output). Fractions are of the copy
+fused kernels move (the backward reads the sources twice). Fractions are of the copy
 bandwidth measured in the same run.
 """
 
@@ -160,11 +160,10 @@ def site_bytes(case):
     lse = case.t * HEADS * 4
     return {
         "fwd": {"min": src + tok, "moved": src + tok + lse},
-        # One pass: the sources, grad_out and the routed output read, the gradients written.
-        "bwd": {"min": src + tok + src, "moved": src + 2 * tok + lse + src},
-        "fwd+bwd": {"min": 2 * src + 2 * tok, "moved": 3 * src + 3 * tok + 2 * lse},
+        "bwd": {"min": src + tok + src, "moved": 2 * src + tok + lse + src},
+        "fwd+bwd": {"min": 2 * src + 2 * tok, "moved": 4 * src + 2 * tok + 2 * lse},
         # route_backward reads and writes an fp32 gradient buffer (8 bytes per element).
-        "bwd_history": {"min": src + tok + 4 * src, "moved": src + 2 * tok + lse + 4 * src},
+        "bwd_history": {"min": src + tok + 4 * src, "moved": 2 * src + tok + lse + 4 * src},
     }
 
 
@@ -221,7 +220,7 @@ def run_site(case, tau, impls, copy_gbps):
     record("triton_history", "fwd", bench(lambda: K.route_forward(view, None, query, norm_weight, HEADS, EPS, tau)))
 
     def bwd():
-        K.route_backward(grad_out, out, view, None, query, norm_weight, lse, HEADS, EPS, tau, gbuf[:, : case.n])
+        K.route_backward(grad_out, view, None, query, norm_weight, lse, HEADS, EPS, tau, gbuf[:, : case.n])
 
     record("triton_history", "bwd", bench(bwd), byte_key="bwd_history")
     return rows
@@ -275,15 +274,15 @@ def run_step(case, tau, impls, lookahead_groups=(0,)):
         "case": case.name, "variant": case.variant, "d": case.d, "layers": case.layers,
         "t": case.t, "sites": len(ns), "source_reads": sum(ns),
         "bytes_min": 2 * reads * es + 2 * len(ns) * case.t * case.d * es,
-        "bytes_moved_triton": (2 * es + 8) * reads + 3 * len(ns) * case.t * case.d * es,
+        "bytes_moved_triton": (3 * es + 8) * reads + 2 * len(ns) * case.t * case.d * es,
         "saved_bytes_triton": len(ns) * case.t * HEADS * 4,
     }  # fmt: skip
 
     def step_backend(fwd_fn, bwd_fn):
         def step():
-            saved = [fwd_fn(buf[:, :n], None, q, w, HEADS, EPS, tau) for n, q, w in zip(ns, queries, norms)]
-            for n, q, w, (o, s) in reversed(list(zip(ns, queries, norms, saved))):
-                bwd_fn(grad_out, o, buf[:, :n], None, q, w, s, HEADS, EPS, tau, gbuf[:, :n])
+            saved = [fwd_fn(buf[:, :n], None, q, w, HEADS, EPS, tau)[1] for n, q, w in zip(ns, queries, norms)]
+            for n, q, w, s in reversed(list(zip(ns, queries, norms, saved))):
+                bwd_fn(grad_out, buf[:, :n], None, q, w, s, HEADS, EPS, tau, gbuf[:, :n])
 
         return step
 
@@ -346,18 +345,18 @@ def run_sweep(copy_gbps):
         view = sources.transpose(0, 1)
         gsrc = torch.zeros(sources.shape, device="cuda").transpose(0, 1)
         nb = site_bytes(case)
-        out, lse = K.route_forward(view, None, query, norm_weight, HEADS, EPS, 1.0)
+        _, lse = K.route_forward(view, None, query, norm_weight, HEADS, EPS, 1.0)
         fbt, fw = K._fwd_config(bh * bhd)
-        bbt, bw = K._bwd_config(bh * bhd)
+        bbt, bw, _ = K._bwd_config(bh * bhd)
         variants = []
         for pre in (True, False):
             variants.append(("fwd", "fwd", fbt, fw, pre, lambda bt, w, pre: K._launch_fwd(
                 view, None, query, norm_weight, HEADS, EPS, 1.0, block_t=bt, num_warps=w,
                 prefetch=pre)))  # fmt: skip
-        for bt, w in ((bbt, bw), (2 * bbt, 8), (max(1, bbt // 2), 4)):
-            variants.append(("bwd_history", "bwd_history", bt, w, False, lambda bt, w, pre: K._launch_bwd(
-                grad_out, out, view, None, query, norm_weight, lse, HEADS, EPS, 1.0, gsrc, True,
-                block_t=bt, num_warps=w)))  # fmt: skip
+        for bt, w, pre in ((bbt, bw, True), (bbt, bw, False), (2 * bbt, 8, True)):
+            variants.append(("bwd_history", "bwd_history", bt, w, pre, lambda bt, w, pre: K._launch_bwd(
+                grad_out, view, None, query, norm_weight, lse, HEADS, EPS, 1.0, gsrc, True,
+                block_t=bt, num_warps=w, prefetch=pre)))  # fmt: skip
         for mode, key, bt, w, pre, launch in variants:
             t = bench(lambda: launch(bt, w, pre))
             frac = nb[key]["moved"] / t["ms"] / 1e6 / copy_gbps

@@ -7,7 +7,7 @@ tokens), bf16 sources, one pipeline stage. Site j = 1 .. 2L+1 reads rows [0, j).
 
 Per-site (mhar_kernels.depth_route history interface):
   forward   every site reads all its rows once, writes its output;
-  backward  one pass over the rows (delta = grad_out . output, the output read once), one
+  backward  two passes over the rows (pass 1 for delta, pass 2 for the gradients), one
             read-modify-write of each row's fp32 gradient, grad_out read once.
 Lookahead (mhar_kernels.lookahead), groups of G consecutive sites starting at site 1:
   forward   phase 1 reads the group's old rows [0, s0) once and writes the G fp32
@@ -47,11 +47,11 @@ def per_site(sites: int, t: int, d: int, h: int) -> dict:
     row, stat = t * d, t * h
     rows_read = sum(range(1, sites + 1))
     fwd_src = rows_read * row * ES
-    bwd_src = rows_read * row * ES
+    bwd_src = 2 * rows_read * row * ES
     fwd = fwd_src + sites * (row * ES + stat * F32)
-    bwd = bwd_src + rows_read * row * 2 * F32 + sites * (2 * row * ES + stat * F32)
+    bwd = bwd_src + rows_read * row * 2 * F32 + sites * (row * ES + stat * F32)
     return {
-        "row_reads_fwd": rows_read, "row_reads_bwd": rows_read,
+        "row_reads_fwd": rows_read, "row_reads_bwd": 2 * rows_read,
         "source_bytes_fwd": fwd_src, "source_bytes_bwd": bwd_src, "source_bytes_step": fwd_src + bwd_src,
         "moved_bytes_fwd": fwd, "moved_bytes_bwd": bwd, "moved_bytes_step": fwd + bwd,
         "saved_bytes": sites * stat * F32,

@@ -41,6 +41,12 @@ class MHARConfig:
     lookahead_group: int = 0
     """Sites per lookahead group; 0 picks the power of two nearest sqrt(2L + 1)."""
 
+    fused_writes: bool = False
+    """Per-site schedule, full and block variants: store each completed history row inside
+    the next site's routing kernel instead of a copy of its own (one launch and one
+    autograd node fewer per site). Off by default: on the H200 its kernels measured slower
+    than the separate copy (kernels/README.md, "Fused history writes")."""
+
     def __post_init__(self):
         _require_choice("variant", self.variant, VARIANTS)
         _require_int("num_heads", self.num_heads, 1, "must be a positive integer")
@@ -50,6 +56,8 @@ class MHARConfig:
                      "counts decoder layers and must be a positive integer")
         _require_int("lookahead_group", self.lookahead_group, 0,
                      "must be a non-negative integer (0 = auto)")
+        if not isinstance(self.fused_writes, bool):
+            raise ValueError(f"mhar.fused_writes must be true or false, got {self.fused_writes!r}")
         if self.eps is not None and not self.eps > 0:
             raise ValueError(f"mhar.eps must be positive (or None for the model's), got {self.eps}")
         if not self.logit_scale > 0:
@@ -61,6 +69,14 @@ class MHARConfig:
                 f"mhar.routing_schedule='lookahead' needs variant='full' (got {self.variant!r}); "
                 f"use routing_schedule='per_site' for the block and delta variants"
             )
+
+    EXECUTION_FIELDS = ("kernel_impl", "routing_schedule", "lookahead_group", "fused_writes")
+    """Fields that choose how routing runs, not what it computes: a checkpoint or a
+    converted model may be loaded with other values."""
+
+    def function_fields(self) -> dict:
+        """The fields that define the model's function (all but :attr:`EXECUTION_FIELDS`)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.EXECUTION_FIELDS}
 
     @property
     def enabled(self) -> bool:

@@ -111,9 +111,8 @@ def _hf_dtype(hf_dir: Path) -> str:
 def _check_side_file(description, model: GPTModelConfig, mhar: MHARConfig, hf_dir: Path) -> None:
     saved = GPTModelConfig(**description["model"])
     hf_config.check_same_function(saved, model, f"{hf_dir}/config.json and {hf_io.MHAR_CONFIG_FILE}")
-    if {k: v for k, v in description["mhar"].items() if k != "kernel_impl"} != {
-        k: v for k, v in dataclasses.asdict(mhar).items() if k != "kernel_impl"
-    }:
+    saved = {k: v for k, v in description["mhar"].items() if k not in MHARConfig.EXECUTION_FIELDS}
+    if saved != mhar.function_fields():
         raise ValueError(
             f"{hf_io.MHAR_CONFIG_FILE} has mhar={description['mhar']}, the options ask for "
             f"{dataclasses.asdict(mhar)}; routing parameters only fit the configuration they "

@@ -158,9 +158,9 @@ class DepthStream:
         else:
             self.history = _history(layout.capacity, mhar, eps, like)
         # (row, tensor) of a completed row not yet in the history: the next read, which
-        # always reads rows [0, row], writes it in the same kernel (per-site schedule).
+        # always reads rows [0, row], writes it in the same kernel (mhar.fused_writes).
         self.pending = None
-        self.fuse_writes = self.routers is None
+        self.fuse_writes = mhar.fused_writes and self.routers is None
 
     def group_of(self, site: int):
         """(the sites of ``site``'s lookahead group, ``site``'s index in it)."""

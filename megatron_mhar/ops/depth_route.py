@@ -230,7 +230,6 @@ def torch_route_forward(
 
 def torch_route_backward(
     grad_out: torch.Tensor,
-    out: torch.Tensor,
     sources: torch.Tensor,
     extra: Optional[torch.Tensor],
     query: torch.Tensor,
@@ -244,7 +243,7 @@ def torch_route_backward(
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Reference backward: recompute with autograd, add dsources into ``grad_sources``.
 
-    ``out`` is unused (the recomputation has it). With ``extra_row`` the extra source is
+    With ``extra_row`` the extra source is
     the row just past the view: it is routed as a row, so its gradient is that row's
     fp32 gradient (what later reads left there plus this read's share), cast once.
     Returns (grad_extra or None, grad_query, grad_norm_weight).
@@ -252,7 +251,7 @@ def torch_route_backward(
     if extra_row:
         rows, grad_rows = _with_next_row(sources), _with_next_row(grad_sources)
         _, grad_query, grad_norm = torch_route_backward(
-            grad_out, out, rows, None, query, norm_weight, saved, num_heads, eps, logit_scale,
+            grad_out, rows, None, query, norm_weight, saved, num_heads, eps, logit_scale,
             grad_rows,
         )  # fmt: skip
         return grad_rows[:, -1].to(sources.dtype), grad_query, grad_norm

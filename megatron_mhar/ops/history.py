@@ -198,13 +198,12 @@ def _route_forward(ctx, history, num_rows, query, norm_weight, extra, store_extr
     return out
 
 
-def _route_backward(ctx, grad_out, out, query, norm_weight, extra, extra_row):
+def _route_backward(ctx, grad_out, query, norm_weight, extra, extra_row):
     """(grad_extra [s, b, h] or None, grad_query, grad_norm) of a read."""
     history = ctx.history
     s, b, h = history.shape
     grad_extra, grad_query, grad_norm = history.backend.backward(
         grad_out.reshape(s * b, h),
-        out.view(s * b, h),
         history.rows(ctx.num_rows),
         None if extra is None else extra.reshape(s * b, h),
         query,
@@ -224,17 +223,16 @@ def _route_backward(ctx, grad_out, out, query, norm_weight, extra, extra_row):
 class _RouteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, history, num_rows, token, query, norm_weight, extra):
-        out = _route_forward(ctx, history, num_rows, query, norm_weight, extra, False)
-        ctx.save_for_backward(query, norm_weight, extra, out)
-        return out
+        ctx.save_for_backward(query, norm_weight, extra)
+        return _route_forward(ctx, history, num_rows, query, norm_weight, extra, False)
 
     @staticmethod
     def backward(ctx, grad_out):
         if grad_out is None:  # the routed output was not used
             return (None,) * 6
-        query, norm_weight, extra, out = ctx.saved_tensors
+        query, norm_weight, extra = ctx.saved_tensors
         grad_extra, grad_query, grad_norm = _route_backward(
-            ctx, grad_out, out, query, norm_weight, extra, False
+            ctx, grad_out, query, norm_weight, extra, False
         )
         if grad_extra is not None:
             grad_extra = grad_extra.to(extra.dtype)
@@ -256,7 +254,7 @@ class _WriteRoute(torch.autograd.Function):
     def forward(ctx, history, row, source, token, query, norm_weight):
         out = _route_forward(ctx, history, row, query, norm_weight, source, True)
         ctx.dtype = source.dtype
-        ctx.save_for_backward(query, norm_weight, out)
+        ctx.save_for_backward(query, norm_weight)
         return out, _new_token(source)
 
     @staticmethod
@@ -265,9 +263,9 @@ class _WriteRoute(torch.autograd.Function):
         if grad_out is None:  # the routed output was not used: only later reads contribute
             grad_source = history.grad_buffer[:, :, row].to(ctx.dtype)
             return None, None, grad_source, None, None, None
-        query, norm_weight, out = ctx.saved_tensors
+        query, norm_weight = ctx.saved_tensors
         grad_source, grad_query, grad_norm = _route_backward(
-            ctx, grad_out, out, query, norm_weight, None, True
+            ctx, grad_out, query, norm_weight, None, True
         )
         return None, None, grad_source, None, grad_query, grad_norm
 

@@ -36,6 +36,7 @@ import yaml
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_mhar.config import MHARConfig
 from megatron_mhar.training.config import config_differences
 from megatron_mhar.training.model import unwrap
 from megatron_mhar.training.signals import SIGNALS as STOP_SIGNALS
@@ -209,6 +210,10 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: Path) -> None:
             shutil.rmtree(old)
 
 
+def _without_execution_fields(mhar: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in mhar.items() if k not in MHARConfig.EXECUTION_FIELDS}
+
+
 def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:
     """The checkpoint's common state; raises if it was written for another model."""
     common = dist_checkpointing.load_common_state_dict(str(checkpoint))
@@ -217,7 +222,10 @@ def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:
         raise ValueError(f"{checkpoint} has no run config; was it written by megatron_mhar.train?")
     diffs = []
     for section in MODEL_SECTIONS:
-        diffs += config_differences(saved.get(section, {}), config.get(section, {}), f"{section}.")
+        old, new = saved.get(section, {}), config.get(section, {})
+        if section == "mhar":  # how routing runs may change between runs
+            old, new = (_without_execution_fields(d) for d in (old, new))
+        diffs += config_differences(old, new, f"{section}.")
     if diffs:
         raise ValueError(
             f"checkpoint {checkpoint} was written for a different model; differing fields:\n  "

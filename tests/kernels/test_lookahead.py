@@ -104,7 +104,7 @@ def _per_site(buffer, queries, norms, grad_outs, n0, heads, tau):
         rows = buffer[:, : n0 + k]
         out, _ = torch_route_forward(rows, None, queries[k], norms[k], heads, EPS, tau)
         _, dq, dg = torch_route_backward(
-            grad_outs[k], out, rows, None, queries[k], norms[k], None, heads, EPS, tau, grad_rows[:, : n0 + k]
+            grad_outs[k], rows, None, queries[k], norms[k], None, heads, EPS, tau, grad_rows[:, : n0 + k]
         )
         outs.append(out)
         dqs.append(dq)
