@@ -10,8 +10,9 @@ non-pipelined forward/backward schedule) at the paper's per-GPU micro-batch and
 gradient-accumulation counts (MHAR.md §5), on random tokens. Attention is torch SDPA
 (flash backend) for every model. Reported per model: tokens/s (median over timed
 steps), the baseline's MFU, peak memory, and ratios to the baseline measured in the
-same run; for MHAR models one profiled step splits CUDA time into routing kernels,
-routing reference ops and everything else.
+same run; one profiled step per model splits CUDA time into the routing kernels' forward
+and backward and everything else, next to the step's wall time (their ratio shows how
+far the host, not the GPU, bounds the step).
 """
 
 import argparse
@@ -134,27 +135,44 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-ROUTING_KERNEL_MARKERS = ("route", "depth")
+def routing_kernel_phases():
+    """{Triton function name of mhar_kernels: "fwd" or "bwd"} (backward: the names with
+    ``bwd`` and the dquery/dnorm reductions)."""
+    import triton
+
+    from mhar_kernels import depth_route, lookahead
+
+    phases = {}
+    for module in (depth_route, lookahead):
+        for name, obj in vars(module).items():
+            if isinstance(obj, triton.runtime.JITFunction):
+                phases[name] = "bwd" if ("bwd" in name or "dw_reduce" in name) else "fwd"
+    return phases
 
 
 def _profile_step(ddp, optimizer, case, batches):
-    """CUDA time of one step: routing kernels vs everything else (ms)."""
+    """CUDA time of one step (ms): routing kernels forward and backward, everything else,
+    and the step's wall time (CUDA busy time / wall time < 1 means the host is the bound)."""
     from torch.profiler import ProfilerActivity, profile
 
+    phases = routing_kernel_phases()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         _step(ddp, optimizer, case, batches)
         torch.cuda.synchronize()
-    routing = other = 0.0
+        wall = time.perf_counter() - start
+    totals = {"fwd": 0.0, "bwd": 0.0, "other": 0.0}
     for event in prof.key_averages():
         total = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
         if total <= 0 or event.key.startswith("ProfilerStep"):
             continue
-        if any(marker in event.key.lower() for marker in ROUTING_KERNEL_MARKERS):
-            routing += total
-        else:
-            other += total
-    return {"routing_ms": routing / 1e3, "other_ms": other / 1e3,
-            "routing_fraction": routing / max(routing + other, 1e-9)}
+        totals[phases.get(event.key, "other")] += total / 1e3
+    routing = totals["fwd"] + totals["bwd"]
+    cuda = routing + totals["other"]
+    return {"routing_fwd_ms": totals["fwd"], "routing_bwd_ms": totals["bwd"], "routing_ms": routing,
+            "other_ms": totals["other"], "cuda_ms": cuda, "wall_ms": wall * 1e3,
+            "routing_fraction": routing / max(cuda, 1e-9), "cuda_busy_fraction": cuda / (wall * 1e3)}
 
 
 def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profile: bool):
@@ -185,7 +203,7 @@ def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profi
         }
         if device == "cuda":
             entry["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            if profile and mhar.enabled:
+            if profile:
                 entry["profile"] = _profile_step(ddp, optimizer, case, batches)
         results[name] = entry
         print(f"[{case.name}] {name}: {entry['tokens_per_s']:.0f} tok/s, "
