@@ -206,9 +206,10 @@ def _route_bwd_kernel(
         p_lse = LSE_ptr + o_t64[:, None] * H + o_h[None, :]
         b_lse = tl.load(p_lse, mask=m_t[:, None] & m_h[None, :], other=0.0)
         p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
-        # The extra source's pointers are formed where they are used, not kept live over
-        # the source loops (a [BT, BH, BHD] int64 tile would cost registers).
-        p_e_base = E_ptr + o_t64 * stride_et
+        if EXTRA_ROW:  # the extra source was stored as row N of the sources
+            p_e = p_v + N * stride_vn
+        else:
+            p_e = E_ptr + o_t64[:, None, None] * stride_et + o_d[None, :, :]
 
         b_l = tl.zeros([BT, BH], dtype=tl.float32)
         b_ld = tl.zeros([BT, BH], dtype=tl.float32)
@@ -227,10 +228,6 @@ def _route_bwd_kernel(
                 b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D)
                 p_vn += stride_vn
         if HAS_EXTRA:
-            if EXTRA_ROW:  # the extra source was stored as row N of the sources
-                p_e = p_v + N * stride_vn
-            else:
-                p_e = p_e_base[:, None, None] + o_d[None, :, :]
             b_v = tl.load(p_e, mask=m_v, other=0.0).to(tl.float32)
             b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D)
         b_il = 1.0 / b_l
@@ -245,10 +242,6 @@ def _route_bwd_kernel(
             p_v += stride_vn
             p_dv += stride_dvn
         if HAS_EXTRA:
-            if EXTRA_ROW:  # p_v has reached row N
-                p_e = p_v
-            else:
-                p_e = p_e_base[:, None, None] + o_d[None, :, :]
             b_v = tl.load(p_e, mask=m_v, other=0.0).to(tl.float32)
             b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D)
             if EXTRA_ROW:
