@@ -71,7 +71,9 @@ class SourceHistory:
         self.shape = (s, b, h)
         self.capacity = capacity
         self.buffer = like.new_empty(s, b, capacity, h)
+        self._flat = self.buffer.view(s * b, capacity, h)  # one view for every read
         self._grad_buffer: Optional[torch.Tensor] = None
+        self._grad_flat: Optional[torch.Tensor] = None
         self.backend = backend
         self.num_heads = num_heads
         self.eps = eps
@@ -82,22 +84,26 @@ class SourceHistory:
     # -- views ------------------------------------------------------------------------
     def rows(self, stop: int) -> torch.Tensor:
         """[T, stop, h] view of the first ``stop`` rows (T = s * b tokens)."""
-        s, b, h = self.shape
-        return self.buffer.view(s * b, self.capacity, h)[:, :stop]
+        return self._flat[:, :stop]
 
-    @property
-    def grad_buffer(self) -> torch.Tensor:
-        """fp32 gradients of the rows, allocated by the first backward that needs it."""
+    def _allocate_grad(self) -> None:
+        """fp32 row gradients, zeroed, allocated by the first backward that needs them."""
         if self._grad_buffer is None:
             self._grad_buffer = torch.zeros(
                 self.buffer.shape, dtype=torch.float32, device=self.buffer.device
             )
+            self._grad_flat = self._grad_buffer.view(self._flat.shape)
+
+    @property
+    def grad_buffer(self) -> torch.Tensor:
+        """fp32 gradients of the rows ``[s, b, R, h]``."""
+        self._allocate_grad()
         return self._grad_buffer
 
     def grad_rows(self, stop: int) -> torch.Tensor:
         """[T, stop, h] fp32 view of the row gradients."""
-        s, b, h = self.shape
-        return self.grad_buffer.view(s * b, self.capacity, h)[:, :stop]
+        self._allocate_grad()
+        return self._grad_flat[:, :stop]
 
     def release(self) -> None:
         """Drop the last token once the forward pass is done.
