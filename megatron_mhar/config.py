@@ -6,6 +6,14 @@ from typing import Optional
 VARIANTS = ("none", "full", "block", "delta")
 KERNEL_IMPLS = ("auto", "torch", "triton")
 ROUTING_SCHEDULES = ("per_site", "lookahead")
+EXECUTION_FIELDS = ("kernel_impl", "routing_schedule", "lookahead_group", "fused_writes")
+"""MHARConfig fields that choose how routing runs, not what it computes: a checkpoint or a
+converted model may be loaded with other values."""
+
+
+def function_fields(mhar: dict) -> dict:
+    """An MHARConfig as a dict, without :data:`EXECUTION_FIELDS`: what defines the model."""
+    return {k: v for k, v in mhar.items() if k not in EXECUTION_FIELDS}
 
 
 @dataclasses.dataclass
@@ -69,14 +77,6 @@ class MHARConfig:
                 f"mhar.routing_schedule='lookahead' needs variant='full' (got {self.variant!r}); "
                 f"use routing_schedule='per_site' for the block and delta variants"
             )
-
-    EXECUTION_FIELDS = ("kernel_impl", "routing_schedule", "lookahead_group", "fused_writes")
-    """Fields that choose how routing runs, not what it computes: a checkpoint or a
-    converted model may be loaded with other values."""
-
-    def function_fields(self) -> dict:
-        """The fields that define the model's function (all but :attr:`EXECUTION_FIELDS`)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.EXECUTION_FIELDS}
 
     @property
     def enabled(self) -> bool:

@@ -26,7 +26,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from megatron_mhar.config import MHARConfig
+from megatron_mhar.config import MHARConfig, function_fields
 from megatron_mhar.conversion import checkpoint, hf_config, hf_io, mapping
 from megatron_mhar.models.config import GPTModelConfig
 
@@ -111,8 +111,7 @@ def _hf_dtype(hf_dir: Path) -> str:
 def _check_side_file(description, model: GPTModelConfig, mhar: MHARConfig, hf_dir: Path) -> None:
     saved = GPTModelConfig(**description["model"])
     hf_config.check_same_function(saved, model, f"{hf_dir}/config.json and {hf_io.MHAR_CONFIG_FILE}")
-    saved = {k: v for k, v in description["mhar"].items() if k not in MHARConfig.EXECUTION_FIELDS}
-    if saved != mhar.function_fields():
+    if function_fields(description["mhar"]) != function_fields(dataclasses.asdict(mhar)):
         raise ValueError(
             f"{hf_io.MHAR_CONFIG_FILE} has mhar={description['mhar']}, the options ask for "
             f"{dataclasses.asdict(mhar)}; routing parameters only fit the configuration they "

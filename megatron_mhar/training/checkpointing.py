@@ -36,7 +36,7 @@ import yaml
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megatron_mhar.config import MHARConfig
+from megatron_mhar.config import function_fields
 from megatron_mhar.training.config import config_differences
 from megatron_mhar.training.model import unwrap
 from megatron_mhar.training.signals import SIGNALS as STOP_SIGNALS
@@ -210,10 +210,6 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: Path) -> None:
             shutil.rmtree(old)
 
 
-def _without_execution_fields(mhar: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: v for k, v in mhar.items() if k not in MHARConfig.EXECUTION_FIELDS}
-
-
 def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:
     """The checkpoint's common state; raises if it was written for another model."""
     common = dist_checkpointing.load_common_state_dict(str(checkpoint))
@@ -224,7 +220,7 @@ def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:
     for section in MODEL_SECTIONS:
         old, new = saved.get(section, {}), config.get(section, {})
         if section == "mhar":  # how routing runs may change between runs
-            old, new = (_without_execution_fields(d) for d in (old, new))
+            old, new = function_fields(old), function_fields(new)
         diffs += config_differences(old, new, f"{section}.")
     if diffs:
         raise ValueError(
