@@ -213,8 +213,6 @@ def train(config, chunks, batches, steps: int = STEPS):
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_mhar.parallel import forward_backward
-
     model = [
         DistributedDataParallel(config, DistributedDataParallelConfig(), chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
@@ -230,14 +228,7 @@ def train(config, chunks, batches, steps: int = STEPS):
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        reports = forward_backward(
-            forward_step_func=_forward_step,
-            data_iterator=[iter(batches) for _ in model],
-            model=model,
-            num_microbatches=len(batches),
-            seq_length=SEQ,
-            micro_batch_size=MBS,
-        )
+        reports = _schedule(model, batches)
         if step == 0:
             for chunk in chunks:
                 for name, param in chunk.named_parameters():
@@ -247,17 +238,23 @@ def train(config, chunks, batches, steps: int = STEPS):
         assert update_ok
         losses.append(_global_loss(reports))
     # An evaluation pass: the forward-only path of the same schedule.
-    reports = forward_backward(
+    losses.append(_global_loss(_schedule(model, batches, forward_only=True)))
+    return losses, grads
+
+
+def _schedule(model, batches, forward_only=False):
+    """One pass of the layout's Megatron schedule over all micro-batches."""
+    from megatron_mhar.parallel import forward_backward
+
+    return forward_backward(
         forward_step_func=_forward_step,
         data_iterator=[iter(batches) for _ in model],
         model=model,
         num_microbatches=len(batches),
         seq_length=SEQ,
         micro_batch_size=MBS,
-        forward_only=True,
+        forward_only=forward_only,
     )
-    losses.append(_global_loss(reports))
-    return losses, grads
 
 
 def _global_loss(reports) -> float:
