@@ -8,11 +8,28 @@ trained with the same Megatron components (bf16 params, Megatron DDP with fp32 g
 buffers, Megatron's optimizer with fp32 main weights, Adam (0.9, 0.95), clip 1.0, the
 non-pipelined forward/backward schedule) at the paper's per-GPU micro-batch and
 gradient-accumulation counts (MHAR.md §5), on random tokens. Attention is torch SDPA
-(flash backend) for every model. Reported per model: tokens/s (median over timed
-steps), the baseline's MFU, peak memory, and ratios to the baseline measured in the
-same run; one profiled step per model splits CUDA time into the routing kernels' forward
-and backward and everything else, next to the step's wall time (their ratio shows how
-far the host, not the GPU, bounds the step).
+(flash backend) for every model.
+
+Timing is interleaved, because the steps are host-bound and the host's speed drifts
+(~10% over a run on the H200): timing the models one after another would fold that
+drift into their ratios. All models of a size are built and stay resident; then, in
+each of ``--steps`` rounds, one step of every model is timed, round r starting at model
+r % M so that no model always runs first. Reported per model: tokens/s and
+``throughput_ratio`` from the median step time, and ``throughput_ratio_rounds``, the
+baseline's step time over the model's in each round (with its median), which cancels
+drift slower than a round; for AttnRes the same two against MHAR.
+
+Peak memory is per model although all are resident: before building a model the
+allocated bytes are read and the peak counter is reset; the model is built and runs its
+warmup steps (the first step creates the optimizer states) while the models built before
+it sit idle at constant size, so the peak minus the reading is this model's own:
+parameters, grad buffers, optimizer states, activations. cuBLAS workspaces are created
+before the first reading so that no model is charged for them.
+
+Also reported: the baseline's MFU, memory ratios to the baseline, and, after the timed
+rounds, one profiled step per model that splits CUDA time into the routing kernels'
+forward and backward and everything else, next to the step's wall time (their ratio
+shows how far the host, not the GPU, bounds the step).
 """
 
 import argparse
@@ -175,54 +192,124 @@ def _profile_step(ddp, optimizer, case, batches):
             "routing_fraction": routing / max(cuda, 1e-9), "cuda_busy_fraction": cuda / (wall * 1e3)}
 
 
-def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profile: bool):
-    vocab = case.model.padded_vocab_size()
-    results = {}
-    for name, mhar in models.items():
-        if device == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        torch.manual_seed(0)
-        ddp, optimizer = _train_setup(case, mhar, device)
-        batches = _batches(case, device, vocab)
-        losses, times = [], []
-        for step in range(warmup + steps):
-            _sync(device)
-            start = time.perf_counter()
-            losses.append(_step(ddp, optimizer, case, batches))
-            _sync(device)
-            if step >= warmup:
-                times.append(time.perf_counter() - start)
-        tokens = case.micro_batch * case.model.seq_length * case.num_microbatches
-        entry = {
-            "tokens_per_s": tokens / statistics.median(times),
-            "step_s_median": statistics.median(times),
-            "step_s_all": times,
-            "losses": losses,
-            "params": sum(p.numel() for p in ddp.module.parameters()),
-        }
-        if device == "cuda":
-            entry["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            if profile:
-                entry["profile"] = _profile_step(ddp, optimizer, case, batches)
-        results[name] = entry
-        print(f"[{case.name}] {name}: {entry['tokens_per_s']:.0f} tok/s, "
-              f"peak {entry.get('peak_memory_gib', 0):.1f} GiB, loss {losses[-1]:.3f}", flush=True)
-        del ddp, optimizer, batches
-        gc.collect()
+@dataclasses.dataclass
+class _Trainer:
+    ddp: object
+    optimizer: object
+    batches: list
+
+
+def _timed_step(trainer: _Trainer, case: SizeCase, device: str):
+    """(wall seconds, loss) of one optimizer step."""
+    _sync(device)
+    start = time.perf_counter()
+    loss = _step(trainer.ddp, trainer.optimizer, case, trainer.batches)
+    _sync(device)
+    return time.perf_counter() - start, loss
+
+
+def _prime_cublas():
+    """One bf16 linear forward and backward before any memory reading: cuBLAS takes its
+    workspaces (per handle, and backward runs on autograd's own thread, hence handle) from
+    the caching allocator on first use and keeps them, which would charge them all to the
+    first model built."""
+    x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.zeros(64, device="cuda", dtype=torch.bfloat16)
+    (torch.nn.functional.linear(x, x, bias) @ x).sum().backward()
+    torch.cuda.synchronize()
+
+
+def _build_and_warm(case: SizeCase, mhar: MHARConfig, device: str, warmup: int):
+    """Builds one model and runs its warmup steps: (trainer, warmup losses, own peak GiB
+    or None on CPU). The models built before stay idle, so the peak over this phase minus
+    the bytes allocated before it is this model's own."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    trainer = _Trainer(*_train_setup(case, mhar, device),
+                       _batches(case, device, case.model.padded_vocab_size()))
+    losses = [_timed_step(trainer, case, device)[1] for _ in range(warmup)]
+    if device != "cuda":
+        return trainer, losses, None
+    torch.cuda.synchronize()
+    return trainer, losses, (torch.cuda.max_memory_allocated() - before) / 2**30
+
+
+def _timed_rounds(trainers: dict, case: SizeCase, device: str, steps: int):
+    """{name: step times}, {name: losses} over ``steps`` rounds of one step per model;
+    round r starts at model r % M so that no model always follows the same one."""
+    names = list(trainers)
+    times = {name: [] for name in names}
+    losses = {name: [] for name in names}
+    for r in range(steps):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            seconds, loss = _timed_step(trainers[name], case, device)
+            times[name].append(seconds)
+            losses[name].append(loss)
+    return times, losses
+
+
+def _round_ratios(reference, times):
+    """Per round, reference step time / step time: a throughput ratio that cancels drift
+    slower than a round, since both steps ran back to back."""
+    return [ref / t for ref, t in zip(reference, times)]
+
+
+def _add_ratios(results: dict, times: dict):
     base = results.get("baseline")
     if base:
-        peak = _peak_flops()
-        if peak:
-            base["mfu"] = flops_per_token(case.model, vocab) * base["tokens_per_s"] / peak
         for name, entry in results.items():
-            entry["throughput_ratio"] = entry["tokens_per_s"] / base["tokens_per_s"]
+            entry["throughput_ratio"] = base["step_s_median"] / entry["step_s_median"]
+            rounds = _round_ratios(times["baseline"], times[name])
+            entry["throughput_ratio_rounds"] = rounds
+            entry["throughput_ratio_round_median"] = statistics.median(rounds)
             if "peak_memory_gib" in entry:
                 entry["memory_ratio"] = entry["peak_memory_gib"] / base["peak_memory_gib"]
     if "attnres" in results and "mhar" in results:
-        results["attnres"]["throughput_vs_mhar"] = (
-            results["attnres"]["tokens_per_s"] / results["mhar"]["tokens_per_s"]
-        )
+        attnres = results["attnres"]
+        attnres["throughput_vs_mhar"] = results["mhar"]["step_s_median"] / attnres["step_s_median"]
+        attnres["throughput_vs_mhar_round_median"] = statistics.median(
+            _round_ratios(times["mhar"], times["attnres"]))
+
+
+def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profile: bool):
+    vocab = case.model.padded_vocab_size()
+    tokens = case.micro_batch * case.model.seq_length * case.num_microbatches
+    trainers, warm_losses, peaks = {}, {}, {}
+    for name, mhar in models.items():
+        trainers[name], warm_losses[name], peaks[name] = _build_and_warm(case, mhar, device, warmup)
+    times, losses = _timed_rounds(trainers, case, device, steps)
+    results = {}
+    for name, trainer in trainers.items():
+        entry = {
+            "tokens_per_s": tokens / statistics.median(times[name]),
+            "step_s_median": statistics.median(times[name]),
+            "step_s_all": times[name],
+            "losses": warm_losses[name] + losses[name],
+            "params": sum(p.numel() for p in trainer.ddp.module.parameters()),
+        }
+        if peaks[name] is not None:
+            entry["peak_memory_gib"] = peaks[name]
+        if profile and device == "cuda":
+            entry["profile"] = _profile_step(trainer.ddp, trainer.optimizer, case, trainer.batches)
+        results[name] = entry
+        print(f"[{case.name}] {name}: {entry['tokens_per_s']:.0f} tok/s, "
+              f"peak {entry.get('peak_memory_gib', 0):.1f} GiB, loss {entry['losses'][-1]:.3f}",
+              flush=True)
+    # Free this size's models before the next size is built, so its memory readings start
+    # from the same empty state.
+    del trainers
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    _add_ratios(results, times)
+    base = results.get("baseline")
+    peak = _peak_flops()
+    if base and peak:
+        base["mfu"] = flops_per_token(case.model, vocab) * base["tokens_per_s"] / peak
     return {"case": dataclasses.asdict(case), "flops_per_token": flops_per_token(case.model, vocab),
             "models": results}
 
@@ -252,8 +339,11 @@ def main(argv=None):
     parser.add_argument("--sizes", default="100m,350m,1b", help="comma list of " + ",".join(SIZES))
     parser.add_argument("--models", default="baseline,attnres,mhar",
                         help="comma list of " + ",".join(MODELS))
-    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per model")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation, autotune)")
+    parser.add_argument("--steps", type=int, default=8,
+                        help="timed rounds (one optimizer step per model each)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps per model (compilation, autotune, optimizer states); "
+                             "the peak memory is taken over them")
     parser.add_argument("--kernel-impl", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--logit-scale", type=float, default=1.0)
     parser.add_argument("--no-profile", action="store_true")
@@ -263,11 +353,16 @@ def main(argv=None):
     unknown += [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         parser.error(f"unknown sizes/models {unknown}; choose from {list(SIZES)} and {list(MODELS)}")
+    if args.warmup < 1:
+        parser.error("--warmup must be >= 1: the first step creates the optimizer states, "
+                     "which the peak memory (taken over the warmup) must include")
 
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     initialize_model_parallel_from_env(seed=1234, device=device)
+    if device == "cuda":
+        _prime_cublas()
     models = {m: dataclasses.replace(MODELS[m], kernel_impl=args.kernel_impl)
               if MODELS[m].enabled else MODELS[m] for m in args.models.split(",")}
     report = {"environment": environment(), "args": vars(args), "sizes": {}}
@@ -281,7 +376,8 @@ def main(argv=None):
     finally:
         destroy()
     print(json.dumps({s: {m: {k: round(v, 3) for k, v in e.items() if k in (
-        "tokens_per_s", "throughput_ratio", "memory_ratio", "mfu", "peak_memory_gib")}
+        "tokens_per_s", "throughput_ratio", "throughput_ratio_round_median", "throughput_vs_mhar",
+        "throughput_vs_mhar_round_median", "memory_ratio", "mfu", "peak_memory_gib")}
         for m, e in r["models"].items()} for s, r in report["sizes"].items()}, indent=1))
 
 
