@@ -7,8 +7,10 @@ Sections (each written to the JSON as soon as it is measured):
   site        one routing site at the paper shapes (H = 8, bf16), forward, backward and
               both, for ``triton`` (fused_depth_route autograd), ``triton_history`` (the
               backend interface: route_forward on a [T, R, D] buffer view, route_backward
-              adding into an fp32 gradient buffer), ``eager`` (depth_route_reference) and
-              ``compile`` (torch.compile of the reference, static shapes).
+              adding into an fp32 gradient buffer; ``triton_history_graph``: the same
+              calls replayed from a CUDA graph, the kernels without host launch cost),
+              ``eager`` (depth_route_reference) and ``compile`` (torch.compile of the
+              reference, static shapes).
   step        the whole routing cost of one training step (forward + backward of every
               site) per model size: full variant sites j = 1..2L+1 with N = j sources;
               8B delta: 2L sites over null + embedding + completed blocks of 4 layers.
@@ -16,7 +18,8 @@ Sections (each written to the JSON as soon as it is measured):
               (mhar_kernels.lookahead, groups of G sites; --lookahead-groups, 0 = auto)
               on the same buffers, as the history runs it; its bytes come from
               benchmarks/routing_bytes.py.
-  sweep       (--sweep) tiles, warps and prefetch of the fused kernels around the defaults.
+  sweep       (--sweep) tiles, warps, register prefetch and shared-memory pipeline stages
+              of the fused kernels around the defaults.
 
 Times are ``triton.testing.do_bench`` quantiles (median, 20%, 80%) in ms. ``bytes_min``
 counts each input read once and each output written once; ``bytes_moved`` is what the
@@ -98,8 +101,13 @@ STEP_CASES = [
 ]
 
 
-def bench(fn):
-    ms = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=QUANTILES)
+def bench(fn, graph=False):
+    """do_bench quantiles; with ``graph`` the calls replay from a CUDA graph, which times
+    the kernels without the host's launch cost."""
+    if graph:
+        ms = triton.testing.do_bench_cudagraph(fn, rep=100, quantiles=QUANTILES)
+    else:
+        ms = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=QUANTILES)
     return {"ms": ms[0], "ms_p20": ms[1], "ms_p80": ms[2]}
 
 
@@ -217,12 +225,18 @@ def run_site(case, tau, impls, copy_gbps):
     view = buf[:, : case.n]
     gbuf = torch.zeros(case.t, case.n + 3, case.d, device="cuda")
     out, lse = K.route_forward(view, None, query, norm_weight, HEADS, EPS, tau)
-    record("triton_history", "fwd", bench(lambda: K.route_forward(view, None, query, norm_weight, HEADS, EPS, tau)))
+
+    def fwd():
+        K.route_forward(view, None, query, norm_weight, HEADS, EPS, tau)
 
     def bwd():
         K.route_backward(grad_out, view, None, query, norm_weight, lse, HEADS, EPS, tau, gbuf[:, : case.n])
 
-    record("triton_history", "bwd", bench(bwd), byte_key="bwd_history")
+    # Launched from the host, as the model does, and replayed from a CUDA graph: the
+    # kernels' own time (a small site's launch cost on a slow host exceeds its kernel).
+    for impl, graph in (("triton_history", False), ("triton_history_graph", True)):
+        record(impl, "fwd", bench(fwd, graph))
+        record(impl, "bwd", bench(bwd, graph), byte_key="bwd_history")
     return rows
 
 
@@ -346,23 +360,29 @@ def run_sweep(copy_gbps):
         gsrc = torch.zeros(sources.shape, device="cuda").transpose(0, 1)
         nb = site_bytes(case)
         _, lse = K.route_forward(view, None, query, norm_weight, HEADS, EPS, 1.0)
-        fbt, fw = K._fwd_config(bh * bhd)
-        bbt, bw, _ = K._bwd_config(bh * bhd)
+        fwd, bwd = K._fwd_config(bh * bhd), K._bwd_config(bh * bhd)
         variants = []
-        for pre in (True, False):
-            variants.append(("fwd", "fwd", fbt, fw, pre, lambda bt, w, pre: K._launch_fwd(
+        # The default first, then (tokens per program, warps, register prefetch of the
+        # next source, pipeline stages of the source loads through shared memory).
+        fbt, fw, bbt, bw = fwd.block_t, fwd.num_warps, bwd.block_t, bwd.num_warps
+        fwd_tiles = [tuple(fwd), (fbt, fw, True, 1), (fbt, fw, False, 1), (fbt, fw, False, 2),
+                     (fbt, fw, False, 4), (2 * fbt, 8, False, 3)]  # fmt: skip
+        bwd_tiles = [tuple(bwd), (bbt, bw, True, 1), (bbt, bw, False, 1), (bbt, bw, False, 2),
+                     (bbt, bw, False, 3), (2 * bbt, 8, False, 2)]  # fmt: skip
+        for bt, w, pre, st in fwd_tiles:
+            variants.append(("fwd", "fwd", bt, w, pre, st, lambda bt, w, pre, st: K._launch_fwd(
                 view, None, query, norm_weight, HEADS, EPS, 1.0, block_t=bt, num_warps=w,
-                prefetch=pre)))  # fmt: skip
-        for bt, w, pre in ((bbt, bw, True), (bbt, bw, False), (2 * bbt, 8, True)):
-            variants.append(("bwd_history", "bwd_history", bt, w, pre, lambda bt, w, pre: K._launch_bwd(
+                prefetch=pre, stages=st)))  # fmt: skip
+        for bt, w, pre, st in bwd_tiles:
+            variants.append(("bwd_history", "bwd_history", bt, w, pre, st, lambda bt, w, pre, st: K._launch_bwd(
                 grad_out, view, None, query, norm_weight, lse, HEADS, EPS, 1.0, gsrc, True,
-                block_t=bt, num_warps=w, prefetch=pre)))  # fmt: skip
-        for mode, key, bt, w, pre, launch in variants:
-            t = bench(lambda: launch(bt, w, pre))
+                block_t=bt, num_warps=w, prefetch=pre, stages=st)))  # fmt: skip
+        for mode, key, bt, w, pre, st, launch in variants:
+            t = bench(lambda: launch(bt, w, pre, st))
             frac = nb[key]["moved"] / t["ms"] / 1e6 / copy_gbps
             rows.append({"case": case.name, "mode": mode, "block_t": bt, "warps": w, "prefetch": pre,
-                         **t, "frac_copy_moved": frac})  # fmt: skip
-            print(f"  sweep {case.name:15s} {mode:11s} BT={bt:2d} w={w} prefetch={pre:d} "
+                         "stages": st, **t, "frac_copy_moved": frac})  # fmt: skip
+            print(f"  sweep {case.name:15s} {mode:11s} BT={bt:2d} w={w} prefetch={pre:d} stages={st} "
                   f"{t['ms']:8.3f} ms {frac:5.2f}", flush=True)  # fmt: skip
     return rows
 
@@ -441,9 +461,12 @@ def summarize(report):
                 ratios.append(other["ms"] / tri["ms"] if other else float("nan"))
             print(f"{case.name:11s} {mode:8s} {tri['ms']:9.3f} {tri['frac_copy_moved']:5.2f} "
                   f"{ratios[0]:8.2f} {ratios[1]:9.2f}")  # fmt: skip
-        hist = index.get((case.name, "triton_history", "bwd"))
-        if hist:
-            print(f"{case.name:11s} {'bwd_hist':8s} {hist['ms']:9.3f} {hist['frac_copy_moved']:5.2f}")
+        for impl, label in (("triton_history", "hist"), ("triton_history_graph", "graph")):
+            for mode in ("fwd", "bwd"):
+                hist = index.get((case.name, impl, mode))
+                if hist:
+                    print(f"{case.name:11s} {mode + '_' + label:8s} {hist['ms']:9.3f} "
+                          f"{hist['frac_copy_moved']:5.2f}")
     for step in report.get("step", []):
         impls = ["triton"] + sorted(k for k in step if k.startswith("lookahead")) + ["eager", "compile"]
         cells = " ".join(

@@ -25,7 +25,7 @@ deterministic stages (per-program partials, then a fixed-order sum).
 """
 
 import functools
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -78,6 +78,7 @@ def _route_fwd_kernel(
     HAS_EXTRA: tl.constexpr,
     STORE_EXTRA: tl.constexpr,
     PREFETCH: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     i_t = tl.program_id(0)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -107,7 +108,7 @@ def _route_fwd_kernel(
             b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D)
         b_m, b_l, b_acc = _route_fwd_step(b_vn.to(tl.float32), b_w, b_m, b_l, b_acc, eps, scale, D)
     else:
-        for _ in range(N):
+        for _ in tl.range(0, N, num_stages=STAGES):
             b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
             b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D)
             p_v += stride_vn
@@ -182,6 +183,7 @@ def _route_bwd_kernel(
     EXTRA_ROW: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     PREFETCH: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -223,7 +225,7 @@ def _route_bwd_kernel(
                 b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D)
             b_l, b_ld = _route_bwd_sums(b_vn.to(tl.float32), b_w, b_do, b_lse, b_l, b_ld, eps, scale, D)
         else:
-            for _ in range(N):
+            for _ in tl.range(0, N, num_stages=STAGES):
                 b_v = tl.load(p_vn, mask=m_v, other=0.0).to(tl.float32)
                 b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D)
                 p_vn += stride_vn
@@ -233,7 +235,7 @@ def _route_bwd_kernel(
         b_il = 1.0 / b_l
 
         p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
-        for _ in range(N):
+        for _ in tl.range(0, N, num_stages=STAGES):
             b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
             b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D)
             if ACCUMULATE:
@@ -292,22 +294,46 @@ def _tile(d: int, num_heads: int) -> Tuple[int, int, int]:
     return head_dim, triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
 
 
-def _fwd_config(padded_d: int) -> Tuple[int, int]:
-    """(tokens per program, warps) of the forward: 8K fp32 per tile, 64 per thread.
+class LoopConfig(NamedTuple):
+    """Launch parameters of a routing kernel."""
 
-    Measured on H200 at the paper shapes (benchmarks/bench_routing.py --sweep): larger
-    tiles or 8 warps lose 5-25% at every width.
+    block_t: int  # tokens per program
+    num_warps: int
+    prefetch: bool  # the next source's load held in registers (manual double buffer)
+    stages: int  # source loads pipelined through shared memory (tl.range num_stages)
+
+    def override(self, block_t=None, num_warps=None, prefetch=None, stages=None) -> "LoopConfig":
+        """This config with the given fields replaced (None keeps the default)."""
+        return LoopConfig(
+            block_t or self.block_t,
+            num_warps or self.num_warps,
+            self.prefetch if prefetch is None else prefetch,
+            stages or self.stages,
+        )
+
+
+def _fwd_config(padded_d: int) -> LoopConfig:
+    """Forward: 8K fp32 per tile (64 per thread at 4 warps), source loads pipelined three
+    deep through shared memory.
+
+    Measured on H200 at the paper shapes (benchmarks/bench_routing.py --sweep): three
+    stages reach 0.88 / 0.90 / 0.62 / 0.74 of copy bandwidth at 100M / 350M / 1B / 8B,
+    where the register prefetch reached 0.78 / 0.78 / 0.54 / 0.63 (two stages: no gain);
+    larger tiles or 8 warps lose 5-25% at every width.
     """
-    return max(1, 8192 // padded_d), 4
+    return LoopConfig(max(1, 8192 // padded_d), 4, False, 3)
 
 
-def _bwd_config(padded_d: int) -> Tuple[int, int, bool]:
-    """(tokens per program, warps, prefetch) of the backward: 2K fp32 per tile (it holds
-    dout, v, dw and the gradient), 4 warps; one token and 8 warps at D = 4096, where
-    prefetching in pass 1 measured 20% slower (1.61 vs 1.30 ms at the 8B shape)."""
+def _bwd_config(padded_d: int) -> LoopConfig:
+    """Backward: 2K fp32 per tile (it holds dout, v, dw and the gradient), 4 warps, both
+    source loops pipelined two deep (0.82 / 0.81 / 0.62 of copy bandwidth at 100M / 350M /
+    1B, against 0.73 / 0.76 / 0.55 with the register prefetch; three stages lose). At
+    D = 4096 one token, 8 warps and plain loops: prefetch (1.61 ms) and two or three
+    stages (2.02 / 1.38 ms) all lose to them (1.30 ms) at the 8B shape."""
     block_t = max(1, 2048 // padded_d)
-    wide = block_t * padded_d > 2048
-    return block_t, 8 if wide else 4, not wide
+    if block_t * padded_d > 2048:
+        return LoopConfig(block_t, 8, False, 1)
+    return LoopConfig(block_t, 4, False, 2)
 
 
 def _with_next_row(rows: torch.Tensor) -> torch.Tensor:
@@ -342,12 +368,11 @@ def _check_sources(sources: torch.Tensor, extra: Optional[torch.Tensor], num_hea
 
 def _launch_fwd(
     sources, extra, query, norm_weight, num_heads, eps, logit_scale,
-    store_extra=False, block_t=None, num_warps=None, prefetch=True,
+    store_extra=False, **loop,
 ):  # fmt: skip
     t, n, d = sources.shape
     head_dim, bh, bhd = _tile(d, num_heads)
-    cfg_t, cfg_w = _fwd_config(bh * bhd)
-    block_t, num_warps = block_t or cfg_t, num_warps or cfg_w
+    block_t, num_warps, prefetch, stages = _fwd_config(bh * bhd).override(**loop)
     out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
     lse = torch.empty((t, num_heads), dtype=torch.float32, device=sources.device)
     if t == 0:
@@ -361,6 +386,7 @@ def _launch_fwd(
         eps, logit_scale,
         D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd,
         HAS_EXTRA=extra is not None, STORE_EXTRA=store_extra, PREFETCH=prefetch and n > 0,
+        STAGES=stages,
         num_warps=num_warps,
     )  # fmt: skip
     return out, lse
@@ -368,14 +394,12 @@ def _launch_fwd(
 
 def _launch_bwd(
     grad_out, sources, extra, query, norm_weight, lse, num_heads, eps, logit_scale,
-    grad_sources, accumulate, extra_row=False, block_t=None, num_warps=None, prefetch=None,
-    programs_per_sm=4,
+    grad_sources, accumulate, extra_row=False, programs_per_sm=4, **loop,
 ):  # fmt: skip
     t, n, d = sources.shape
     head_dim, bh, bhd = _tile(d, num_heads)
-    cfg_t, cfg_w, cfg_p = _bwd_config(bh * bhd)
-    block_t, num_warps = block_t or cfg_t, num_warps or cfg_w
-    prefetch = (cfg_p if prefetch is None else prefetch) and n > 0
+    block_t, num_warps, prefetch, stages = _bwd_config(bh * bhd).override(**loop)
+    prefetch = prefetch and n > 0
     device = sources.device
     has_extra = extra_row or extra is not None
     grad_extra = torch.empty((t, d), dtype=sources.dtype, device=device) if has_extra else None
@@ -397,6 +421,7 @@ def _launch_bwd(
             eps, logit_scale,
             D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd,
             HAS_EXTRA=has_extra, EXTRA_ROW=extra_row, ACCUMULATE=accumulate, PREFETCH=prefetch,
+            STAGES=stages,
             num_warps=num_warps,
         )  # fmt: skip
     else:
