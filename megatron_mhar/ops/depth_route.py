@@ -246,7 +246,7 @@ def torch_route_backward(
     With ``extra_row`` the extra source is
     the row just past the view: it is routed as a row, so its gradient is that row's
     fp32 gradient (what later reads left there plus this read's share), cast once.
-    Returns (grad_extra or None, grad_query, grad_norm_weight).
+    Returns (grad_extra or None, grad_query, grad_norm_weight), each in its input's dtype.
     """
     if extra_row:
         rows, grad_rows = _with_next_row(sources), _with_next_row(grad_sources)

@@ -30,7 +30,11 @@ from megatron_mhar.ops.depth_route import resolve_impl, torch_route_backward, to
 
 
 class RoutingBackend(NamedTuple):
-    """Forward/backward pair routing over a [T, N, D] view of the history buffer."""
+    """Forward/backward pair routing over a [T, N, D] view of the history buffer.
+
+    The backward returns every gradient in the dtype of its input (extra, query, norm
+    weight), so the autograd functions below hand them on without casts.
+    """
 
     forward: Callable
     backward: Callable
@@ -223,7 +227,7 @@ def _route_backward(ctx, grad_out, query, norm_weight, extra, extra_row):
     )
     if grad_extra is not None:
         grad_extra = grad_extra.view(s, b, h)
-    return grad_extra, grad_query.to(query.dtype), grad_norm.to(norm_weight.dtype)
+    return grad_extra, grad_query, grad_norm
 
 
 class _RouteRows(torch.autograd.Function):
@@ -240,8 +244,6 @@ class _RouteRows(torch.autograd.Function):
         grad_extra, grad_query, grad_norm = _route_backward(
             ctx, grad_out, query, norm_weight, extra, False
         )
-        if grad_extra is not None:
-            grad_extra = grad_extra.to(extra.dtype)
         # Tokens carry ordering only; their gradient is None (materialize_grads is off,
         # so no zero tensors are allocated, and autograd still runs the producers).
         return None, None, None, grad_query, grad_norm, grad_extra

@@ -418,9 +418,7 @@ class Trainer:
             f", from step {self.iteration}"
         )
         checkpointing.start_checkpoint_writer()
-        handlers = contextlib.nullcontext() if stop is not None else StopSignal()
-        with handlers:
-            stop = stop if stop is not None else handlers
+        with contextlib.nullcontext(stop) if stop is not None else StopSignal() as stop:
             while self.iteration < tr.train_iters:
                 logs_next = (self.iteration + 1) % cfg.logging.interval == 0
                 self._record_routing_entropy(logs_next or self.iteration + 1 == tr.train_iters)
