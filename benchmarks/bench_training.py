@@ -300,8 +300,8 @@ def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profi
               f"peak {entry.get('peak_memory_gib', 0):.1f} GiB, loss {entry['losses'][-1]:.3f}",
               flush=True)
     # Free this size's models before the next size is built, so its memory readings start
-    # from the same empty state.
-    del trainers
+    # from the same empty state (the loop variable holds the last model too).
+    del trainers, trainer
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
