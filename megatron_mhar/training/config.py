@@ -332,6 +332,11 @@ class CheckpointConfig:
     save_at_end: bool = True
     """Save after the last step."""
 
+    save_initial: bool = False
+    """Also save before the first step of a run that starts at step 0: the starting weights,
+    which other parallel layouts can load (``checkpoint.load``, ``load_model_only``) to
+    train from exactly the same point (a layout's own initialisation draws differently)."""
+
     keep_last: int = 2
     """Checkpoints kept in ``dir`` (older ones are deleted after a successful save); 0 keeps all."""
 

@@ -371,9 +371,14 @@ class Trainer:
         return merged
 
     def _memory_gb(self) -> float:
+        """Peak memory of the busiest rank (pipeline stages and ranks differ); every rank calls."""
         if self.on_cpu:
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-        return torch.cuda.max_memory_allocated() / 2**30
+            local = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+        else:
+            local = torch.cuda.max_memory_allocated() / 2**30
+        peak = torch.tensor([local], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        return float(peak.item())
 
     def val_loss_tail(self) -> Optional[float]:
         tail = [loss for _, loss in self.val_losses[-self.cfg.eval.tail :]]
@@ -418,6 +423,9 @@ class Trainer:
             f", from step {self.iteration}"
         )
         checkpointing.start_checkpoint_writer()
+        if cfg.checkpoint.save_initial and self.iteration == 0:
+            self.save()
+            last_saved = 0
         with contextlib.nullcontext(stop) if stop is not None else StopSignal() as stop:
             while self.iteration < tr.train_iters:
                 logs_next = (self.iteration + 1) % cfg.logging.interval == 0

@@ -5,6 +5,7 @@
 "memory_gb": ..., "routing_entropy": {site: [per-head nats]}}`` and ``{"kind":
 "eval", "step": ..., "val_loss": ..., "val_loss_tail": ...}``. Floats are written
 with ``repr`` precision, so two runs can be compared bitwise from the files.
+``memory_gb`` is the peak memory (CUDA allocated, or resident on CPU) of the busiest rank.
 
 On resume, records after the resumed step (written by the interrupted run after its
 last checkpoint) are dropped, and TensorBoard purges its events after that step,
