@@ -152,6 +152,7 @@ class Job:
             return record
         train = read_metrics(self.run_dir, "train")
         record["loss"] = [r["loss"] for r in train]
+        record["grad_norm"] = [r["grad_norm"] for r in train]
         record["tokens_per_s_steps"] = [r["tokens_per_s"] for r in train]
         record["memory_gb"] = max(r["memory_gb"] for r in train)
         print(f"[{self.name}] ok in {record['wall_s']} s, final loss {record['loss'][-1]:.4f}", flush=True)
@@ -174,7 +175,13 @@ def run_jobs(jobs, gpu_count, timeout, done):
             records[job.name] = job.wait()
             done(records)
     for job in jobs:
-        if job.processes > 1:
+        reference = records.get(f"{job.variant}_{REFERENCE_LAYOUT}", {})
+        if job.processes > 1 and reference.get("returncode") != 0:
+            # It would load the reference's starting checkpoint, which was never written.
+            records[job.name] = {"variant": job.variant, "layout": job.layout, "processes": job.processes,
+                                 "returncode": "not started: the single-process reference failed"}
+            done(records)
+        elif job.processes > 1:
             job.start(list(range(job.processes)) if gpu_count else None, timeout)
             records[job.name] = job.wait()
             done(records)

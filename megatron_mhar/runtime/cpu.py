@@ -22,9 +22,10 @@ What a CPU run's configuration must set (Megatron options, not patches):
   ``torch.cuda.synchronize``) also gave identical losses in a one-off check
   with torch 2.13, but is not tested, so CPU configs must not rely on it.
   Keep ``overlap_p2p_comm=False`` (the default) too.
-* :class:`SequenceParallelTorchNorm` (below) instead of Megatron's
-  ``WrappedTorchNorm`` in model specs when sequence parallelism is on: the
-  wrapped torch norm refuses ``sequence_parallel`` without apex/TE.
+* :class:`~megatron_mhar.models.norms.SequenceParallelTorchNorm` instead of
+  Megatron's ``WrappedTorchNorm`` in model specs when sequence parallelism is on
+  (the training driver does so on CPU and GPU alike): the wrapped torch norm
+  refuses ``sequence_parallel`` without apex/TE.
 * fp32 parameters (the tested case); no fp8, no CUDA graphs, no
   ``enable_autocast``, no TE RNG tracker, no ``use_cudagraphable_rng``.
 
@@ -54,6 +55,8 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+from megatron_mhar.models.norms import SequenceParallelTorchNorm
 
 __all__ = [
     "CPU_DEVICE",
@@ -141,6 +144,25 @@ def _synchronize(device: Any = None) -> None:
     CPU ops are synchronous, so there is nothing to wait for."""
 
 
+class _HostStream:
+    """What :func:`_current_stream` returns: CPU work is ordered by program order."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _current_stream(device: Any = None) -> _HostStream:
+    """``torch.cuda.current_stream``: megatron-core 0.19's grad-bucket sync asks for
+    it (to wait on CUDA-graph replay events, which CPU runs never record)."""
+    return _HostStream()
+
+
 def _get_rng_state(device: Any = "cuda") -> torch.Tensor:
     """``torch.cuda.get_rng_state``: the model-parallel RNG tracker saves the
     "CUDA" generator; on CPU the default CPU generator plays that role."""
@@ -202,6 +224,7 @@ def _patch_table() -> List[Tuple[Any, str, Callable]]:
     return [
         (torch.cuda, "current_device", _current_device),
         (torch.cuda, "synchronize", _synchronize),
+        (torch.cuda, "current_stream", _current_stream),
         (torch.cuda, "get_rng_state", _get_rng_state),
         (torch.cuda.random, "get_rng_state", _get_rng_state),
         (torch.cuda, "set_rng_state", _set_rng_state),
@@ -283,45 +306,3 @@ def cpu_runtime() -> Iterator[None]:
     finally:
         if owner:
             disable_cpu_runtime()
-
-
-class SequenceParallelTorchNorm:
-    """Torch ``LayerNorm``/``RMSNorm`` that accepts sequence parallelism.
-
-    Drop-in for Megatron's ``WrappedTorchNorm`` (same constructor, same module
-    type and state-dict keys ``weight``/``bias``), which asserts
-    ``not config.sequence_parallel`` when neither apex nor TE is installed. With
-    sequence parallelism each tensor-parallel rank normalises its own slice of
-    the tokens, so the norm's weight gradients are partial sums; like Megatron's
-    ``FusedLayerNorm`` and TE norms, the parameters are marked
-    ``sequence_parallel`` and ``finalize_model_grads`` all-reduces them over the
-    tensor-parallel group.
-
-    Use it as the ``layer_norm`` of the layer spec and of the
-    ``TransformerBlockSubmodules`` (final norm) for CPU runs with sequence
-    parallelism.
-    """
-
-    def __new__(
-        cls,
-        config,
-        hidden_size: int,
-        eps: float = 1e-5,
-        persist_layer_norm: bool = False,
-        zero_centered_gamma: bool = False,
-        normalization: str = "LayerNorm",
-    ) -> torch.nn.Module:
-        if config.layernorm_zero_centered_gamma:
-            raise ValueError("SequenceParallelTorchNorm: set layernorm_zero_centered_gamma=False")
-        if config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
-        elif config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
-        else:
-            raise ValueError(
-                f"SequenceParallelTorchNorm: normalization must be LayerNorm or RMSNorm, "
-                f"got {config.normalization!r}"
-            )
-        for param in norm.parameters():
-            setattr(param, "sequence_parallel", config.sequence_parallel)
-        return norm

@@ -142,10 +142,14 @@ def start_checkpoint_writer() -> None:
         # A daemonic process (a test harness's rank) may not start children; Megatron
         # then creates the helper at the first save, as it would without this call.
         return
+    # megatron-core 0.19 made the helper's getter public; 0.16 has it private.
+    create_helper = getattr(filesystem_async, "get_write_results_queue", None) or getattr(
+        filesystem_async, "_get_write_results_queue"
+    )
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
     try:
-        filesystem_async._get_write_results_queue()
+        create_helper()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -257,6 +261,10 @@ def load_checkpoint(
         for i, chunk in enumerate(model):
             unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
     if model_only:
+        # Mixed-precision optimizers hold fp32 main copies taken from the parameters at
+        # construction (this run's own initialisation); without a refresh the first step
+        # would write that initialisation back over the loaded weights.
+        optimizer.reload_model_params()
         return {"iteration": 0, "train_state": {}}
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])

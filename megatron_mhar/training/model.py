@@ -10,6 +10,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
+from megatron_mhar.models.norms import SequenceParallelTorchNorm
 from megatron_mhar.training.config import TrainConfig
 
 
@@ -17,6 +18,7 @@ def transformer_config(cfg: TrainConfig, on_cpu: bool) -> TransformerConfig:
     """The TransformerConfig of this run: architecture + parallel layout + numerics."""
     par, tr = cfg.parallel, cfg.training
     bf16 = tr.precision == "bf16"
+    interleaved = par.virtual_pipeline_model_parallel_size is not None
     return make_transformer_config(
         cfg.model,
         cfg.mhar,
@@ -29,8 +31,12 @@ def transformer_config(cfg: TrainConfig, on_cpu: bool) -> TransformerConfig:
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         # Loss is a sum over tokens; finalize_model_grads divides by the global token count.
         calculate_per_token_loss=True,
-        # gloo has no batched isend/irecv (runtime.cpu); NCCL runs batched p2p.
-        batch_p2p_comm=not on_cpu,
+        # gloo has no batched isend/irecv (runtime.cpu). On NCCL the interleaved schedule
+        # overlaps its p2p (Megatron-LM's default): batched, at PP=2 the tensors for the
+        # previous and the next stage go to the same rank in one batch and arrive swapped
+        # (the H200 showed a wrong loss from step 1). Non-interleaved 1F1B runs batched.
+        overlap_p2p_comm=interleaved and not on_cpu,
+        batch_p2p_comm=not on_cpu and not interleaved,
         recompute_granularity=tr.recompute_granularity,
         recompute_method=tr.recompute_method,
         recompute_num_layers=tr.recompute_num_layers,
@@ -40,9 +46,8 @@ def transformer_config(cfg: TrainConfig, on_cpu: bool) -> TransformerConfig:
 def build_model_chunks(cfg: TrainConfig, config: TransformerConfig, on_cpu: bool) -> List[DistributedDataParallel]:
     """One DDP-wrapped GPT chunk per virtual pipeline stage held by this rank."""
     layer_norm = None
-    if on_cpu and cfg.parallel.sequence_parallel:
-        from megatron_mhar.runtime.cpu import SequenceParallelTorchNorm
-
+    if cfg.parallel.sequence_parallel and cfg.model.spec == "local":
+        # Megatron's local-spec norm without apex refuses sequence parallelism (CPU and GPU).
         layer_norm = SequenceParallelTorchNorm
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     chunks = []
