@@ -13,12 +13,16 @@ its random numbers in another order, so the single-process run saves its startin
 weights (``checkpoint.save_initial``) and every other layout loads them
 (``checkpoint.load``, ``load_model_only``; Megatron's dist_checkpointing reshards them
 to the layout). A layout's trajectory is compared step by step with the
-single-process run of the same model: ``max_rel_diff`` is the largest
-``|loss - loss_single| / loss_single`` over the steps, ``within_tolerance`` whether it is
-at most ``--rtol``. Because bf16 rounding differs between layouts (other reduction
-orders in the tensor-parallel matmuls and all-reduces) and grows through training, the
-baseline's own divergence under the same layout is reported next to MHAR's: MHAR's
-parallel code adds nothing when the two are alike.
+single-process run of the same model by the relative difference
+``|loss - loss_single| / loss_single`` per step. bf16 rounding differs between layouts
+(other reduction orders in the tensor-parallel matmuls and the all-reduces), and 50
+steps of training amplify any difference, so two checks: over the first
+``--early-steps`` steps, before that growth, every difference is at most ``--rtol``
+(a wrong layout shows here: each bug this benchmark found was off by more than 1e-3 by
+step 2); over the whole trajectory, the mean difference is at most ``--noise-factor``
+times that of the same model's data-parallel run, which changes nothing but the order of
+the fp32 gradient reduction (the noise floor). The baseline's own numbers are reported
+next to MHAR's.
 
 Throughput is the median over the steps after ``--skip`` of tokens per second, per GPU
 as well; memory is the peak allocated memory of the busiest rank (``memory_gb`` of the
@@ -188,12 +192,25 @@ def run_jobs(jobs, gpu_count, timeout, done):
     return records
 
 
-def summarize(records, rtol, skip):
-    """Per layout and model: trajectory differences to the single-process run, throughput."""
+NOISE_LAYOUT = "dp2"
+"""Data parallelism runs the model code of the single process unchanged; only the order of
+the fp32 gradient reduction differs. Its divergence from the single-process run is the
+noise floor of a trajectory: how far 50 bf16 steps drift from a perturbation that no
+parallel model code causes."""
+
+
+def summarize(records, rtol, skip, early_steps, noise_factor):
+    """Per layout and model: trajectory differences to the single-process run, throughput.
+
+    A layout is within tolerance when its first ``early_steps`` losses are within ``rtol``
+    (relative) of the reference, before rounding differences have grown, and when its
+    mean relative difference over the whole trajectory is at most ``noise_factor`` times
+    the same model's data-parallel run (the noise floor), where that ran.
+    """
     summary = {}
     for name, record in sorted(records.items()):
         if "loss" not in record:
-            summary[name] = {"ran": False}
+            summary[name] = {"ran": False, "returncode": record.get("returncode")}
             continue
         steps = record["tokens_per_s_steps"][skip:] or record["tokens_per_s_steps"]
         tokens_per_s = statistics.median(steps)
@@ -206,17 +223,25 @@ def summarize(records, rtol, skip):
             if len(ref) != len(loss):
                 raise ValueError(f"{name}: {len(loss)} logged steps vs {len(ref)} in the reference")
             rel = [abs(a - b) / abs(b) for a, b in zip(loss, ref)]
-            entry.update(max_rel_diff=max(rel), max_abs_diff=max(abs(a - b) for a, b in zip(loss, ref)),
-                         within_tolerance=max(rel) <= rtol)
+            entry.update(early_max_rel_diff=max(rel[:early_steps]), mean_rel_diff=statistics.mean(rel),
+                         max_rel_diff=max(rel), max_abs_diff=max(abs(a - b) for a, b in zip(loss, ref)))
         summary[name] = entry
     for name, entry in summary.items():
         variant, layout = name.split("_", 1)
+        if "mean_rel_diff" in entry:
+            floor = summary.get(f"{variant}_{NOISE_LAYOUT}", {}).get("mean_rel_diff")
+            early_ok = entry["early_max_rel_diff"] <= rtol
+            if floor is not None and layout != NOISE_LAYOUT:
+                entry["noise_floor_mean_rel_diff"] = floor
+                entry["within_tolerance"] = early_ok and entry["mean_rel_diff"] <= noise_factor * floor
+            else:
+                entry["within_tolerance"] = early_ok
         baseline = summary.get(f"baseline_{layout}", {})
         if variant != "baseline" and entry.get("ran") and baseline.get("ran"):
             entry["throughput_vs_baseline"] = entry["tokens_per_s"] / baseline["tokens_per_s"]
             entry["memory_vs_baseline"] = entry["memory_gb_per_gpu"] / baseline["memory_gb_per_gpu"]
-            if "max_rel_diff" in baseline:
-                entry["baseline_max_rel_diff"] = baseline["max_rel_diff"]
+            if "mean_rel_diff" in baseline:
+                entry["baseline_mean_rel_diff"] = baseline["mean_rel_diff"]
     return summary
 
 
@@ -237,8 +262,13 @@ def main(argv=None):
     parser.add_argument("--recipe", default=DEFAULT_RECIPE)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the throughput")
-    parser.add_argument("--rtol", type=float, default=0.01,
-                        help="largest relative loss difference to the single-process run")
+    parser.add_argument("--rtol", type=float, default=1e-3,
+                        help="largest relative loss difference to the single-process run over the "
+                             "first --early-steps steps")
+    parser.add_argument("--early-steps", type=int, default=10)
+    parser.add_argument("--noise-factor", type=float, default=2.0,
+                        help="largest mean relative difference over the whole trajectory, in units of "
+                             "the same model's dp2 run (where dp2 ran)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--run-dir", default="runs/bench_parallel")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
@@ -275,8 +305,11 @@ def main(argv=None):
     env = environment()
 
     def report(records):
-        result = {"environment": env, "gpus": gpu_count, "settings": settings, "rtol": args.rtol,
-                  "not_run": not_run, "summary": summarize(records, args.rtol, args.skip),
+        result = {"environment": env, "gpus": gpu_count, "settings": settings,
+                  "tolerance": {"rtol": args.rtol, "early_steps": args.early_steps,
+                                "noise_factor": args.noise_factor},
+                  "not_run": not_run,
+                  "summary": summarize(records, args.rtol, args.skip, args.early_steps, args.noise_factor),
                   "runs": records}
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
