@@ -333,9 +333,11 @@ class CheckpointConfig:
     """Save after the last step."""
 
     save_initial: bool = False
-    """Also save before the first step of a run that starts at step 0: the starting weights,
-    which other parallel layouts can load (``checkpoint.load``, ``load_model_only``) to
-    train from exactly the same point (a layout's own initialisation draws differently)."""
+    """Also save before the first step of a run that starts from its own initialisation
+    (not from a checkpoint): the starting weights, which other parallel layouts can load
+    (``checkpoint.load``, ``load_model_only``) to train from exactly the same point (a
+    layout's own initialisation draws differently). A step-0 checkpoint holds weights only;
+    resuming from it starts the run afresh from them."""
 
     keep_last: int = 2
     """Checkpoints kept in ``dir`` (older ones are deleted after a successful save); 0 keeps all."""

@@ -423,7 +423,7 @@ class Trainer:
             f", from step {self.iteration}"
         )
         checkpointing.start_checkpoint_writer()
-        if cfg.checkpoint.save_initial and self.iteration == 0:
+        if cfg.checkpoint.save_initial and self.iteration == 0 and self.checkpoint is None:
             self.save()
             last_saved = 0
         with contextlib.nullcontext(stop) if stop is not None else StopSignal() as stop:

@@ -161,3 +161,22 @@ def test_model_only_load_starts_fresh_schedule(tiny, monkeypatch):
     fresh = _run(tiny(*common, name="fresh"))
     for step in (1, 2, 3):  # ... from the trained weights at every step
         assert result.losses[step] < fresh.losses[step] - 0.1, (step, result.losses, fresh.losses)
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_initial_checkpoint_is_its_weights(tiny, distributed_optimizer):
+    """``checkpoint.save_initial`` writes the starting weights before step 1. The optimizer
+    has no state yet (Megatron's distributed optimizer cannot even describe it; the H200
+    run failed there), so the checkpoint holds weights only, and a run that resumes from it
+    (preempted before its next save) restarts from exactly those weights: same losses."""
+    overrides = ("training.train_iters=3", "eval.interval=0", "checkpoint.save_initial=true",
+                 "checkpoint.save_at_end=false",
+                 f"parallel.use_distributed_optimizer={str(distributed_optimizer).lower()}")
+    cfg = tiny(*overrides, name="initial")
+    first = _run(cfg)
+    saved = sorted(p.name for p in cfg.checkpoint_dir.glob("iter_*"))
+    assert saved == ["iter_0000000"]
+    again = _run(tiny(*overrides, name="initial"))  # resumes from the step-0 checkpoint ...
+    assert again.checkpoint == cfg.checkpoint_dir / "iter_0000000"
+    assert sorted(p.name for p in cfg.checkpoint_dir.glob("iter_*")) == saved  # ... saves no second one
+    assert again.losses == first.losses
