@@ -178,16 +178,14 @@ def save_checkpoint(
     torch.distributed.barrier()
 
     # Before the first step the optimizer holds no state (Megatron's distributed optimizer
-    # refuses to describe itself then): a step-0 checkpoint is its weights, and resuming
-    # from it is a fresh start from them.
-    weights_only = iteration == 0
+    # refuses to describe itself then): a step-0 checkpoint is its weights, like a
+    # converted one, and resuming from it is a fresh start from them.
     state = _sharded_state_dict(
-        model, optimizer, is_loading=False, with_optimizer=not weights_only, with_rng=True
+        model, optimizer, is_loading=False, with_optimizer=iteration > 0, with_rng=True
     )
     state.update(
         checkpoint_version=CHECKPOINT_VERSION,
         iteration=iteration,
-        weights_only=weights_only,
         opt_param_scheduler=scheduler.state_dict(),
         train_state=train_state,
         config=config,
@@ -252,13 +250,14 @@ def load_checkpoint(
     model_only: bool = False,
 ) -> Dict[str, Any]:
     """Load into ``model`` (and optimizer, scheduler, RNG unless ``model_only`` or the
-    checkpoint holds weights only, as a step-0 checkpoint does).
+    checkpoint is of step 0, which holds weights only: saved before the first step, or
+    converted).
 
     Returns ``{"iteration", "train_state"}`` (iteration 0 and an empty train state
     with ``model_only``).
     """
     common = check_config(checkpoint, config)
-    model_only = model_only or common.get("weights_only", False)
+    model_only = model_only or common.get("iteration") == 0
     same_world = common.get("world_size") == torch.distributed.get_world_size()
     sharded = _sharded_state_dict(
         model, optimizer, is_loading=True, with_optimizer=not model_only, with_rng=not model_only and same_world
