@@ -42,7 +42,8 @@ tiny models, not for benchmarks. Known to work with megatron-core 0.16.1:
 GPTModel (local spec) with TP+SP, PP (1F1B and interleaved), DP with DDP
 (overlapped or not), the non-distributed and the distributed optimizer (Adam;
 gloo provides reduce-scatter and all-gather), ``finalize_model_grads`` and full
-activation recomputation. Not covered: ``num_distributed_optimizer_instances >
+activation recomputation (CI); the training-driver and runtime tests also pass with
+megatron-core 0.19.2 on Python 3.12. Not covered: ``num_distributed_optimizer_instances >
 1`` (needs CUDA streams), NCCL user buffers, FSDP, MoE token dispatchers, TE.
 """
 
