@@ -50,6 +50,7 @@ UNMARKED = {v: L(tp=2, sp=True, unmark_routing_sp=True) for v in ("full", "block
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-5  # atol relative to the tensor's largest reference grad
+# (for a scalar, to its module's largest; see _assert_grads_close)
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -99,8 +100,17 @@ def _assert_grads_close(grads: Dict[str, torch.Tensor], expected: Dict[str, torc
                                      expected["embedding.word_embeddings.weight"]})
     for name, grad in grads.items():
         ref = expected[name]
+        scale = ref.abs().max().item()
+        if ref.numel() == 1:
+            # A scalar's gradient (the delta gate's) is one sum over every token and channel
+            # with heavy cancellation, so its rounding scales with its terms, not with the
+            # small result (2.1e-5 relative on some CPUs): take the scale of its module's
+            # other gradients, which sum the same products.
+            module = name.rsplit(".", 1)[0] + "."
+            scale = max([scale] + [t.abs().max().item() for k, t in expected.items()
+                                   if k.startswith(module) and k != name])
         torch.testing.assert_close(
-            grad, ref, rtol=GRAD_RTOL, atol=GRAD_ATOL * ref.abs().max().item(), msg=lambda m: f"{name}: {m}"
+            grad, ref, rtol=GRAD_RTOL, atol=GRAD_ATOL * scale, msg=lambda m: f"{name}: {m}"
         )
 
 
