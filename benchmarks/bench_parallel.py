@@ -72,7 +72,8 @@ VARIANTS = {
 
 # The 100M recipe (MHAR.md §5) on the embedded corpus, shortened to a trajectory: 50 steps
 # of 16 x 2048 tokens (4 micro-batches of 4, so every pipeline schedule has work to
-# interleave), warm-up over the first fifth of the steps, nothing written but the metrics.
+# interleave), warm-up over the first fifth of the steps; nothing is written but the metrics
+# and the single-process runs' starting checkpoints.
 DEFAULT_RECIPE = "pretrain_100m_mhar"
 DEFAULT_OVERRIDES = [
     "data.paths=[]", "data.tokenizer=builtin", "model.vocab_size=4096",
@@ -118,13 +119,14 @@ class Job:
         self.command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                         f"--nproc-per-node={self.processes}", f"--master-port={_free_port()}",
                         "-m", "megatron_mhar.train", args.recipe, *self.overrides]
+        self.recipe = args.recipe
         self.proc = None
 
     def check(self):
         """The driver's own config and launch checks, before anything starts (less the
         reference's checkpoint, which the reference run writes first)."""
         overrides = [o for o in self.overrides if o not in self.start_overrides]
-        cfg = load_config(self.command[-len(self.overrides) - 1], overrides)
+        cfg = load_config(self.recipe, overrides)
         validate_launch(cfg, self.processes)
 
     def start(self, gpus, timeout):
