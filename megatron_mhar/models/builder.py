@@ -15,6 +15,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mhar.config import MHARConfig
 from megatron_mhar.models.block import MHARTransformerBlock
 from megatron_mhar.models.config import GPTModelConfig
+from megatron_mhar.models.norms import SequenceParallelTorchNorm
 from megatron_mhar.models.specs import get_mhar_layer_spec
 
 # Megatron features the MHAR decoder does not implement, as (TransformerConfig field,
@@ -106,7 +107,9 @@ def build_gpt_model(
         config: from :func:`make_transformer_config` (parallel sizes already set).
         pre_process / post_process: whether this chunk holds the embedding / output layer.
         vp_stage: virtual pipeline stage of this chunk.
-        layer_norm: optional norm class for the local spec (see ``get_mhar_layer_local_spec``).
+        layer_norm: optional norm class for the local spec (see ``get_mhar_layer_local_spec``);
+            with sequence parallelism it defaults to :class:`SequenceParallelTorchNorm`,
+            because Megatron's local-spec torch norm refuses sequence parallelism without apex.
     """
     if mhar.enabled and getattr(config, "mhar", None) != mhar:
         raise ValueError(
@@ -114,6 +117,8 @@ def build_gpt_model(
             "make_transformer_config(model, mhar, ...)"
         )
     model_class = MHARGPTModel if mhar.enabled else GPTModel
+    if layer_norm is None and config.sequence_parallel and model.spec == "local":
+        layer_norm = SequenceParallelTorchNorm
     spec = get_mhar_layer_spec(model, mhar, layer_norm)
     if layer_norm is not None and model.spec == "local":
         # The block's final norm is not part of the layer spec; Megatron's default for it

@@ -19,9 +19,8 @@ class SequenceParallelTorchNorm:
     ``sequence_parallel`` and ``finalize_model_grads`` all-reduces them over the
     tensor-parallel group.
 
-    Use it as the ``layer_norm`` of the layer spec and of the
-    ``TransformerBlockSubmodules`` (final norm) of the local spec whenever
-    sequence parallelism is on (``build_gpt_model(..., layer_norm=...)``).
+    ``build_gpt_model`` uses it as the layer spec's norms and the block's final norm
+    of the local spec whenever sequence parallelism is on.
     """
 
     def __new__(

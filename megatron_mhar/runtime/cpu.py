@@ -24,7 +24,7 @@ What a CPU run's configuration must set (Megatron options, not patches):
   Keep ``overlap_p2p_comm=False`` (the default) too.
 * :class:`~megatron_mhar.models.norms.SequenceParallelTorchNorm` instead of
   Megatron's ``WrappedTorchNorm`` in model specs when sequence parallelism is on
-  (the training driver does so on CPU and GPU alike): the wrapped torch norm
+  (``build_gpt_model`` does so on CPU and GPU alike): the wrapped torch norm
   refuses ``sequence_parallel`` without apex/TE.
 * fp32 parameters (the tested case); no fp8, no CUDA graphs, no
   ``enable_autocast``, no TE RNG tracker, no ``use_cudagraphable_rng``.

@@ -10,7 +10,6 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
-from megatron_mhar.models.norms import SequenceParallelTorchNorm
 from megatron_mhar.training.config import TrainConfig
 
 
@@ -45,10 +44,6 @@ def transformer_config(cfg: TrainConfig, on_cpu: bool) -> TransformerConfig:
 
 def build_model_chunks(cfg: TrainConfig, config: TransformerConfig, on_cpu: bool) -> List[DistributedDataParallel]:
     """One DDP-wrapped GPT chunk per virtual pipeline stage held by this rank."""
-    layer_norm = None
-    if cfg.parallel.sequence_parallel and cfg.model.spec == "local":
-        # Megatron's local-spec norm without apex refuses sequence parallelism (CPU and GPU).
-        layer_norm = SequenceParallelTorchNorm
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -60,7 +55,6 @@ def build_model_chunks(cfg: TrainConfig, config: TransformerConfig, on_cpu: bool
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             vp_stage=stage,
-            layer_norm=layer_norm,
         )
         if not on_cpu:
             chunk.cuda(torch.cuda.current_device())
