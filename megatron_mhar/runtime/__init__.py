@@ -6,7 +6,6 @@ torchrun's environment.
 """
 
 from megatron_mhar.runtime.cpu import (
-    SequenceParallelTorchNorm,
     cpu_runtime,
     disable_cpu_runtime,
     enable_cpu_runtime,
@@ -20,7 +19,6 @@ from megatron_mhar.runtime.distributed import (
 
 __all__ = [
     "DistributedContext",
-    "SequenceParallelTorchNorm",
     "cpu_runtime",
     "destroy",
     "disable_cpu_runtime",

@@ -57,11 +57,8 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from megatron_mhar.models.norms import SequenceParallelTorchNorm
-
 __all__ = [
     "CPU_DEVICE",
-    "SequenceParallelTorchNorm",
     "cpu_runtime",
     "disable_cpu_runtime",
     "enable_cpu_runtime",

@@ -104,8 +104,6 @@ def build_chunks(layout: Layout, variant: str, config) -> List[torch.nn.Module]:
     from megatron.core import parallel_state
 
     from megatron_mhar.models.builder import build_gpt_model
-    from megatron_mhar.runtime import SequenceParallelTorchNorm
-
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         vp = vp_stage if layout.vpp else None
@@ -114,8 +112,7 @@ def build_chunks(layout: Layout, variant: str, config) -> List[torch.nn.Module]:
                 model_config(), mhar_config(variant), config,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                vp_stage=vp,
-                layer_norm=SequenceParallelTorchNorm if layout.sp else None,
+                vp_stage=vp,  # with SP, the builder picks the sequence-parallel norm itself
             )
         )
     return chunks

@@ -51,7 +51,7 @@ def _layer_spec(config, vp_stage: Optional[int]):
         get_num_layers_to_build,
     )
 
-    from megatron_mhar.runtime import SequenceParallelTorchNorm
+    from megatron_mhar.models.norms import SequenceParallelTorchNorm
 
     spec = get_gpt_layer_local_spec()
     if not config.sequence_parallel:
