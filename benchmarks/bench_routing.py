@@ -18,8 +18,10 @@ Sections (each written to the JSON as soon as it is measured):
               (mhar_kernels.lookahead, groups of G sites; --lookahead-groups, 0 = auto)
               on the same buffers, as the history runs it; its bytes come from
               benchmarks/routing_bytes.py.
-  sweep       (--sweep) tiles, warps, register prefetch and shared-memory pipeline stages
-              of the fused kernels around the defaults.
+  host        host time per call of route_forward / route_backward and of one torch op
+              (launched back to back, no synchronisation; tiny shapes so the GPU keeps up).
+  sweep       (--sweep) tiles, warps, register prefetch, pipeline stages, L2 hints and
+              programs per SM of the fused kernels around the defaults (CUDA graphs).
 
 Times are ``triton.testing.do_bench`` quantiles (median, 20%, 80%) in ms. ``bytes_min``
 counts each input read once and each output written once; ``bytes_moved`` is what the
@@ -343,15 +345,46 @@ def run_step(case, tau, impls, lookahead_groups=(0,)):
     return result
 
 
-SWEEP_CASES = SITE_CASES[:4] + [
+SWEEP_CASES = SITE_CASES[:4] + [SITE_CASES[6],
     # Same tokens and depth as 1B-final at a power-of-two width: isolates the cost of
     # padding 1280 (head width 160) to a 2048-wide register tile.
     SiteCase("probe-D1024-N73", 1024, 73, 2 * 1024),
 ]
 
 
+def run_host(calls=2000):
+    """Host µs per backend call at a tiny 1B-width site (the GPU keeps up), next to one
+    plain CUDA op: what a routing site costs the host in a host-bound training step."""
+    case = SiteCase("host-1B-N9", 1280, 9, 64)
+    sources, query, norm_weight, grad_out = site_inputs(case, 1.0)
+    view = sources.transpose(0, 1)
+    grad = torch.zeros(sources.shape, device="cuda").transpose(0, 1)
+    _, lse = K.route_forward(view, None, query, norm_weight, HEADS, EPS, 1.0)
+    calls_by_name = {
+        "route_forward": lambda: K.route_forward(view, None, query, norm_weight, HEADS, EPS, 1.0),
+        "route_backward": lambda: K.route_backward(
+            grad_out, view, None, query, norm_weight, lse, HEADS, EPS, 1.0, grad),
+        "torch_add": lambda: grad_out + grad_out,
+    }  # fmt: skip
+    rows = []
+    for name, fn in calls_by_name.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host_us = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize()
+        rows.append({"call": name, "host_us": host_us})
+        print(f"  host {name:15s} {host_us:7.1f} us", flush=True)
+    return rows
+
+
 def run_sweep(copy_gbps):
-    """Forward and history-backward around the default tiles, with and without prefetch."""
+    """Forward and history backward around the default launch configs, timed from CUDA
+    graphs (the kernels' own time): tiles, warps, register prefetch, pipeline stages, the
+    L2 eviction hints and, backward, programs per SM."""
     rows = []
     for case in SWEEP_CASES:
         sources, query, norm_weight, grad_out = site_inputs(case, 1.0)
@@ -361,29 +394,28 @@ def run_sweep(copy_gbps):
         nb = site_bytes(case)
         _, lse = K.route_forward(view, None, query, norm_weight, HEADS, EPS, 1.0)
         fwd, bwd = K._fwd_config(bh * bhd), K._bwd_config(bh * bhd)
-        variants = []
-        # The default first, then (tokens per program, warps, register prefetch of the
-        # next source, pipeline stages of the source loads through shared memory).
-        fbt, fw, bbt, bw = fwd.block_t, fwd.num_warps, bwd.block_t, bwd.num_warps
-        fwd_tiles = [tuple(fwd), (fbt, fw, True, 1), (fbt, fw, False, 1), (fbt, fw, False, 2),
-                     (fbt, fw, False, 4), (2 * fbt, 8, False, 3)]  # fmt: skip
-        bwd_tiles = [tuple(bwd), (bbt, bw, True, 1), (bbt, bw, False, 1), (bbt, bw, False, 2),
-                     (bbt, bw, False, 3), (2 * bbt, 8, False, 2)]  # fmt: skip
-        for bt, w, pre, st in fwd_tiles:
-            variants.append(("fwd", "fwd", bt, w, pre, st, lambda bt, w, pre, st: K._launch_fwd(
-                view, None, query, norm_weight, HEADS, EPS, 1.0, block_t=bt, num_warps=w,
-                prefetch=pre, stages=st)))  # fmt: skip
-        for bt, w, pre, st in bwd_tiles:
-            variants.append(("bwd_history", "bwd_history", bt, w, pre, st, lambda bt, w, pre, st: K._launch_bwd(
-                grad_out, view, None, query, norm_weight, lse, HEADS, EPS, 1.0, gsrc, True,
-                block_t=bt, num_warps=w, prefetch=pre, stages=st)))  # fmt: skip
-        for mode, key, bt, w, pre, st, launch in variants:
-            t = bench(lambda: launch(bt, w, pre, st))
+        # The default first, then one change at a time.
+        fwd_loops = [fwd, fwd.override(prefetch=True, stages=1), fwd.override(stages=2),
+                     fwd.override(stages=4), fwd.override(l2_reuse=not fwd.l2_reuse),
+                     fwd.override(block_t=max(1, fwd.block_t // 2), num_warps=2),
+                     fwd.override(block_t=2 * fwd.block_t, num_warps=8)]  # fmt: skip
+        bwd_loops = [bwd, bwd.override(prefetch=True, stages=1), bwd.override(stages=1),
+                     bwd.override(stages=3), bwd.override(l2_reuse=not bwd.l2_reuse),
+                     bwd.override(programs_per_sm=2), bwd.override(programs_per_sm=8),
+                     bwd.override(block_t=2 * bwd.block_t, num_warps=8)]  # fmt: skip
+        variants = [("fwd", "fwd", loop, lambda loop: K._launch_fwd(
+            view, None, query, norm_weight, HEADS, EPS, 1.0, **loop._asdict()))
+            for loop in fwd_loops]  # fmt: skip
+        variants += [("bwd_history", "bwd_history", loop, lambda loop: K._launch_bwd(
+            grad_out, view, None, query, norm_weight, lse, HEADS, EPS, 1.0, gsrc, True,
+            **loop._asdict())) for loop in bwd_loops]  # fmt: skip
+        for mode, key, loop, launch in variants:
+            t = bench(lambda: launch(loop), graph=True)
             frac = nb[key]["moved"] / t["ms"] / 1e6 / copy_gbps
-            rows.append({"case": case.name, "mode": mode, "block_t": bt, "warps": w, "prefetch": pre,
-                         "stages": st, **t, "frac_copy_moved": frac})  # fmt: skip
-            print(f"  sweep {case.name:15s} {mode:11s} BT={bt:2d} w={w} prefetch={pre:d} stages={st} "
-                  f"{t['ms']:8.3f} ms {frac:5.2f}", flush=True)  # fmt: skip
+            rows.append({"case": case.name, "mode": mode, **loop._asdict(), **t,
+                         "frac_copy_moved": frac})  # fmt: skip
+            print(f"  sweep {case.name:15s} {mode:11s} {tuple(loop)} {t['ms']:8.3f} ms {frac:5.2f}",
+                  flush=True)  # fmt: skip
     return rows
 
 
@@ -392,7 +424,8 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/routing_h200.json")
     parser.add_argument("--logit-scale", type=float, default=1.0)
     parser.add_argument("--impls", default="triton,eager,compile")
-    parser.add_argument("--sections", default="site,step", help="comma list of site, step")
+    parser.add_argument("--sections", default="host,site,step",
+                        help="comma list of host, site, step")
     parser.add_argument("--sweep", action="store_true", help="also sweep tile size and warps")
     parser.add_argument("--lookahead-groups", default="0",
                         help="comma list of lookahead group sizes for the step section (0 = auto)")
@@ -429,6 +462,9 @@ def main():
     sections = args.sections.split(",")
     if args.sweep:
         report["sweep"] = run_sweep(copy_gbps)
+        save()
+    if "host" in sections:
+        report["host"] = run_host()
         save()
     if "site" in sections:
         report["site"] = []

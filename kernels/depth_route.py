@@ -79,6 +79,7 @@ def _route_fwd_kernel(
     STORE_EXTRA: tl.constexpr,
     PREFETCH: tl.constexpr,
     STAGES: tl.constexpr,
+    EVICT_SRC: tl.constexpr,
 ):
     i_t = tl.program_id(0)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -109,7 +110,7 @@ def _route_fwd_kernel(
         b_m, b_l, b_acc = _route_fwd_step(b_vn.to(tl.float32), b_w, b_m, b_l, b_acc, eps, scale, D)
     else:
         for _ in tl.range(0, N, num_stages=STAGES):
-            b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+            b_v = tl.load(p_v, mask=m_v, other=0.0, eviction_policy=EVICT_SRC).to(tl.float32)
             b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D)
             p_v += stride_vn
     if HAS_EXTRA:
@@ -184,6 +185,8 @@ def _route_bwd_kernel(
     ACCUMULATE: tl.constexpr,
     PREFETCH: tl.constexpr,
     STAGES: tl.constexpr,
+    EVICT_KEEP: tl.constexpr,
+    EVICT_STREAM: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -226,7 +229,7 @@ def _route_bwd_kernel(
             b_l, b_ld = _route_bwd_sums(b_vn.to(tl.float32), b_w, b_do, b_lse, b_l, b_ld, eps, scale, D)
         else:
             for _ in tl.range(0, N, num_stages=STAGES):
-                b_v = tl.load(p_vn, mask=m_v, other=0.0).to(tl.float32)
+                b_v = tl.load(p_vn, mask=m_v, other=0.0, eviction_policy=EVICT_KEEP).to(tl.float32)
                 b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D)
                 p_vn += stride_vn
         if HAS_EXTRA:
@@ -236,11 +239,11 @@ def _route_bwd_kernel(
 
         p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
         for _ in tl.range(0, N, num_stages=STAGES):
-            b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+            b_v = tl.load(p_v, mask=m_v, other=0.0, eviction_policy=EVICT_STREAM).to(tl.float32)
             b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D)
             if ACCUMULATE:
-                b_dv += tl.load(p_dv, mask=m_v, other=0.0).to(tl.float32)
-            tl.store(p_dv, b_dv.to(DV_ptr.dtype.element_ty), mask=m_v)
+                b_dv += tl.load(p_dv, mask=m_v, other=0.0, eviction_policy=EVICT_STREAM).to(tl.float32)
+            tl.store(p_dv, b_dv.to(DV_ptr.dtype.element_ty), mask=m_v, eviction_policy=EVICT_STREAM)
             p_v += stride_vn
             p_dv += stride_dvn
         if HAS_EXTRA:
@@ -301,42 +304,45 @@ class LoopConfig(NamedTuple):
     num_warps: int
     prefetch: bool  # the next source's load held in registers (manual double buffer)
     stages: int  # source loads pipelined through shared memory (tl.range num_stages)
+    l2_reuse: bool = False  # L2 eviction hints: keep what a later read of this program needs
+    programs_per_sm: int = 4  # backward grid cap (programs stride over the token tiles)
 
-    def override(self, block_t=None, num_warps=None, prefetch=None, stages=None) -> "LoopConfig":
+    def override(self, **fields) -> "LoopConfig":
         """This config with the given fields replaced (None keeps the default)."""
-        if block_t is num_warps is prefetch is stages is None:
+        if not fields:
             return self  # the model's path: no new tuple per launch
-        return LoopConfig(
-            block_t or self.block_t,
-            num_warps or self.num_warps,
-            self.prefetch if prefetch is None else prefetch,
-            stages or self.stages,
-        )
+        return self._replace(**{k: v for k, v in fields.items() if v is not None})
 
 
 @functools.lru_cache(maxsize=None)
 def _fwd_config(padded_d: int) -> LoopConfig:
-    """Forward: 8K fp32 per tile (64 per thread at 4 warps), source loads pipelined three
+    """Forward: 4K fp32 per tile at 2 warps (64 per thread), source loads pipelined three
     deep through shared memory.
 
-    Measured on H200 at the paper shapes (benchmarks/bench_routing.py --sweep): three
-    stages reach 0.88 / 0.90 / 0.62 / 0.74 of copy bandwidth at 100M / 350M / 1B / 8B,
-    where the register prefetch reached 0.78 / 0.78 / 0.54 / 0.63 (two stages: no gain);
-    larger tiles or 8 warps lose 5-25% at every width.
+    Measured on H200 at the paper shapes from CUDA graphs (benchmarks/bench_routing.py
+    --sweep, benchmarks/results/routing_h200_sweep.json): 0.98 / 1.00 / 0.67 / 0.82 of
+    copy bandwidth at the 100M / 350M / 1B / 8B final sites, against 0.97 / 0.99 / 0.65 /
+    0.76 for twice the tile at 4 warps (the same 64 per thread) and 0.85 / 0.85 / 0.57 /
+    0.64 for a register prefetch of the next source instead of the pipeline; two stages
+    lose 15-20%, four tie; 8 warps lose; evict-first hints on the loads change nothing.
     """
-    return LoopConfig(max(1, 8192 // padded_d), 4, False, 3)
+    block_t = max(1, 4096 // padded_d)
+    return LoopConfig(block_t, max(2, min(8, block_t * padded_d // 2048)), False, 3)
 
 
 @functools.lru_cache(maxsize=None)
 def _bwd_config(padded_d: int) -> LoopConfig:
     """Backward: 2K fp32 per tile (it holds dout, v, dw and the gradient), 4 warps, both
-    source loops pipelined two deep (0.82 / 0.81 / 0.62 of copy bandwidth at 100M / 350M /
-    1B, against 0.73 / 0.76 / 0.55 with the register prefetch; three stages lose). At
-    D = 4096 one token, 8 warps and plain loops: prefetch (1.61 ms) and two or three
-    stages (2.02 / 1.38 ms) all lose to them (1.30 ms) at the 8B shape."""
+    source loops pipelined two deep (0.82 / 0.82 / 0.62 of copy bandwidth at 100M / 350M /
+    1B, against 0.73 / 0.76 / 0.55 with the register prefetch; one or three stages lose
+    10-15%, 2 programs per SM 30%, 8 programs per SM, the L2 hints or twice the tile at 8
+    warps tie or lose). At D = 4096 one token, 8 warps, plain loops, the L2 hints (pass 2
+    rereads what pass 1 asked L2 to keep; the gradient streams) and 2 programs per SM:
+    1.22 ms at the 8B shape, against 1.31 ms without the hints, 1.38 ms with three
+    stages and 1.55 ms with the register prefetch."""
     block_t = max(1, 2048 // padded_d)
     if block_t * padded_d > 2048:
-        return LoopConfig(block_t, 8, False, 1)
+        return LoopConfig(block_t, 8, False, 1, l2_reuse=True, programs_per_sm=2)
     return LoopConfig(block_t, 4, False, 2)
 
 
@@ -376,7 +382,7 @@ def _launch_fwd(
 ):  # fmt: skip
     t, n, d = sources.shape
     head_dim, bh, bhd = _tile(d, num_heads)
-    block_t, num_warps, prefetch, stages = _fwd_config(bh * bhd).override(**loop)
+    block_t, num_warps, prefetch, stages, l2_reuse, _ = _fwd_config(bh * bhd).override(**loop)
     out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
     lse = torch.empty((t, num_heads), dtype=torch.float32, device=sources.device)
     if t == 0:
@@ -390,7 +396,7 @@ def _launch_fwd(
         eps, logit_scale,
         D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd,
         HAS_EXTRA=extra is not None, STORE_EXTRA=store_extra, PREFETCH=prefetch and n > 0,
-        STAGES=stages,
+        STAGES=stages, EVICT_SRC="evict_first" if l2_reuse else "",
         num_warps=num_warps,
     )  # fmt: skip
     return out, lse
@@ -398,11 +404,13 @@ def _launch_fwd(
 
 def _launch_bwd(
     grad_out, sources, extra, query, norm_weight, lse, num_heads, eps, logit_scale,
-    grad_sources, accumulate, extra_row=False, programs_per_sm=4, **loop,
+    grad_sources, accumulate, extra_row=False, **loop,
 ):  # fmt: skip
     t, n, d = sources.shape
     head_dim, bh, bhd = _tile(d, num_heads)
-    block_t, num_warps, prefetch, stages = _bwd_config(bh * bhd).override(**loop)
+    block_t, num_warps, prefetch, stages, l2_reuse, programs_per_sm = _bwd_config(
+        bh * bhd
+    ).override(**loop)
     prefetch = prefetch and n > 0
     device = sources.device
     has_extra = extra_row or extra is not None
@@ -426,6 +434,10 @@ def _launch_bwd(
             D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd,
             HAS_EXTRA=has_extra, EXTRA_ROW=extra_row, ACCUMULATE=accumulate, PREFETCH=prefetch,
             STAGES=stages,
+            # Pass 2 rereads the tile pass 1 just read: ask L2 to keep those lines and to
+            # stream everything read or written once.
+            EVICT_KEEP="evict_last" if l2_reuse else "",
+            EVICT_STREAM="evict_first" if l2_reuse else "",
             num_warps=num_warps,
         )  # fmt: skip
     else:
