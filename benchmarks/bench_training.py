@@ -27,9 +27,10 @@ parameters, grad buffers, optimizer states, activations. cuBLAS workspaces are c
 before the first reading so that no model is charged for them.
 
 Also reported: the baseline's MFU, memory ratios to the baseline, and, after the timed
-rounds, one profiled step per model that splits CUDA time into the routing kernels'
-forward and backward and everything else, next to the step's wall time (their ratio
-shows how far the host, not the GPU, bounds the step).
+rounds, per model the forward and backward of one micro-batch timed apart (as issued by
+the host and as completed: ``micro_batch_host_split``) and one profiled step that splits
+CUDA time into the routing kernels' forward and backward and everything else, next to the
+step's wall time (their ratio shows how far the host, not the GPU, bounds the step).
 """
 
 import argparse
@@ -192,6 +193,28 @@ def _profile_step(ddp, optimizer, case, batches):
             "routing_fraction": routing / max(cuda, 1e-9), "cuda_busy_fraction": cuda / (wall * 1e3)}
 
 
+def _host_split(trainer, device: str, repeats: int = 3):
+    """Median ms of one micro-batch's forward and of its backward, as issued (when the
+    host returns) and as completed (after synchronising). Issued close to completed means
+    the host bounds that phase; their difference between two models is host time."""
+    tokens, labels, positions = trainer.batches[0]
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        loss = trainer.ddp(tokens, positions, None, labels=labels).float().mean()
+        issued = time.perf_counter()
+        _sync(device)
+        done = time.perf_counter()
+        loss.backward()
+        back_issued = time.perf_counter()
+        _sync(device)
+        times.append((issued - start, done - start, back_issued - done, time.perf_counter() - done))
+    trainer.ddp.zero_grad_buffer()  # the next step starts from zero gradients anyway
+    names = ("forward_issued_ms", "forward_ms", "backward_issued_ms", "backward_ms")
+    return {name: statistics.median(column) * 1e3 for name, column in zip(names, zip(*times))}
+
+
 @dataclasses.dataclass
 class _Trainer:
     ddp: object
@@ -293,6 +316,7 @@ def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profi
         }
         if peaks[name] is not None:
             entry["peak_memory_gib"] = peaks[name]
+        entry["micro_batch_host_split"] = _host_split(trainer, device)
         if profile and device == "cuda":
             entry["profile"] = _profile_step(trainer.ddp, trainer.optimizer, case, trainer.batches)
         results[name] = entry
