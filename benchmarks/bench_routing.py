@@ -426,10 +426,16 @@ def main():
     parser.add_argument("--impls", default="triton,eager,compile")
     parser.add_argument("--sections", default="host,site,step",
                         help="comma list of host, site, step")
-    parser.add_argument("--sweep", action="store_true", help="also sweep tile size and warps")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also sweep the kernels' launch configs (CUDA graphs)")
     parser.add_argument("--lookahead-groups", default="0",
                         help="comma list of lookahead group sizes for the step section (0 = auto)")
     args = parser.parse_args()
+    unknown = [x for x in args.sections.split(",") if x not in ("host", "site", "step")]
+    unknown += [x for x in args.impls.split(",") if x not in ("triton", "eager", "compile")]
+    if unknown:
+        parser.error(f"unknown sections/impls {unknown}: sections are host, site, step; "
+                     "impls are triton, eager, compile")
     if not torch.cuda.is_available():
         raise SystemExit("bench_routing.py needs a CUDA device")
     impls = args.impls.split(",")
