@@ -419,6 +419,57 @@ def run_sweep(copy_gbps):
     return rows
 
 
+def run_lookahead_sweep(copy_gbps):
+    """Phase 1 of the lookahead schedule at each model's deepest group (the largest n0),
+    around the default launch configs, timed from CUDA graphs: the forward's sites per
+    program, tokens, warps and stages; the backward's tokens, warps, stages and programs
+    per SM (its dL/dw kernel is included in the time)."""
+    rows = []
+    for case in STEP_CASES:
+        if case.variant != "full":
+            continue
+        sites = len(case.site_sources())
+        group = auto_group_size(sites)
+        n0 = sites - group + 1
+        g = torch.Generator(device="cuda").manual_seed(0)
+        kw = dict(device="cuda", generator=g)
+        buf = torch.randn(case.t, n0, case.d, **kw).to(DTYPE)
+        gbuf = torch.zeros(case.t, n0, case.d, device="cuda")
+        scale = 2.0 / (case.d // HEADS) ** 0.5
+        qs = (scale * torch.randn(group, case.d, **kw)).to(DTYPE)
+        ws = (1 + 0.3 * torch.randn(group, case.d, **kw)).to(DTYPE)
+        grad_outs = torch.randn(group, case.t, case.d, **kw).to(DTYPE)
+        m, l, acc = LA.group_forward(buf, qs, ws, HEADS, EPS, 1.0)
+        lse = (m + l.log()).contiguous()
+        deltas = torch.randn(group, case.t, HEADS, **kw)
+        _, bh, bhd = K._tile(case.d, HEADS)
+        spp, fwd = LA._group_fwd_config(bh * bhd, group)
+        bwd = LA._group_bwd_config(bh * bhd)
+        es = buf.element_size()
+        read = n0 * case.t * case.d * es
+        partials = group * case.t * (case.d + 2 * HEADS) * 4
+        fwd_bytes = read + partials
+        # rows (kernel and dL/dw pass), their fp32 gradient read and written, the grad outputs.
+        bwd_bytes = 2 * read + 8 * n0 * case.t * case.d + group * case.t * case.d * es
+        fwd_variants = [(spp, {})] + [(k, {}) for k in (1, 2, 4, 8) if k != spp and k <= group] + [
+            (spp, dict(num_warps=4)), (spp, dict(num_warps=8)), (spp, dict(stages=2)),
+            (spp, dict(stages=4)), (spp, dict(block_t=2 * fwd.block_t, num_warps=4))]  # fmt: skip
+        bwd_variants = [{}, dict(num_warps=2), dict(num_warps=8), dict(stages=1), dict(stages=3),
+                        dict(programs_per_sm=2), dict(programs_per_sm=8),
+                        dict(block_t=max(1, bwd.block_t // 2)), dict(block_t=2 * bwd.block_t, num_warps=8)]  # fmt: skip
+        variants = [("group_fwd", fwd_bytes, dict(sites_per_program=k, **o), lambda k=k, o=o: LA.group_forward(
+            buf, qs, ws, HEADS, EPS, 1.0, sites_per_program=k, **o)) for k, o in fwd_variants]  # fmt: skip
+        variants += [("group_bwd", bwd_bytes, o, lambda o=o: LA.group_backward(
+            grad_outs, buf, qs, ws, lse, deltas, HEADS, EPS, 1.0, gbuf, **o)) for o in bwd_variants]  # fmt: skip
+        for mode, nbytes, cfg, launch in variants:
+            t = bench(launch, graph=True)
+            frac = nbytes / t["ms"] / 1e6 / copy_gbps
+            rows.append({"case": case.name, "mode": mode, "group": group, "n0": n0, "config": cfg,
+                         **t, "bytes": nbytes, "frac_copy": frac})  # fmt: skip
+            print(f"  la-sweep {case.name:5s} {mode:9s} {cfg} {t['ms']:8.3f} ms {frac:5.2f}", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/routing_h200.json")
@@ -428,14 +479,16 @@ def main():
                         help="comma list of host, site, step")
     parser.add_argument("--sweep", action="store_true",
                         help="also sweep the kernels' launch configs (CUDA graphs)")
+    parser.add_argument("--sweep-lookahead", action="store_true",
+                        help="also sweep the lookahead phase-1 kernels' launch configs")
     parser.add_argument("--lookahead-groups", default="0",
                         help="comma list of lookahead group sizes for the step section (0 = auto)")
     args = parser.parse_args()
     unknown = [x for x in args.sections.split(",") if x not in ("host", "site", "step")]
-    unknown += [x for x in args.impls.split(",") if x not in ("triton", "eager", "compile")]
+    unknown += [x for x in args.impls.split(",") if x not in ("triton", "eager", "compile", "lookahead")]
     if unknown:
         parser.error(f"unknown sections/impls {unknown}: sections are host, site, step; "
-                     "impls are triton, eager, compile")
+                     "impls are triton, eager, compile, lookahead")
     if not torch.cuda.is_available():
         raise SystemExit("bench_routing.py needs a CUDA device")
     impls = args.impls.split(",")
@@ -468,6 +521,9 @@ def main():
     sections = args.sections.split(",")
     if args.sweep:
         report["sweep"] = run_sweep(copy_gbps)
+        save()
+    if args.sweep_lookahead:
+        report["lookahead_sweep"] = run_lookahead_sweep(copy_gbps)
         save()
     if "host" in sections:
         report["host"] = run_host()

@@ -21,13 +21,14 @@ dquery/dnorm are reduced over tokens in two deterministic stages (per-program pa
 then a fixed-order sum), as in ``depth_route.py``; no atomics.
 """
 
+import functools
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .depth_route import _check_sources, _num_sms, _route_fwd_step, _route_logits, _tile
+from .depth_route import LoopConfig, _check_sources, _num_sms, _route_fwd_step, _route_logits, _tile
 
 
 @triton.jit
@@ -62,9 +63,13 @@ def _group_fwd_kernel(
     BH: tl.constexpr,
     BHD: tl.constexpr,
     BG: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    i_t = tl.program_id(0)
-    i_g = tl.program_id(1)
+    # Site chunks vary fastest over the 1-D grid: the chunks of one token tile run side by
+    # side, so a row the first reads from memory the others find in L2.
+    n_chunks = tl.cdiv(NG, BG)
+    i_g = tl.program_id(0) % n_chunks
+    i_t = tl.program_id(0) // n_chunks
     o_t = i_t * BT + tl.arange(0, BT)
     o_g = i_g * BG + tl.arange(0, BG)
     o_h = tl.arange(0, BH)
@@ -87,7 +92,7 @@ def _group_fwd_kernel(
     b_l = tl.zeros([BG, BT, BH], dtype=tl.float32)
     b_acc = tl.zeros([BG, BT, BH, BHD], dtype=tl.float32)
     p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
-    for _ in range(N):
+    for _ in tl.range(0, N, num_stages=STAGES):
         b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
         _, _, b_s = _group_logits(b_v, b_w, eps, scale, D)
         b_m_new = tl.maximum(b_m, b_s)
@@ -237,16 +242,14 @@ def _merge_bwd_kernel(
 @triton.jit
 def _group_bwd_kernel(
     V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
-    Q_ptr,  # [NG, D] pseudo-queries, contiguous
-    G_ptr,  # [NG, D] norm weights, contiguous
+    W_ptr,  # [NG, D] fp32 folded queries w = q * g^ of the sites, contiguous
     DO_ptr,  # [NG, T, D] gradients of the sites' outputs, contiguous
     LSE_ptr,  # [NG, T, H] fp32 log-sum-exp of each site
     DELTA_ptr,  # [NG, T, H] fp32 delta of each site (from its merge backward)
     DV_ptr,  # [T, N, D] fp32 gradients of the old rows (+=), strides (stride_dvt, stride_dvn, 1)
-    DW_ptr,  # [P, NG, D] fp32 per-program partial dL/dw of each site
+    RDS_ptr,  # [NG, T, N, H] fp32 out: tau * r * ds of each site, token, row and head
     T,
     N,
-    NG,
     site_lo,
     site_hi,
     num_tiles,
@@ -262,63 +265,104 @@ def _group_bwd_kernel(
     BT: tl.constexpr,
     BH: tl.constexpr,
     BHD: tl.constexpr,
-    BG: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
-    o_g = tl.arange(0, BG)
     o_h = tl.arange(0, BH)
     o_k = tl.arange(0, BHD)
     o_d = o_h[:, None] * HD + o_k[None, :]
     m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
-    m_g = o_g < NG
-    # Sites outside [site_lo, site_hi) (not merged in this graph) and padding: lse = +inf
-    # and do = delta = 0 make their every contribution an exact zero.
-    m_gs = m_g & (o_g >= site_lo) & (o_g < site_hi)
-    o_g64 = o_g.to(tl.int64)
-
-    p_w = o_g64[:, None, None] * D + o_d[None, :, :]
-    m_w = m_g[:, None, None] & m_d[None, :, :]
-    b_g = tl.load(G_ptr + p_w, mask=m_w, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
-    b_w = tl.load(Q_ptr + p_w, mask=m_w, other=0.0).to(tl.float32) * b_g
-    b_dw = tl.zeros([BG, BH, BHD], dtype=tl.float32)
 
     for i_t in range(i_p, num_tiles, n_p):
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
         m_v = m_t[:, None, None] & m_d[None, :, :]
+        m_th = m_t[:, None] & (o_h < H)[None, :]
         o_t64 = o_t.to(tl.int64)
-        o_gt = o_g64[:, None] * T + o_t64[None, :]
-        m_gt = m_gs[:, None] & m_t[None, :]
-        p_do = DO_ptr + o_gt[:, :, None, None] * D + o_d[None, None, :, :]
-        b_do = tl.load(p_do, mask=m_gt[:, :, None, None] & m_d[None, None, :, :], other=0.0).to(tl.float32)
-        p_th = o_gt[:, :, None] * H + o_h[None, None, :]
-        m_th = m_gt[:, :, None] & (o_h < H)[None, None, :]
-        b_lse = tl.load(LSE_ptr + p_th, mask=m_th, other=float("inf"))
-        b_delta = tl.load(DELTA_ptr + p_th, mask=m_th, other=0.0)
         p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
         p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
-        for _ in range(N):
+        for i_n in tl.range(0, N, num_stages=STAGES):
             b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
-            b_r, b_dot, b_s = _group_logits(b_v, b_w, eps, scale, D)
-            b_p = tl.exp(b_s - b_lse)
-            b_ds = b_p * (tl.sum(b_do * b_v[None, :, :, :], axis=3) - b_delta)
-            b_c = tl.sum(b_ds * b_dot, axis=2) * (b_r * b_r / D)[None, :]
-            b_rs = (b_r * scale)[None, :, None, None]
-            b_dvg = b_p[:, :, :, None] * b_do + b_rs * (
-                b_ds[:, :, :, None] * b_w[:, None, :, :] - b_c[:, :, None, None] * b_v[None, :, :, :]
-            )
-            b_dw += tl.sum(b_rs * b_ds[:, :, :, None] * b_v[None, :, :, :], axis=1)
-            # Add the sites one by one, last first: the same order whatever site_range is.
+            b_r = tl.rsqrt(tl.sum(tl.sum(b_v * b_v, axis=2), axis=1) / D + eps)
+            b_rs = b_r * scale
             b_dv = tl.load(p_dv, mask=m_v, other=0.0)
-            for k in tl.static_range(BG):
-                b_dv += tl.sum(tl.where(o_g[:, None, None, None] == BG - 1 - k, b_dvg, 0.0), axis=0)
+            # The sites one by one, last first, in a loop that is not unrolled: a site's
+            # do, lse, delta and w are loaded where they are used (L1/L2 hits after the
+            # first row), so no per-site tile or address stays live across the rows. Only
+            # the sites of site_range run: a group whose backward a checkpointed chunk
+            # splits adds the same terms in the same order as a whole one.
+            for j in range(site_lo, site_hi):
+                i_g = site_lo + site_hi - 1 - j
+                o_gt = i_g * T + o_t64
+                b_w = tl.load(W_ptr + i_g * D + o_d, mask=m_d, other=0.0)
+                b_do = tl.load(DO_ptr + o_gt[:, None, None] * D + o_d[None, :, :], mask=m_v, other=0.0)
+                b_do = b_do.to(tl.float32)
+                p_th = o_gt[:, None] * H + o_h[None, :]
+                b_lse = tl.load(LSE_ptr + p_th, mask=m_th, other=0.0)
+                b_delta = tl.load(DELTA_ptr + p_th, mask=m_th, other=0.0)
+                b_dot = tl.sum(b_v * b_w[None, :, :], axis=2)
+                b_p = tl.exp(b_dot * b_rs[:, None] - b_lse)
+                b_ds = b_p * (tl.sum(b_do * b_v, axis=2) - b_delta)
+                b_c = tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
+                b_dv += b_p[:, :, None] * b_do + b_rs[:, None, None] * (
+                    b_ds[:, :, None] * b_w[None, :, :] - b_c[:, None, None] * b_v
+                )
+                # dL/dw needs tau r ds per site for every row: G accumulators of width D do
+                # not fit beside the tile, so _group_dw_kernel forms the products later.
+                p_rds = RDS_ptr + (o_gt[:, None] * N + i_n) * H + o_h[None, :]
+                tl.store(p_rds, b_rs[:, None] * b_ds, mask=m_th)
             tl.store(p_dv, b_dv, mask=m_v)
             p_v += stride_vn
             p_dv += stride_dvn
 
-    p_dw = DW_ptr + (i_p * NG + o_g64)[:, None, None] * D + o_d[None, :, :]
-    tl.store(p_dw, b_dw, mask=m_w)
+
+@triton.jit
+def _group_dw_kernel(
+    V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
+    RDS_ptr,  # [NG, T, N, H] fp32 tau * r * ds from _group_bwd_kernel
+    DW_ptr,  # [P, NG, D] fp32 out: per-program partial dL/dw of the sites in range
+    T,
+    N,
+    NG,
+    site_lo,
+    site_hi,
+    stride_vt,
+    stride_vn,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    HD: tl.constexpr,
+    BT: tl.constexpr,
+    BHD: tl.constexpr,
+    BS: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """dL/dw of head i_h: sum over tokens and rows of (tau r ds)[site, token, row, h] times
+    the row's head-h columns; program i_p strides over the token tiles, fixed order."""
+    i_h = tl.program_id(0)
+    i_p = tl.program_id(1)
+    n_p = tl.num_programs(1)
+    o_k = tl.arange(0, BHD)
+    m_k = o_k < HD
+    o_s = tl.arange(0, BS)
+    o_g = site_lo + o_s
+    m_s = o_g < site_hi
+    b_acc = tl.zeros([BS, BT, BHD], dtype=tl.float32)
+    for i_t in range(i_p, tl.cdiv(T, BT), n_p):
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        o_t64 = o_t.to(tl.int64)
+        p_v = V_ptr + o_t64[:, None] * stride_vt + i_h * HD + o_k[None, :]
+        p_rds = RDS_ptr + ((o_g.to(tl.int64)[:, None] * T + o_t64[None, :]) * N) * H + i_h
+        m_rds = m_s[:, None] & m_t[None, :]
+        for _ in tl.range(0, N, num_stages=STAGES):
+            b_v = tl.load(p_v, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_rds = tl.load(p_rds, mask=m_rds, other=0.0)
+            b_acc += b_rds[:, :, None] * b_v[None, :, :]
+            p_v += stride_vn
+            p_rds += H
+    p_dw = DW_ptr + (i_p * NG + o_g)[:, None] * D + i_h * HD + o_k[None, :]
+    tl.store(p_dw, tl.sum(b_acc, axis=1), mask=m_s[:, None] & m_k[None, :])
 
 
 @triton.jit
@@ -356,10 +400,44 @@ def _dw_reduce_kernel(
 # ---------------------------------------------------------------------------------------
 
 
-def _group_tile(padded_d: int, sites: int, elements: int) -> Tuple[int, int]:
-    """(tokens per program, warps) for a [sites, BT, padded D] tile of about ``elements``."""
-    block_t = max(1, elements // (sites * padded_d))
-    return block_t, 8 if sites * block_t * padded_d > 4096 else 4
+@functools.lru_cache(maxsize=None)
+def _group_fwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
+    """(sites per program, launch config) of phase 1: the G accumulators of a token take
+    sites * padded_d fp32, so a program holds about 4K of them (as the per-site forward's
+    tile, 64 per thread at 2 warps) and the sites that do not fit go to sibling programs,
+    which read the same rows through L2."""
+    sites_per_program = max(1, min(triton.next_power_of_2(sites), 4096 // padded_d))
+    block_t = max(1, 4096 // (sites_per_program * padded_d))
+    return sites_per_program, LoopConfig(block_t, 2, False, 3)
+
+
+@functools.lru_cache(maxsize=None)
+def _group_bwd_config(padded_d: int) -> LoopConfig:
+    """Phase-1 backward: the per-site backward's tile (about 2K, 4 warps, two stages)."""
+    return LoopConfig(max(1, 2048 // padded_d), 4, False, 2)
+
+
+def _group_dw(sources, rds, lo, hi, num_heads):
+    """[P, G, D] fp32 partials of dL/dw (rows ``lo:hi`` of the site axis filled) from the
+    rows and tau r ds; about 4 programs per SM over the token tiles of each head."""
+    t, n, d = sources.shape
+    g = rds.shape[0]
+    head_dim = d // num_heads
+    block_hd = triton.next_power_of_2(head_dim)
+    block_s = triton.next_power_of_2(hi - lo)
+    block_t = max(1, min(16, 4096 // (block_s * block_hd)))
+    num_tiles = triton.cdiv(t, block_t)
+    per_head = max(1, min(num_tiles, 4 * _num_sms(sources.device) // num_heads))
+    dw = torch.empty((per_head, g, d), dtype=torch.float32, device=sources.device)
+    if t == 0:
+        dw.zero_()
+    else:
+        _group_dw_kernel[(num_heads, per_head)](
+            sources, rds, dw, t, n, g, lo, hi, sources.stride(0), sources.stride(1),
+            D=d, H=num_heads, HD=head_dim, BT=block_t, BHD=block_hd, BS=block_s, STAGES=3,
+            num_warps=4,
+        )  # fmt: skip
+    return dw
 
 
 def _reduce_dw(dw, sources, queries, norm_weights):
@@ -386,16 +464,16 @@ def group_forward(
     eps: float,
     logit_scale: float,
     sites_per_program: Optional[int] = None,
-    block_t: Optional[int] = None,
-    num_warps: Optional[int] = None,
+    **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Phase 1: partials of G sites over the old rows, each row read once per token tile.
 
     Args:
         sources: [T, N, D] view of the old rows (N >= 1), unit stride over D.
         queries, norm_weights: [G, D].
-        sites_per_program: sites held by one program (default: all G, one read of each row);
-            fewer split the sites over a second grid axis (G / sites_per_program reads).
+        sites_per_program: sites held by one program (default: as many as about 4K fp32
+            accumulators allow); the others go to sibling programs of the same token tile.
+        loop: :class:`LoopConfig` fields overriding the default launch (benchmarks).
 
     Returns:
         (m [G, T, H], l [G, T, H], acc [G, T, D]) fp32 online-softmax partials.
@@ -407,19 +485,22 @@ def group_forward(
         raise ValueError("group_forward needs at least one old row")
     queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
     head_dim, bh, bhd = _tile(d, num_heads)
-    bg = triton.next_power_of_2(sites_per_program or g)
-    cfg_t, cfg_w = _group_tile(bh * bhd, bg, 8192)
-    block_t, num_warps = block_t or cfg_t, num_warps or cfg_w
+    default_sites, config = _group_fwd_config(bh * bhd, g)
+    bg = triton.next_power_of_2(sites_per_program or default_sites)
+    if sites_per_program:  # keep the tile's size: fewer sites, more tokens
+        config = config._replace(block_t=max(1, 4096 // (bg * bh * bhd)))
+    block_t, num_warps, _, stages, _, _ = config.override(**loop)
     kw = dict(dtype=torch.float32, device=sources.device)
     m = torch.empty((g, t, num_heads), **kw)
     l = torch.empty((g, t, num_heads), **kw)
     acc = torch.empty((g, t, d), **kw)
     if t == 0:
         return m, l, acc
-    _group_fwd_kernel[(triton.cdiv(t, block_t), triton.cdiv(g, bg))](
+    _group_fwd_kernel[(triton.cdiv(t, block_t) * triton.cdiv(g, bg),)](
         sources, queries, norm_weights, m, l, acc,
         t, n, g, sources.stride(0), sources.stride(1), eps, float(logit_scale),
-        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, BG=bg, num_warps=num_warps,
+        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, BG=bg, STAGES=stages,
+        num_warps=num_warps,
     )  # fmt: skip
     return m, l, acc
 
@@ -514,9 +595,7 @@ def group_backward(
     logit_scale: float,
     grad_sources: torch.Tensor,
     site_range: Optional[Tuple[int, int]] = None,
-    programs_per_sm: int = 4,
-    block_t: Optional[int] = None,
-    num_warps: Optional[int] = None,
+    **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Backward of phase 1: the gradients of the sites ``site_range`` (default all) to
     the old rows, added into the fp32 view ``grad_sources`` [T, N, D], each row read once.
@@ -524,6 +603,7 @@ def group_backward(
     Args:
         grad_outs: [G, T, D] contiguous gradients of the sites' outputs.
         queries, norm_weights: [G, D]; lse, delta: [G, T, H] fp32 contiguous.
+        loop: :class:`LoopConfig` fields overriding the default launch (benchmarks).
 
     Returns:
         (grad_query, grad_norm_weight) fp32 [hi - lo, D] for the sites in ``site_range``.
@@ -541,23 +621,23 @@ def group_backward(
         )
     queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
     grad_outs, lse, delta = grad_outs.contiguous(), lse.contiguous(), delta.contiguous()
+    # w = q * g^ in fp32, g^ rounded to the activation dtype: the product the kernels form.
+    folded = queries.float() * norm_weights.to(sources.dtype).float()
     head_dim, bh, bhd = _tile(d, num_heads)
-    bg = triton.next_power_of_2(g)
-    cfg_t, cfg_w = _group_tile(bh * bhd, bg, 2048)
-    block_t, num_warps = block_t or cfg_t, num_warps or cfg_w
+    block_t, num_warps, _, stages, _, programs_per_sm = _group_bwd_config(bh * bhd).override(**loop)
     device = sources.device
     num_tiles = triton.cdiv(t, block_t)
     num_programs = _backward_programs(num_tiles, device, programs_per_sm)
-    dw = torch.empty((num_programs, g, d), dtype=torch.float32, device=device)
+    rds = torch.empty((g, t, n, num_heads), dtype=torch.float32, device=device)
     if t > 0:
         _group_bwd_kernel[(num_programs,)](
-            sources, queries, norm_weights, grad_outs, lse, delta, grad_sources, dw,
-            t, n, g, lo, hi, num_tiles,
+            sources, folded, grad_outs, lse, delta, grad_sources, rds,
+            t, n, lo, hi, num_tiles,
             sources.stride(0), sources.stride(1), grad_sources.stride(0), grad_sources.stride(1),
             eps, float(logit_scale),
-            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, BG=bg, num_warps=num_warps,
+            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages,
+            num_warps=num_warps,
         )  # fmt: skip
-    else:
-        dw.zero_()
+    dw = _group_dw(sources, rds, lo, hi, num_heads)
     dq, dg = _reduce_dw(dw, sources, queries, norm_weights)
     return dq[lo:hi], dg[lo:hi]
