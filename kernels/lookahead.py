@@ -32,16 +32,6 @@ from .depth_route import LoopConfig, _check_sources, _num_sms, _route_fwd_step, 
 
 
 @triton.jit
-def _group_logits(b_v, b_w, eps, scale, D: tl.constexpr):
-    """[BT, BH, BHD] source tile, [BG, BH, BHD] folded queries -> (inverse RMS [BT],
-    head dots [BG, BT, BH], logits [BG, BT, BH])."""
-    b_r = tl.rsqrt(tl.sum(tl.sum(b_v * b_v, axis=2), axis=1) / D + eps)
-    b_dot = tl.sum(b_v[None, :, :, :] * b_w[:, None, :, :], axis=3)
-    b_s = b_dot * (b_r * scale)[None, :, None]
-    return b_r, b_dot, b_s
-
-
-@triton.jit
 def _group_fwd_kernel(
     V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
     Q_ptr,  # [NG, D] pseudo-queries of the group's sites, contiguous
@@ -71,46 +61,50 @@ def _group_fwd_kernel(
     i_g = tl.program_id(0) % n_chunks
     i_t = tl.program_id(0) // n_chunks
     o_t = i_t * BT + tl.arange(0, BT)
-    o_g = i_g * BG + tl.arange(0, BG)
     o_h = tl.arange(0, BH)
     o_k = tl.arange(0, BHD)
     o_d = o_h[:, None] * HD + o_k[None, :]
     m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
     m_t = o_t < T
-    m_g = o_g < NG
     m_v = m_t[:, None, None] & m_d[None, :, :]
     o_t64 = o_t.to(tl.int64)
-    o_g64 = o_g.to(tl.int64)
 
-    # Folded queries w = q * g^ of the program's sites, g^ rounded to the activation dtype.
-    p_w = o_g64[:, None, None] * D + o_d[None, :, :]
-    m_w = m_g[:, None, None] & m_d[None, :, :]
-    b_g = tl.load(G_ptr + p_w, mask=m_w, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
-    b_w = tl.load(Q_ptr + p_w, mask=m_w, other=0.0).to(tl.float32) * b_g
-
-    b_m = tl.full([BG, BT, BH], float("-inf"), tl.float32)
-    b_l = tl.zeros([BG, BT, BH], dtype=tl.float32)
-    b_acc = tl.zeros([BG, BT, BH, BHD], dtype=tl.float32)
+    # Per site of the chunk a folded query w = q * g^ (g^ rounded to the activation dtype)
+    # and an online-softmax state, held in tuples: every tensor is a [BT, BH, BHD] tile in
+    # the layout of the row loads, as in the per-site forward, so the head reductions stay
+    # inside a warp and nothing is converted between layouts.
+    b_ws = ()
+    b_ms = ()
+    b_ls = ()
+    b_accs = ()
+    for j in tl.static_range(BG):
+        i_site = i_g * BG + j
+        m_w = m_d & (tl.full([BH, BHD], i_site, tl.int32) < NG)
+        b_g = tl.load(G_ptr + i_site * D + o_d, mask=m_w, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
+        b_ws = b_ws + (tl.load(Q_ptr + i_site * D + o_d, mask=m_w, other=0.0).to(tl.float32) * b_g,)
+        b_ms = b_ms + (tl.full([BT, BH], float("-inf"), tl.float32),)
+        b_ls = b_ls + (tl.zeros([BT, BH], dtype=tl.float32),)
+        b_accs = b_accs + (tl.zeros([BT, BH, BHD], dtype=tl.float32),)
     p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
     for _ in tl.range(0, N, num_stages=STAGES):
         b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
-        _, _, b_s = _group_logits(b_v, b_w, eps, scale, D)
-        b_m_new = tl.maximum(b_m, b_s)
-        b_alpha = tl.exp(b_m - b_m_new)
-        b_p = tl.exp(b_s - b_m_new)
-        b_l = b_l * b_alpha + b_p
-        b_acc = b_acc * b_alpha[:, :, :, None] + b_p[:, :, :, None] * b_v[None, :, :, :]
-        b_m = b_m_new
+        for j in tl.static_range(BG):
+            b_m, b_l, b_acc = _route_fwd_step(b_v, b_ws[j], b_ms[j], b_ls[j], b_accs[j], eps, scale, D)
+            b_ms = b_ms[:j] + (b_m,) + b_ms[j + 1 :]
+            b_ls = b_ls[:j] + (b_l,) + b_ls[j + 1 :]
+            b_accs = b_accs[:j] + (b_acc,) + b_accs[j + 1 :]
         p_v += stride_vn
 
-    o_gt = o_g64[:, None] * T + o_t64[None, :]  # [BG, BT] row of the [NG, T, .] outputs
-    m_gt = m_g[:, None] & m_t[None, :]
-    p_ml = o_gt[:, :, None] * H + o_h[None, None, :]
-    m_ml = m_gt[:, :, None] & (o_h < H)[None, None, :]
-    tl.store(M_ptr + p_ml, b_m, mask=m_ml)
-    tl.store(L_ptr + p_ml, b_l, mask=m_ml)
-    p_a = o_gt[:, :, None, None] * D + o_d[None, None, :, :]
-    tl.store(A_ptr + p_a, b_acc, mask=m_gt[:, :, None, None] & m_d[None, None, :, :])
+    for j in tl.static_range(BG):
+        i_site = i_g * BG + j
+        o_gt = i_site * T + o_t64  # row of the [NG, T, .] outputs
+        m_site = m_t & (tl.full([BT], i_site, tl.int32) < NG)
+        m_ml = m_site[:, None] & (o_h < H)[None, :]
+        p_ml = o_gt[:, None] * H + o_h[None, :]
+        tl.store(M_ptr + p_ml, b_ms[j], mask=m_ml)
+        tl.store(L_ptr + p_ml, b_ls[j], mask=m_ml)
+        m_a = m_site[:, None, None] & m_d[None, :, :]
+        tl.store(A_ptr + o_gt[:, None, None] * D + o_d[None, :, :], b_accs[j], mask=m_a)
 
 
 @triton.jit
@@ -265,7 +259,6 @@ def _group_bwd_kernel(
     BT: tl.constexpr,
     BH: tl.constexpr,
     BHD: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -282,11 +275,18 @@ def _group_bwd_kernel(
         o_t64 = o_t.to(tl.int64)
         p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
         p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
-        for i_n in tl.range(0, N, num_stages=STAGES):
-            b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+        # The site loop inside keeps the row loop from being pipelined: the next row's
+        # loads are issued by hand before this row is worked on (the last row reloads itself).
+        b_vn = tl.load(p_v, mask=m_v, other=0.0)
+        b_dvn = tl.load(p_dv, mask=m_v, other=0.0)
+        for i_n in range(N):
+            b_v = b_vn.to(tl.float32)
+            b_dv = b_dvn
+            has_next = i_n + 1 < N
+            b_vn = tl.load(p_v + stride_vn * has_next, mask=m_v, other=0.0)
+            b_dvn = tl.load(p_dv + stride_dvn * has_next, mask=m_v, other=0.0)
             b_r = tl.rsqrt(tl.sum(tl.sum(b_v * b_v, axis=2), axis=1) / D + eps)
             b_rs = b_r * scale
-            b_dv = tl.load(p_dv, mask=m_v, other=0.0)
             # The sites one by one, last first, in a loop that is not unrolled: a site's
             # do, lse, delta and w are loaded where they are used (L1/L2 hits after the
             # first row), so no per-site tile or address stays live across the rows. Only
@@ -295,18 +295,18 @@ def _group_bwd_kernel(
             for j in range(site_lo, site_hi):
                 i_g = site_lo + site_hi - 1 - j
                 o_gt = i_g * T + o_t64
-                b_w = tl.load(W_ptr + i_g * D + o_d, mask=m_d, other=0.0)
+                b_w = tl.load(W_ptr + i_g * D + o_d[None, :, :], mask=m_d[None, :, :], other=0.0)
                 b_do = tl.load(DO_ptr + o_gt[:, None, None] * D + o_d[None, :, :], mask=m_v, other=0.0)
                 b_do = b_do.to(tl.float32)
                 p_th = o_gt[:, None] * H + o_h[None, :]
                 b_lse = tl.load(LSE_ptr + p_th, mask=m_th, other=0.0)
                 b_delta = tl.load(DELTA_ptr + p_th, mask=m_th, other=0.0)
-                b_dot = tl.sum(b_v * b_w[None, :, :], axis=2)
+                b_dot = tl.sum(b_v * b_w, axis=2)
                 b_p = tl.exp(b_dot * b_rs[:, None] - b_lse)
                 b_ds = b_p * (tl.sum(b_do * b_v, axis=2) - b_delta)
                 b_c = tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
                 b_dv += b_p[:, :, None] * b_do + b_rs[:, None, None] * (
-                    b_ds[:, :, None] * b_w[None, :, :] - b_c[:, None, None] * b_v
+                    b_ds[:, :, None] * b_w - b_c[:, None, None] * b_v
                 )
                 # dL/dw needs tau r ds per site for every row: G accumulators of width D do
                 # not fit beside the tile, so _group_dw_kernel forms the products later.
@@ -406,15 +406,17 @@ def _group_fwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
     sites * padded_d fp32, so a program holds about 4K of them (as the per-site forward's
     tile, 64 per thread at 2 warps) and the sites that do not fit go to sibling programs,
     which read the same rows through L2."""
-    sites_per_program = max(1, min(triton.next_power_of_2(sites), 4096 // padded_d))
+    sites_per_program = max(1, min(sites, 4096 // padded_d))
     block_t = max(1, 4096 // (sites_per_program * padded_d))
     return sites_per_program, LoopConfig(block_t, 2, False, 3)
 
 
 @functools.lru_cache(maxsize=None)
 def _group_bwd_config(padded_d: int) -> LoopConfig:
-    """Phase-1 backward: the per-site backward's tile (about 2K, 4 warps, two stages)."""
-    return LoopConfig(max(1, 2048 // padded_d), 4, False, 2)
+    """Phase-1 backward: the per-site backward's tile (about 2K, 4 warps); the next row is
+    prefetched into registers (the loop over the sites inside keeps the row loop from
+    being pipelined)."""
+    return LoopConfig(max(1, 2048 // padded_d), 4, True, 1)
 
 
 def _group_dw(sources, rds, lo, hi, num_heads):
@@ -486,7 +488,7 @@ def group_forward(
     queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
     head_dim, bh, bhd = _tile(d, num_heads)
     default_sites, config = _group_fwd_config(bh * bhd, g)
-    bg = triton.next_power_of_2(sites_per_program or default_sites)
+    bg = min(g, sites_per_program or default_sites)
     if sites_per_program:  # keep the tile's size: fewer sites, more tokens
         config = config._replace(block_t=max(1, 4096 // (bg * bh * bhd)))
     block_t, num_warps, _, stages, _, _ = config.override(**loop)
@@ -624,7 +626,7 @@ def group_backward(
     # w = q * g^ in fp32, g^ rounded to the activation dtype: the product the kernels form.
     folded = queries.float() * norm_weights.to(sources.dtype).float()
     head_dim, bh, bhd = _tile(d, num_heads)
-    block_t, num_warps, _, stages, _, programs_per_sm = _group_bwd_config(bh * bhd).override(**loop)
+    block_t, num_warps, _, _, _, programs_per_sm = _group_bwd_config(bh * bhd).override(**loop)
     device = sources.device
     num_tiles = triton.cdiv(t, block_t)
     num_programs = _backward_programs(num_tiles, device, programs_per_sm)
@@ -635,8 +637,7 @@ def group_backward(
             t, n, lo, hi, num_tiles,
             sources.stride(0), sources.stride(1), grad_sources.stride(0), grad_sources.stride(1),
             eps, float(logit_scale),
-            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages,
-            num_warps=num_warps,
+            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, num_warps=num_warps,
         )  # fmt: skip
     dw = _group_dw(sources, rds, lo, hi, num_heads)
     dq, dg = _reduce_dw(dw, sources, queries, norm_weights)
