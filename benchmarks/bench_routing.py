@@ -422,8 +422,8 @@ def run_sweep(copy_gbps):
 def run_lookahead_sweep(copy_gbps):
     """Phase 1 of the lookahead schedule at each model's deepest group (the largest n0),
     around the default launch configs, timed from CUDA graphs: the forward's sites per
-    program, tokens, warps and stages; the backward's tokens, warps, stages and programs
-    per SM (its dL/dw kernel is included in the time)."""
+    program, tokens, warps and stages; the backward's sites per launch, tokens, warps,
+    stages and programs per SM."""
     rows = []
     for case in STEP_CASES:
         if case.variant != "full":
@@ -444,19 +444,19 @@ def run_lookahead_sweep(copy_gbps):
         deltas = torch.randn(group, case.t, HEADS, **kw)
         _, bh, bhd = K._tile(case.d, HEADS)
         spp, fwd = LA._group_fwd_config(bh * bhd, group)
-        bwd = LA._group_bwd_config(bh * bhd)
+        bwd_spp, bwd = LA._group_bwd_config(bh * bhd, group)
         es = buf.element_size()
         read = n0 * case.t * case.d * es
         partials = group * case.t * (case.d + 2 * HEADS) * 4
         fwd_bytes = read + partials
-        # rows (kernel and dL/dw pass), their fp32 gradient read and written, the grad outputs.
-        bwd_bytes = 2 * read + 8 * n0 * case.t * case.d + group * case.t * case.d * es
+        # rows, their fp32 gradient read and written, the grad outputs (one launch's bytes).
+        bwd_bytes = read + 8 * n0 * case.t * case.d + group * case.t * case.d * es
         fwd_variants = [(spp, {})] + [(k, {}) for k in (1, 2, 4, 8) if k != spp and k <= group] + [
             (spp, dict(num_warps=4)), (spp, dict(num_warps=8)), (spp, dict(stages=2)),
             (spp, dict(stages=4)), (spp, dict(block_t=2 * fwd.block_t, num_warps=4))]  # fmt: skip
-        bwd_variants = [{}, dict(num_warps=2), dict(num_warps=8), dict(stages=1), dict(stages=3),
-                        dict(programs_per_sm=2), dict(programs_per_sm=8),
-                        dict(block_t=max(1, bwd.block_t // 2)), dict(block_t=2 * bwd.block_t, num_warps=8)]  # fmt: skip
+        bwd_variants = [{}, dict(num_warps=12 - bwd.num_warps), dict(stages=1), dict(stages=3),
+                        dict(programs_per_sm=2), dict(programs_per_sm=8), dict(block_t=2 * bwd.block_t)]
+        bwd_variants += [dict(sites_per_program=k) for k in (1, 2, 4, 8) if k != bwd_spp and k <= group]  # fmt: skip
         variants = [("group_fwd", fwd_bytes, dict(sites_per_program=k, **o), lambda k=k, o=o: LA.group_forward(
             buf, qs, ws, HEADS, EPS, 1.0, sites_per_program=k, **o)) for k, o in fwd_variants]  # fmt: skip
         variants += [("group_bwd", bwd_bytes, o, lambda o=o: LA.group_backward(

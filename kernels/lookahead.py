@@ -241,11 +241,12 @@ def _group_bwd_kernel(
     LSE_ptr,  # [NG, T, H] fp32 log-sum-exp of each site
     DELTA_ptr,  # [NG, T, H] fp32 delta of each site (from its merge backward)
     DV_ptr,  # [T, N, D] fp32 gradients of the old rows (+=), strides (stride_dvt, stride_dvn, 1)
-    RDS_ptr,  # [NG, T, N, H] fp32 out: tau * r * ds of each site, token, row and head
+    DW_ptr,  # [P, NG, D] fp32 per-program partial dL/dw of each site
     T,
     N,
-    site_lo,
-    site_hi,
+    NG,
+    chunk_lo,
+    chunk_hi,
     num_tiles,
     stride_vt,
     stride_vn,
@@ -259,7 +260,13 @@ def _group_bwd_kernel(
     BT: tl.constexpr,
     BH: tl.constexpr,
     BHD: tl.constexpr,
+    SG: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
+    """The gradients of the sites [chunk_lo, chunk_hi) (at most SG) to the old rows. Slot j
+    holds site chunk_hi - 1 - j, so the sites are added last first; slots below chunk_lo
+    load lse = +inf and do = delta = 0 and add exact zeros. Chunks run last first, so any
+    split of a group into chunks or site ranges adds the same terms in the same order."""
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
     o_h = tl.arange(0, BH)
@@ -267,102 +274,57 @@ def _group_bwd_kernel(
     o_d = o_h[:, None] * HD + o_k[None, :]
     m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
 
+    # Per slot: w, and (per token tile) do, lse and delta, held in tuples of tiles in the
+    # layout of the row loads, with a dL/dw accumulator: the row loop reads only v and dv.
+    b_ws = ()
+    b_dws = ()
+    for j in tl.static_range(SG):
+        m_w = m_d & (tl.full([BH, BHD], chunk_hi - 1 - j, tl.int32) >= chunk_lo)
+        b_ws = b_ws + (tl.load(W_ptr + (chunk_hi - 1 - j) * D + o_d, mask=m_w, other=0.0)[None, :, :],)
+        b_dws = b_dws + (tl.zeros([BT, BH, BHD], dtype=tl.float32),)
+
     for i_t in range(i_p, num_tiles, n_p):
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
         m_v = m_t[:, None, None] & m_d[None, :, :]
-        m_th = m_t[:, None] & (o_h < H)[None, :]
         o_t64 = o_t.to(tl.int64)
+        b_dos = ()
+        b_lses = ()
+        b_deltas = ()
+        for j in tl.static_range(SG):
+            m_s = m_t & (tl.full([BT], chunk_hi - 1 - j, tl.int32) >= chunk_lo)
+            o_gt = (chunk_hi - 1 - j) * T + o_t64
+            p_do = DO_ptr + o_gt[:, None, None] * D + o_d[None, :, :]
+            b_do = tl.load(p_do, mask=m_s[:, None, None] & m_d[None, :, :], other=0.0)
+            b_dos = b_dos + (b_do.to(tl.float32),)
+            p_th = o_gt[:, None] * H + o_h[None, :]
+            m_th = m_s[:, None] & (o_h < H)[None, :]
+            b_lses = b_lses + (tl.load(LSE_ptr + p_th, mask=m_th, other=float("inf")),)
+            b_deltas = b_deltas + (tl.load(DELTA_ptr + p_th, mask=m_th, other=0.0),)
         p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
         p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
-        # The site loop inside keeps the row loop from being pipelined: the next row's
-        # loads are issued by hand before this row is worked on (the last row reloads itself).
-        b_vn = tl.load(p_v, mask=m_v, other=0.0)
-        b_dvn = tl.load(p_dv, mask=m_v, other=0.0)
-        for i_n in range(N):
-            b_v = b_vn.to(tl.float32)
-            b_dv = b_dvn
-            has_next = i_n + 1 < N
-            b_vn = tl.load(p_v + stride_vn * has_next, mask=m_v, other=0.0)
-            b_dvn = tl.load(p_dv + stride_dvn * has_next, mask=m_v, other=0.0)
+        for _ in tl.range(0, N, num_stages=STAGES):
+            b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
             b_r = tl.rsqrt(tl.sum(tl.sum(b_v * b_v, axis=2), axis=1) / D + eps)
             b_rs = b_r * scale
-            # The sites one by one, last first, in a loop that is not unrolled: a site's
-            # do, lse, delta and w are loaded where they are used (L1/L2 hits after the
-            # first row), so no per-site tile or address stays live across the rows. Only
-            # the sites of site_range run: a group whose backward a checkpointed chunk
-            # splits adds the same terms in the same order as a whole one.
-            for j in range(site_lo, site_hi):
-                i_g = site_lo + site_hi - 1 - j
-                o_gt = i_g * T + o_t64
-                b_w = tl.load(W_ptr + i_g * D + o_d[None, :, :], mask=m_d[None, :, :], other=0.0)
-                b_do = tl.load(DO_ptr + o_gt[:, None, None] * D + o_d[None, :, :], mask=m_v, other=0.0)
-                b_do = b_do.to(tl.float32)
-                p_th = o_gt[:, None] * H + o_h[None, :]
-                b_lse = tl.load(LSE_ptr + p_th, mask=m_th, other=0.0)
-                b_delta = tl.load(DELTA_ptr + p_th, mask=m_th, other=0.0)
-                b_dot = tl.sum(b_v * b_w, axis=2)
-                b_p = tl.exp(b_dot * b_rs[:, None] - b_lse)
-                b_ds = b_p * (tl.sum(b_do * b_v, axis=2) - b_delta)
+            b_dv = tl.load(p_dv, mask=m_v, other=0.0)
+            for j in tl.static_range(SG):
+                b_dot = tl.sum(b_v * b_ws[j], axis=2)
+                b_p = tl.exp(b_dot * b_rs[:, None] - b_lses[j])
+                b_ds = b_p * (tl.sum(b_dos[j] * b_v, axis=2) - b_deltas[j])
                 b_c = tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
-                b_dv += b_p[:, :, None] * b_do + b_rs[:, None, None] * (
-                    b_ds[:, :, None] * b_w - b_c[:, None, None] * b_v
+                b_dv += b_p[:, :, None] * b_dos[j] + b_rs[:, None, None] * (
+                    b_ds[:, :, None] * b_ws[j] - b_c[:, None, None] * b_v
                 )
-                # dL/dw needs tau r ds per site for every row: G accumulators of width D do
-                # not fit beside the tile, so _group_dw_kernel forms the products later.
-                p_rds = RDS_ptr + (o_gt[:, None] * N + i_n) * H + o_h[None, :]
-                tl.store(p_rds, b_rs[:, None] * b_ds, mask=m_th)
+                b_dw = b_dws[j] + b_rs[:, None, None] * b_ds[:, :, None] * b_v
+                b_dws = b_dws[:j] + (b_dw,) + b_dws[j + 1 :]
             tl.store(p_dv, b_dv, mask=m_v)
             p_v += stride_vn
             p_dv += stride_dvn
 
-
-@triton.jit
-def _group_dw_kernel(
-    V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
-    RDS_ptr,  # [NG, T, N, H] fp32 tau * r * ds from _group_bwd_kernel
-    DW_ptr,  # [P, NG, D] fp32 out: per-program partial dL/dw of the sites in range
-    T,
-    N,
-    NG,
-    site_lo,
-    site_hi,
-    stride_vt,
-    stride_vn,
-    D: tl.constexpr,
-    H: tl.constexpr,
-    HD: tl.constexpr,
-    BT: tl.constexpr,
-    BHD: tl.constexpr,
-    BS: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """dL/dw of head i_h: sum over tokens and rows of (tau r ds)[site, token, row, h] times
-    the row's head-h columns; program i_p strides over the token tiles, fixed order."""
-    i_h = tl.program_id(0)
-    i_p = tl.program_id(1)
-    n_p = tl.num_programs(1)
-    o_k = tl.arange(0, BHD)
-    m_k = o_k < HD
-    o_s = tl.arange(0, BS)
-    o_g = site_lo + o_s
-    m_s = o_g < site_hi
-    b_acc = tl.zeros([BS, BT, BHD], dtype=tl.float32)
-    for i_t in range(i_p, tl.cdiv(T, BT), n_p):
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < T
-        o_t64 = o_t.to(tl.int64)
-        p_v = V_ptr + o_t64[:, None] * stride_vt + i_h * HD + o_k[None, :]
-        p_rds = RDS_ptr + ((o_g.to(tl.int64)[:, None] * T + o_t64[None, :]) * N) * H + i_h
-        m_rds = m_s[:, None] & m_t[None, :]
-        for _ in tl.range(0, N, num_stages=STAGES):
-            b_v = tl.load(p_v, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_rds = tl.load(p_rds, mask=m_rds, other=0.0)
-            b_acc += b_rds[:, :, None] * b_v[None, :, :]
-            p_v += stride_vn
-            p_rds += H
-    p_dw = DW_ptr + (i_p * NG + o_g)[:, None] * D + i_h * HD + o_k[None, :]
-    tl.store(p_dw, tl.sum(b_acc, axis=1), mask=m_s[:, None] & m_k[None, :])
+    for j in tl.static_range(SG):
+        m_w = m_d & (tl.full([BH, BHD], chunk_hi - 1 - j, tl.int32) >= chunk_lo)
+        tl.store(DW_ptr + (i_p * NG + chunk_hi - 1 - j) * D + o_d, tl.sum(b_dws[j], axis=0), mask=m_w)
 
 
 @triton.jit
@@ -412,34 +374,14 @@ def _group_fwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
 
 
 @functools.lru_cache(maxsize=None)
-def _group_bwd_config(padded_d: int) -> LoopConfig:
-    """Phase-1 backward: the per-site backward's tile (about 2K, 4 warps); the next row is
-    prefetched into registers (the loop over the sites inside keeps the row loop from
-    being pipelined)."""
-    return LoopConfig(max(1, 2048 // padded_d), 4, True, 1)
-
-
-def _group_dw(sources, rds, lo, hi, num_heads):
-    """[P, G, D] fp32 partials of dL/dw (rows ``lo:hi`` of the site axis filled) from the
-    rows and tau r ds; about 4 programs per SM over the token tiles of each head."""
-    t, n, d = sources.shape
-    g = rds.shape[0]
-    head_dim = d // num_heads
-    block_hd = triton.next_power_of_2(head_dim)
-    block_s = triton.next_power_of_2(hi - lo)
-    block_t = max(1, min(16, 4096 // (block_s * block_hd)))
-    num_tiles = triton.cdiv(t, block_t)
-    per_head = max(1, min(num_tiles, 4 * _num_sms(sources.device) // num_heads))
-    dw = torch.empty((per_head, g, d), dtype=torch.float32, device=sources.device)
-    if t == 0:
-        dw.zero_()
-    else:
-        _group_dw_kernel[(num_heads, per_head)](
-            sources, rds, dw, t, n, g, lo, hi, sources.stride(0), sources.stride(1),
-            D=d, H=num_heads, HD=head_dim, BT=block_t, BHD=block_hd, BS=block_s, STAGES=3,
-            num_warps=4,
-        )  # fmt: skip
-    return dw
+def _group_bwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
+    """(sites per launch, launch config) of the phase-1 backward. A program holds, per
+    site, w, do and a dL/dw accumulator of its token tile: about 32 fp32 each per thread
+    (8K per kind at 8 warps); sites beyond that run in a further launch over the rows."""
+    block_t = max(1, 1024 // padded_d)
+    sites_per_launch = max(1, min(sites, 8192 // (block_t * padded_d)))
+    num_warps = 8 if sites_per_launch * block_t * padded_d > 4096 else 4
+    return sites_per_launch, LoopConfig(block_t, num_warps, False, 2)
 
 
 def _reduce_dw(dw, sources, queries, norm_weights):
@@ -597,6 +539,7 @@ def group_backward(
     logit_scale: float,
     grad_sources: torch.Tensor,
     site_range: Optional[Tuple[int, int]] = None,
+    sites_per_program: Optional[int] = None,
     **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Backward of phase 1: the gradients of the sites ``site_range`` (default all) to
@@ -605,6 +548,8 @@ def group_backward(
     Args:
         grad_outs: [G, T, D] contiguous gradients of the sites' outputs.
         queries, norm_weights: [G, D]; lse, delta: [G, T, H] fp32 contiguous.
+        sites_per_program: sites per launch (default: as registers allow); the launches
+            run over the rows last chunk first.
         loop: :class:`LoopConfig` fields overriding the default launch (benchmarks).
 
     Returns:
@@ -626,19 +571,23 @@ def group_backward(
     # w = q * g^ in fp32, g^ rounded to the activation dtype: the product the kernels form.
     folded = queries.float() * norm_weights.to(sources.dtype).float()
     head_dim, bh, bhd = _tile(d, num_heads)
-    block_t, num_warps, _, _, _, programs_per_sm = _group_bwd_config(bh * bhd).override(**loop)
+    default_sites, config = _group_bwd_config(bh * bhd, g)
+    sg = min(g, sites_per_program or default_sites)
+    block_t, num_warps, _, stages, _, programs_per_sm = config.override(**loop)
     device = sources.device
     num_tiles = triton.cdiv(t, block_t)
     num_programs = _backward_programs(num_tiles, device, programs_per_sm)
-    rds = torch.empty((g, t, n, num_heads), dtype=torch.float32, device=device)
-    if t > 0:
+    dw = torch.empty((num_programs, g, d), dtype=torch.float32, device=device)
+    if t == 0:
+        dw.zero_()
+    for chunk_hi in range(hi, lo, -sg) if t > 0 else ():  # chunks of sites, last first
         _group_bwd_kernel[(num_programs,)](
-            sources, folded, grad_outs, lse, delta, grad_sources, rds,
-            t, n, lo, hi, num_tiles,
+            sources, folded, grad_outs, lse, delta, grad_sources, dw,
+            t, n, g, max(lo, chunk_hi - sg), chunk_hi, num_tiles,
             sources.stride(0), sources.stride(1), grad_sources.stride(0), grad_sources.stride(1),
             eps, float(logit_scale),
-            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, num_warps=num_warps,
+            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, SG=sg, STAGES=stages,
+            num_warps=num_warps,
         )  # fmt: skip
-    dw = _group_dw(sources, rds, lo, hi, num_heads)
     dq, dg = _reduce_dw(dw, sources, queries, norm_weights)
     return dq[lo:hi], dg[lo:hi]
