@@ -376,12 +376,15 @@ def _group_fwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
 @functools.lru_cache(maxsize=None)
 def _group_bwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
     """(sites per launch, launch config) of the phase-1 backward. A program holds, per
-    site, w, do and a dL/dw accumulator of its token tile: about 32 fp32 each per thread
-    (8K per kind at 8 warps); sites beyond that run in a further launch over the rows."""
+    site, w, do and a dL/dw accumulator of its token tile; up to 8K fp32 of each kind per
+    program, 4 warps, row loads pipelined three deep. Sites beyond that run in a further
+    launch over the rows. Measured on H200 at each model's deepest group
+    (benchmarks/results/routing_h200_lookahead.json, sweep): three stages against two
+    0.90 / 2.58 / 3.08 ms against 1.29 / 3.23 / 4.23 ms at 100M / 350M / 1B, 4 warps
+    against 8 1.79 / 3.51 ms at 350M / 1B; one site per launch loses 2x."""
     block_t = max(1, 1024 // padded_d)
     sites_per_launch = max(1, min(sites, 8192 // (block_t * padded_d)))
-    num_warps = 8 if sites_per_launch * block_t * padded_d > 4096 else 4
-    return sites_per_launch, LoopConfig(block_t, num_warps, False, 2)
+    return sites_per_launch, LoopConfig(block_t, 4, False, 3)
 
 
 def _reduce_dw(dw, sources, queries, norm_weights):

@@ -179,10 +179,23 @@ def test_deterministic(t, n0, g, d):
 
 
 def test_sites_per_program_split():
-    """Phase 1 with the sites split over a second grid axis gives the same partials."""
+    """Phase 1 with the sites split over sibling programs, and its backward with the sites
+    split over launches, give the same bits as one program / one launch per token tile."""
     t, n0, g, d, heads = _tokens(4), 3, 5, 512, 8
-    buffer, queries, norms, _ = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
-    whole = fused.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0)
-    split = fused.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0, sites_per_program=2)
+    buffer, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
+    rows = buffer[:, :n0]
+    whole = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=g, block_t=1)
+    split = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=2, block_t=1)
     for a, b in zip(whole, split):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert torch.equal(a, b)
+    lse = (whole[0] + whole[1].log()).contiguous()
+    delta = torch.randn(g, t, heads, device=DEVICE)
+    grads = []
+    for sites in (g, 2, 1):
+        grad_rows = torch.zeros(rows.shape, device=DEVICE)
+        dq, dg = fused.group_backward(grad_outs, rows, queries, norms, lse, delta, heads, EPS, 1.0,
+                                      grad_rows, sites_per_program=sites)  # fmt: skip
+        grads.append((grad_rows, dq, dg))
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert torch.equal(a, b)
