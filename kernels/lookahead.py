@@ -6,14 +6,16 @@ four functions, same signatures); the schedule, the derivation and the memory ar
 
 - ``group_forward``: phase 1. One pass over the old rows ``[T, N, D]`` computes, for the
   G sites of a group at once, the online-softmax partials (running max ``m``, denominator
-  ``l``, unnormalised fp32 accumulator ``acc``). Each program holds a ``[BG, BT, BH, BHD]``
-  tile (sites x tokens x heads x head width), so each row is read once per token tile.
+  ``l``, unnormalised fp32 accumulator ``acc``). Each program holds the states of a chunk
+  of the sites for a token tile, as tuples of ``[BT, BH, BHD]`` tiles; the chunks of one
+  token tile run side by side, so each row comes from memory about once per token tile.
 - ``merge_forward``: one site folds the rows written since the group started into its
   partial and writes the output and its log-sum-exp ``[T, H]``.
 - ``merge_backward``: one site's new rows in a single pass, with ``delta[h] = do . out`` per
   head taken from the routed output (as in flash attention) instead of a second pass.
-- ``group_backward``: every site's gradient to the old rows in one pass; each row's fp32
-  gradient is read and written once per group. The sites' contributions are added in a
+- ``group_backward``: every site's gradient to the old rows; each row and its fp32
+  gradient are read (and the gradient written) once per launch, one launch per chunk of
+  sites (one chunk at 100M and 350M, two at 1B). The sites' contributions are added in a
   fixed order (last site first), and sites outside ``site_range`` contribute exact zeros,
   so a group whose backward a checkpointed chunk splits gives bit-identical gradients.
 
