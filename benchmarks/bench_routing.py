@@ -388,12 +388,12 @@ def run_sweep(copy_gbps):
     rows = []
     for case in SWEEP_CASES:
         sources, query, norm_weight, grad_out = site_inputs(case, 1.0)
-        _, bh, bhd = K._tile(case.d, HEADS)
+        width = K._tile_width(case.d, HEADS)
         view = sources.transpose(0, 1)
         gsrc = torch.zeros(sources.shape, device="cuda").transpose(0, 1)
         nb = site_bytes(case)
         _, lse = K.route_forward(view, None, query, norm_weight, HEADS, EPS, 1.0)
-        fwd, bwd = K._fwd_config(bh * bhd), K._bwd_config(bh * bhd)
+        fwd, bwd = K._fwd_config(width), K._bwd_config(width)
         # The default first, then one change at a time.
         fwd_loops = [fwd, fwd.override(prefetch=True, stages=1), fwd.override(stages=2),
                      fwd.override(stages=4), fwd.override(l2_reuse=not fwd.l2_reuse),

@@ -33,24 +33,61 @@ import triton.language as tl
 
 
 @triton.jit
-def _route_logits(b_v, b_w, eps, scale, D: tl.constexpr):
-    """[BT, BH, BHD] source tile -> (inverse RMS [BT], head dots [BT, BH], logits [BT, BH])."""
-    b_r = tl.rsqrt(tl.sum(tl.sum(b_v * b_v, axis=2), axis=1) / D + eps)
-    b_dot = tl.sum(b_v * b_w[None, :, :], axis=2)
+def _load_tile(p, mask, BHD: tl.constexpr, C: tl.constexpr, EVICT: tl.constexpr):
+    """The C chunks of a [BT, BH, C * BHD] tile as loaded, chunk c at ``p + c * BHD``."""
+    tile = ()
+    for c in tl.static_range(C):
+        tile = tile + (tl.load(p + c * BHD, mask=mask, other=0.0, eviction_policy=EVICT),)
+    return tile
+
+
+@triton.jit
+def _to_f32(tile, C: tl.constexpr):
+    out = ()
+    for c in tl.static_range(C):
+        out = out + (tile[c].to(tl.float32),)
+    return out
+
+
+@triton.jit
+def _store_tile(p, tile, mask, dtype: tl.constexpr, BHD: tl.constexpr, C: tl.constexpr, EVICT: tl.constexpr):
+    for c in tl.static_range(C):
+        tl.store(p + c * BHD, tile[c].to(dtype), mask=mask, eviction_policy=EVICT)
+
+
+@triton.jit
+def _head_sum(b_a, b_b, C: tl.constexpr):
+    """Per-head dot products [BT, BH] of two chunked tiles (``b_b`` chunks may be [BH, BHD])."""
+    b_s = tl.sum(b_a[0] * b_b[0], axis=2)
+    for c in tl.static_range(1, C):
+        b_s += tl.sum(b_a[c] * b_b[c], axis=2)
+    return b_s
+
+
+@triton.jit
+def _route_logits(b_v, b_w, eps, scale, D: tl.constexpr, C: tl.constexpr):
+    """Chunked [BT, BH, BHD] source tile, [BH, BHD] folded-query chunks -> (inverse RMS
+    [BT], head dots [BT, BH], logits [BT, BH])."""
+    b_r = tl.rsqrt(tl.sum(_head_sum(b_v, b_v, C), axis=1) / D + eps)
+    b_dot = tl.sum(b_v[0] * b_w[0][None, :, :], axis=2)
+    for c in tl.static_range(1, C):
+        b_dot += tl.sum(b_v[c] * b_w[c][None, :, :], axis=2)
     b_s = b_dot * (b_r * scale)[:, None]
     return b_r, b_dot, b_s
 
 
 @triton.jit
-def _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D: tl.constexpr):
+def _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D: tl.constexpr, C: tl.constexpr):
     """Merge one source tile into the running (max, denominator, weighted sum)."""
-    _, _, b_s = _route_logits(b_v, b_w, eps, scale, D)
+    _, _, b_s = _route_logits(b_v, b_w, eps, scale, D, C)
     b_m_new = tl.maximum(b_m, b_s)
     b_alpha = tl.exp(b_m - b_m_new)
     b_p = tl.exp(b_s - b_m_new)
     b_l = b_l * b_alpha + b_p
-    b_acc = b_acc * b_alpha[:, :, None] + b_p[:, :, None] * b_v
-    return b_m_new, b_l, b_acc
+    acc = ()
+    for c in tl.static_range(C):
+        acc = acc + (b_acc[c] * b_alpha[:, :, None] + b_p[:, :, None] * b_v[c],)
+    return b_m_new, b_l, acc
 
 
 @triton.jit
@@ -75,6 +112,7 @@ def _route_fwd_kernel(
     BT: tl.constexpr,
     BH: tl.constexpr,
     BHD: tl.constexpr,
+    C: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
     STORE_EXTRA: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -85,71 +123,82 @@ def _route_fwd_kernel(
     o_t = i_t * BT + tl.arange(0, BT)
     o_h = tl.arange(0, BH)
     o_k = tl.arange(0, BHD)
-    o_d = o_h[:, None] * HD + o_k[None, :]
+    o_d = o_h[:, None] * HD + o_k[None, :]  # chunk 0 of each head; chunk c is + c * BHD
     m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
     m_t = o_t < T
     m_v = m_t[:, None, None] & m_d[None, :, :]
     o_t64 = o_t.to(tl.int64)
 
     # The reference rounds g to the activation dtype before multiplying the key by it.
-    b_g = tl.load(G_ptr + o_d, mask=m_d, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
-    b_w = tl.load(Q_ptr + o_d, mask=m_d, other=0.0).to(tl.float32) * b_g
+    b_g = _to_f32(_load_tile(G_ptr + o_d, m_d, BHD, C, ""), C)
+    b_q = _to_f32(_load_tile(Q_ptr + o_d, m_d, BHD, C, ""), C)
+    b_w = ()
+    for c in tl.static_range(C):
+        b_w = b_w + (b_q[c] * b_g[c].to(V_ptr.dtype.element_ty).to(tl.float32),)
 
     b_m = tl.full([BT, BH], float("-inf"), tl.float32)
     b_l = tl.zeros([BT, BH], dtype=tl.float32)
-    b_acc = tl.zeros([BT, BH, BHD], dtype=tl.float32)
+    b_acc = ()
+    for c in tl.static_range(C):
+        b_acc = b_acc + (tl.zeros([BT, BH, BHD], dtype=tl.float32),)
     p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
     if PREFETCH:
         # Keep the next source's load in flight while this one is reduced.
-        b_vn = tl.load(p_v, mask=m_v, other=0.0)
+        b_vn = _load_tile(p_v, m_v, BHD, C, "")
         for _ in range(1, N):
-            b_v = b_vn.to(tl.float32)
+            b_v = _to_f32(b_vn, C)
             p_v += stride_vn
-            b_vn = tl.load(p_v, mask=m_v, other=0.0)
-            b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D)
-        b_m, b_l, b_acc = _route_fwd_step(b_vn.to(tl.float32), b_w, b_m, b_l, b_acc, eps, scale, D)
+            b_vn = _load_tile(p_v, m_v, BHD, C, "")
+            b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D, C)
+        b_m, b_l, b_acc = _route_fwd_step(_to_f32(b_vn, C), b_w, b_m, b_l, b_acc, eps, scale, D, C)
     else:
         for _ in tl.range(0, N, num_stages=STAGES):
-            b_v = tl.load(p_v, mask=m_v, other=0.0, eviction_policy=EVICT_SRC).to(tl.float32)
-            b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D)
+            b_v = _to_f32(_load_tile(p_v, m_v, BHD, C, EVICT_SRC), C)
+            b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D, C)
             p_v += stride_vn
     if HAS_EXTRA:
-        p_e = E_ptr + o_t64[:, None, None] * stride_et + o_d[None, :, :]
-        b_e = tl.load(p_e, mask=m_v, other=0.0)
+        b_e = _load_tile(E_ptr + o_t64[:, None, None] * stride_et + o_d[None, :, :], m_v, BHD, C, "")
         if STORE_EXTRA:
             # Write the extra source into history row N while it is in registers.
-            tl.store(V_ptr + o_t64[:, None, None] * stride_vt + N * stride_vn + o_d[None, :, :], b_e, mask=m_v)
-        b_m, b_l, b_acc = _route_fwd_step(b_e.to(tl.float32), b_w, b_m, b_l, b_acc, eps, scale, D)
+            p_row = V_ptr + o_t64[:, None, None] * stride_vt + N * stride_vn + o_d[None, :, :]
+            _store_tile(p_row, b_e, m_v, V_ptr.dtype.element_ty, BHD, C, "")
+        b_m, b_l, b_acc = _route_fwd_step(_to_f32(b_e, C), b_w, b_m, b_l, b_acc, eps, scale, D, C)
 
-    b_o = b_acc / b_l[:, :, None]
+    b_o = ()
+    for c in tl.static_range(C):
+        b_o = b_o + (b_acc[c] / b_l[:, :, None],)
     p_o = O_ptr + o_t64[:, None, None] * stride_ot + o_d[None, :, :]
-    tl.store(p_o, b_o.to(O_ptr.dtype.element_ty), mask=m_v)
+    _store_tile(p_o, b_o, m_v, O_ptr.dtype.element_ty, BHD, C, "")
     p_lse = LSE_ptr + o_t64[:, None] * H + o_h[None, :]
     tl.store(p_lse, b_m + tl.log(b_l), mask=m_t[:, None] & (o_h[None, :] < H))
 
 
 @triton.jit
-def _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D: tl.constexpr):
+def _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D: tl.constexpr, C: tl.constexpr):
     """Pass 1: add e_i = exp(s_i - lse) to l and e_i * (dout . v_i) to ld, per head [BT, BH]."""
-    _, _, b_s = _route_logits(b_v, b_w, eps, scale, D)
+    _, _, b_s = _route_logits(b_v, b_w, eps, scale, D, C)
     b_e = tl.exp(b_s - b_lse)
-    return b_l + b_e, b_ld + b_e * tl.sum(b_do * b_v, axis=2)
+    return b_l + b_e, b_ld + b_e * _head_sum(b_do, b_v, C)
 
 
 @triton.jit
-def _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D: tl.constexpr):
+def _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D: tl.constexpr, C: tl.constexpr):
     """Pass 2: gradient of one source tile, and its share of dL/dw (README.md)."""
-    b_r, b_dot, b_s = _route_logits(b_v, b_w, eps, scale, D)
+    b_r, b_dot, b_s = _route_logits(b_v, b_w, eps, scale, D, C)
     b_e = tl.exp(b_s - b_lse)
     # ds = p (dp - sum_j p_j dp_j) with p = e / l: exact zero for one source.
-    b_ds = b_e * (tl.sum(b_do * b_v, axis=2) * b_l - b_ld) * (b_il * b_il)
+    b_ds = b_e * (_head_sum(b_do, b_v, C) * b_l - b_ld) * (b_il * b_il)
     b_c = tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
     b_rs = (b_r * scale)[:, None, None]
-    b_dv = (b_e * b_il)[:, :, None] * b_do + b_rs * (
-        b_ds[:, :, None] * b_w[None, :, :] - b_c[:, None, None] * b_v
-    )
-    b_dw += b_rs * b_ds[:, :, None] * b_v
-    return b_dv, b_dw
+    b_dv = ()
+    dw = ()
+    for c in tl.static_range(C):
+        b_dv = b_dv + (
+            (b_e * b_il)[:, :, None] * b_do[c]
+            + b_rs * (b_ds[:, :, None] * b_w[c][None, :, :] - b_c[:, None, None] * b_v[c]),
+        )
+        dw = dw + (b_dw[c] + b_rs * b_ds[:, :, None] * b_v[c],)
+    return b_dv, dw
 
 
 @triton.jit
@@ -180,6 +229,7 @@ def _route_bwd_kernel(
     BT: tl.constexpr,
     BH: tl.constexpr,
     BHD: tl.constexpr,
+    C: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
     EXTRA_ROW: tl.constexpr,
     ACCUMULATE: tl.constexpr,
@@ -192,13 +242,17 @@ def _route_bwd_kernel(
     n_p = tl.num_programs(0)
     o_h = tl.arange(0, BH)
     o_k = tl.arange(0, BHD)
-    o_d = o_h[:, None] * HD + o_k[None, :]
+    o_d = o_h[:, None] * HD + o_k[None, :]  # chunk 0 of each head; chunk c is + c * BHD
     m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
     m_h = o_h < H
 
-    b_g = tl.load(G_ptr + o_d, mask=m_d, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
-    b_w = tl.load(Q_ptr + o_d, mask=m_d, other=0.0).to(tl.float32) * b_g
-    b_dw = tl.zeros([BT, BH, BHD], dtype=tl.float32)
+    b_g = _to_f32(_load_tile(G_ptr + o_d, m_d, BHD, C, ""), C)
+    b_q = _to_f32(_load_tile(Q_ptr + o_d, m_d, BHD, C, ""), C)
+    b_w = ()
+    b_dw = ()
+    for c in tl.static_range(C):
+        b_w = b_w + (b_q[c] * b_g[c].to(V_ptr.dtype.element_ty).to(tl.float32),)
+        b_dw = b_dw + (tl.zeros([BT, BH, BHD], dtype=tl.float32),)
 
     # Fixed tile -> program map (grid-stride), so the dw partials are deterministic.
     for i_t in range(i_p, num_tiles, n_p):
@@ -207,7 +261,7 @@ def _route_bwd_kernel(
         m_v = m_t[:, None, None] & m_d[None, :, :]
         o_t64 = o_t.to(tl.int64)
         p_do = DO_ptr + o_t64[:, None, None] * stride_dot + o_d[None, :, :]
-        b_do = tl.load(p_do, mask=m_v, other=0.0).to(tl.float32)
+        b_do = _to_f32(_load_tile(p_do, m_v, BHD, C, ""), C)
         p_lse = LSE_ptr + o_t64[:, None] * H + o_h[None, :]
         b_lse = tl.load(p_lse, mask=m_t[:, None] & m_h[None, :], other=0.0)
         p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
@@ -220,42 +274,51 @@ def _route_bwd_kernel(
         b_ld = tl.zeros([BT, BH], dtype=tl.float32)
         p_vn = p_v
         if PREFETCH:
-            b_vn = tl.load(p_vn, mask=m_v, other=0.0)
+            b_vn = _load_tile(p_vn, m_v, BHD, C, "")
             for _ in range(1, N):
-                b_v = b_vn.to(tl.float32)
+                b_v = _to_f32(b_vn, C)
                 p_vn += stride_vn
-                b_vn = tl.load(p_vn, mask=m_v, other=0.0)
-                b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D)
-            b_l, b_ld = _route_bwd_sums(b_vn.to(tl.float32), b_w, b_do, b_lse, b_l, b_ld, eps, scale, D)
+                b_vn = _load_tile(p_vn, m_v, BHD, C, "")
+                b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C)
+            b_l, b_ld = _route_bwd_sums(_to_f32(b_vn, C), b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C)
         else:
             for _ in tl.range(0, N, num_stages=STAGES):
-                b_v = tl.load(p_vn, mask=m_v, other=0.0, eviction_policy=EVICT_KEEP).to(tl.float32)
-                b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D)
+                b_v = _to_f32(_load_tile(p_vn, m_v, BHD, C, EVICT_KEEP), C)
+                b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C)
                 p_vn += stride_vn
         if HAS_EXTRA:
-            b_v = tl.load(p_e, mask=m_v, other=0.0).to(tl.float32)
-            b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D)
+            b_v = _to_f32(_load_tile(p_e, m_v, BHD, C, ""), C)
+            b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C)
         b_il = 1.0 / b_l
 
         p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
         for _ in tl.range(0, N, num_stages=STAGES):
-            b_v = tl.load(p_v, mask=m_v, other=0.0, eviction_policy=EVICT_STREAM).to(tl.float32)
-            b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D)
+            b_v = _to_f32(_load_tile(p_v, m_v, BHD, C, EVICT_STREAM), C)
+            b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D, C)
             if ACCUMULATE:
-                b_dv += tl.load(p_dv, mask=m_v, other=0.0, eviction_policy=EVICT_STREAM).to(tl.float32)
-            tl.store(p_dv, b_dv.to(DV_ptr.dtype.element_ty), mask=m_v, eviction_policy=EVICT_STREAM)
+                b_old = _to_f32(_load_tile(p_dv, m_v, BHD, C, EVICT_STREAM), C)
+                b_sum = ()
+                for c in tl.static_range(C):
+                    b_sum = b_sum + (b_dv[c] + b_old[c],)
+                b_dv = b_sum
+            _store_tile(p_dv, b_dv, m_v, DV_ptr.dtype.element_ty, BHD, C, EVICT_STREAM)
             p_v += stride_vn
             p_dv += stride_dvn
         if HAS_EXTRA:
-            b_v = tl.load(p_e, mask=m_v, other=0.0).to(tl.float32)
-            b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D)
+            b_v = _to_f32(_load_tile(p_e, m_v, BHD, C, ""), C)
+            b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D, C)
             if EXTRA_ROW:
                 # Row N's fp32 gradient holds the share of the later reads: add it here.
-                b_dv += tl.load(p_dv, mask=m_v, other=0.0).to(tl.float32)
+                b_old = _to_f32(_load_tile(p_dv, m_v, BHD, C, ""), C)
+                b_sum = ()
+                for c in tl.static_range(C):
+                    b_sum = b_sum + (b_dv[c] + b_old[c],)
+                b_dv = b_sum
             p_de = DE_ptr + o_t64[:, None, None] * D + o_d[None, :, :]
-            tl.store(p_de, b_dv.to(DE_ptr.dtype.element_ty), mask=m_v)
+            _store_tile(p_de, b_dv, m_v, DE_ptr.dtype.element_ty, BHD, C, "")
 
-    tl.store(DW_ptr + i_p * D + o_d, tl.sum(b_dw, axis=0), mask=m_d)
+    for c in tl.static_range(C):
+        tl.store(DW_ptr + i_p * D + o_d + c * BHD, tl.sum(b_dw[c], axis=0), mask=m_d)
 
 
 @triton.jit
@@ -292,9 +355,32 @@ def _route_dw_reduce_kernel(
 
 
 def _tile(d: int, num_heads: int) -> Tuple[int, int, int]:
-    """(head width, padded head count, padded head width) of the register tile."""
+    """(head width, padded head count, padded head width) of a one-chunk register tile."""
     head_dim = d // num_heads
     return head_dim, triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _chunked_tile(d: int, num_heads: int) -> Tuple[int, int, int, int]:
+    """(head width, padded head count, chunk width, chunks) of the per-site kernels' tile.
+
+    A head width that is not a power of two is held as ``chunks`` power-of-two chunks of
+    equal width (160 = 5 x 32 at the 1B shape, 96 = 3 x 32) instead of one chunk padded
+    to the next power of two (256: 37.5% idle lanes). Chunks narrower than 32 (64-byte
+    loads) or more than 8 of them fall back to the padded chunk.
+    """
+    head_dim, bh, padded = _tile(d, num_heads)
+    width = head_dim & -head_dim  # the largest power of two dividing the head width
+    if width == head_dim or width < 32 or head_dim // width > 8:
+        return head_dim, bh, padded, 1
+    return head_dim, bh, width, head_dim // width
+
+
+def _tile_width(d: int, num_heads: int) -> int:
+    """Width the per-site launch configs are keyed on: the tile's, rounded up to a power
+    of two (a chunked 1280-wide tile takes the 2048-wide padded tile's token count)."""
+    _, bh, bhd, chunks = _chunked_tile(d, num_heads)
+    return triton.next_power_of_2(bh * bhd * chunks)
 
 
 class LoopConfig(NamedTuple):
@@ -381,8 +467,8 @@ def _launch_fwd(
     store_extra=False, **loop,
 ):  # fmt: skip
     t, n, d = sources.shape
-    head_dim, bh, bhd = _tile(d, num_heads)
-    block_t, num_warps, prefetch, stages, l2_reuse, _ = _fwd_config(bh * bhd).override(**loop)
+    head_dim, bh, bhd, chunks = _chunked_tile(d, num_heads)
+    block_t, num_warps, prefetch, stages, l2_reuse, _ = _fwd_config(_tile_width(d, num_heads)).override(**loop)
     out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
     lse = torch.empty((t, num_heads), dtype=torch.float32, device=sources.device)
     if t == 0:
@@ -394,7 +480,7 @@ def _launch_fwd(
         sources, ext, query, norm_weight, out, lse,
         t, n, sources.stride(0), sources.stride(1), ext.stride(0), out.stride(0),
         eps, logit_scale,
-        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd,
+        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, C=chunks,
         HAS_EXTRA=extra is not None, STORE_EXTRA=store_extra, PREFETCH=prefetch and n > 0,
         STAGES=stages, EVICT_SRC="evict_first" if l2_reuse else "",
         num_warps=num_warps,
@@ -407,9 +493,9 @@ def _launch_bwd(
     grad_sources, accumulate, extra_row=False, **loop,
 ):  # fmt: skip
     t, n, d = sources.shape
-    head_dim, bh, bhd = _tile(d, num_heads)
+    head_dim, bh, bhd, chunks = _chunked_tile(d, num_heads)
     block_t, num_warps, prefetch, stages, l2_reuse, programs_per_sm = _bwd_config(
-        bh * bhd
+        _tile_width(d, num_heads)
     ).override(**loop)
     prefetch = prefetch and n > 0
     device = sources.device
@@ -431,7 +517,7 @@ def _launch_bwd(
             sources.stride(0), sources.stride(1), ext.stride(0), grad_out.stride(0),
             grad_sources.stride(0), grad_sources.stride(1),
             eps, logit_scale,
-            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd,
+            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, C=chunks,
             HAS_EXTRA=has_extra, EXTRA_ROW=extra_row, ACCUMULATE=accumulate, PREFETCH=prefetch,
             STAGES=stages,
             # Pass 2 rereads the tile pass 1 just read: ask L2 to keep those lines and to

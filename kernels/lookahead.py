@@ -91,10 +91,10 @@ def _group_fwd_kernel(
     for _ in tl.range(0, N, num_stages=STAGES):
         b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
         for j in tl.static_range(BG):
-            b_m, b_l, b_acc = _route_fwd_step(b_v, b_ws[j], b_ms[j], b_ls[j], b_accs[j], eps, scale, D)
+            b_m, b_l, b_acc = _route_fwd_step((b_v,), (b_ws[j],), b_ms[j], b_ls[j], (b_accs[j],), eps, scale, D, 1)
             b_ms = b_ms[:j] + (b_m,) + b_ms[j + 1 :]
             b_ls = b_ls[:j] + (b_l,) + b_ls[j + 1 :]
-            b_accs = b_accs[:j] + (b_acc,) + b_accs[j + 1 :]
+            b_accs = b_accs[:j] + b_acc + b_accs[j + 1 :]
         p_v += stride_vn
 
     for j in tl.static_range(BG):
@@ -154,7 +154,8 @@ def _merge_fwd_kernel(
     p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
     for _ in range(N):
         b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
-        b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D)
+        b_m, b_l, b_accs = _route_fwd_step((b_v,), (b_w,), b_m, b_l, (b_acc,), eps, scale, D, 1)
+        b_acc = b_accs[0]
         p_v += stride_vn
 
     b_o = b_acc / b_l[:, :, None]
@@ -220,7 +221,7 @@ def _merge_bwd_kernel(
         p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
         for _ in range(N):
             b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
-            b_r, b_dot, b_s = _route_logits(b_v, b_w, eps, scale, D)
+            b_r, b_dot, b_s = _route_logits((b_v,), (b_w,), eps, scale, D, 1)
             b_p = tl.exp(b_s - b_lse)
             b_ds = b_p * (tl.sum(b_do * b_v, axis=2) - b_delta)
             b_c = tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
