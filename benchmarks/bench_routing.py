@@ -393,7 +393,8 @@ def run_sweep(copy_gbps):
         gsrc = torch.zeros(sources.shape, device="cuda").transpose(0, 1)
         nb = site_bytes(case)
         _, lse = K.route_forward(view, None, query, norm_weight, HEADS, EPS, 1.0)
-        fwd, bwd = K._fwd_config(width), K._bwd_config(width)
+        _, bh, bhd = K._tile(case.d, HEADS)
+        fwd, bwd = K._fwd_config(width), K._bwd_config(bh * bhd)
         # The default first, then one change at a time.
         fwd_loops = [fwd, fwd.override(prefetch=True, stages=1), fwd.override(stages=2),
                      fwd.override(stages=4), fwd.override(l2_reuse=not fwd.l2_reuse),

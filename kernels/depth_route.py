@@ -493,9 +493,13 @@ def _launch_bwd(
     grad_sources, accumulate, extra_row=False, **loop,
 ):  # fmt: skip
     t, n, d = sources.shape
-    head_dim, bh, bhd, chunks = _chunked_tile(d, num_heads)
+    # One padded chunk: measured on H200 at the 1B shape, the chunked tile's backward was
+    # slower (history 0.907 against 0.885 ms, fused 0.740 against 0.675 ms;
+    # benchmarks/results/routing_h200_chunked.json), while its forward is faster.
+    head_dim, bh, bhd = _tile(d, num_heads)
+    chunks = 1
     block_t, num_warps, prefetch, stages, l2_reuse, programs_per_sm = _bwd_config(
-        _tile_width(d, num_heads)
+        bh * bhd
     ).override(**loop)
     prefetch = prefetch and n > 0
     device = sources.device
