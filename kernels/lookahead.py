@@ -380,14 +380,16 @@ def _group_fwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
 def _group_bwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
     """(sites per launch, launch config) of the phase-1 backward. A program holds, per
     site, w, do and a dL/dw accumulator of its token tile; up to 8K fp32 of each kind per
-    program, 4 warps, row loads pipelined three deep. Sites beyond that run in a further
-    launch over the rows. Measured on H200 at each model's deepest group
-    (benchmarks/results/routing_h200_lookahead.json, sweep): three stages against two
-    0.90 / 2.58 / 3.08 ms against 1.29 / 3.23 / 4.23 ms at 100M / 350M / 1B, 4 warps
-    against 8 1.79 / 3.51 ms at 350M / 1B; one site per launch loses 2x."""
+    program, row loads pipelined three deep, 4 warps (8 at a 2048-wide tile). Sites beyond
+    that run in a further launch over the rows. Measured on H200 at each model's deepest
+    group: 0.90 / 1.67 / 3.08 ms at 100M / 350M / 1B with these settings (4 / 4 / 8 warps),
+    8 / 8 / 4 warps 0.91 / 2.58 / 3.53 ms (benchmarks/results/routing_h200_lookahead.json);
+    in the sweep before, two stages (8 warps at 350M and 1B) 1.29 / 3.23 / 4.23 ms against
+    three 0.90 / 2.58 / 3.08 (routing_h200_lookahead_2stages.json); one site per launch
+    loses 2x."""
     block_t = max(1, 1024 // padded_d)
     sites_per_launch = max(1, min(sites, 8192 // (block_t * padded_d)))
-    return sites_per_launch, LoopConfig(block_t, 4, False, 3)
+    return sites_per_launch, LoopConfig(block_t, 8 if padded_d >= 2048 else 4, False, 3)
 
 
 def _reduce_dw(dw, sources, queries, norm_weights):

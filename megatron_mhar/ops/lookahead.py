@@ -414,32 +414,32 @@ class _GroupPartials(torch.autograd.Function):
             history.rows(group.old_rows), queries, norms,
             history.num_heads, history.eps, history.logit_scale,
         )  # fmt: skip
+        # Tokens carry ordering only: with materialize_grads off their gradients stay None
+        # (no zero tensors, no kernels) and autograd still runs every producer.
+        ctx.set_materialize_grads(False)
         ctx.history, ctx.group = history, group
-        ctx.has_token = token is not None
-        ctx.save_for_backward(*params)
+        ctx.save_for_backward(queries, norms)  # the stacks, not the parameters: no re-stack
         return queries.new_empty(())
 
     @staticmethod
     def backward(ctx, _grad_group_token):
         history, group = ctx.history, ctx.group
-        params = ctx.saved_tensors
+        queries, norms = ctx.saved_tensors
         g = len(group.sites)
         grads: List[Optional[torch.Tensor]] = [None] * (2 * g)
         if group.deposited:
             # The sites merged in this graph; the others' grad_outs and deltas are zeros.
             lo, hi = min(group.deposited), max(group.deposited) + 1
             dq, dg = history.lookahead.group_backward(
-                group.grad_outs, history.rows(group.old_rows),
-                torch.stack(params[:g]), torch.stack(params[g:]), group.lse, group.deltas,
-                history.num_heads, history.eps, history.logit_scale,
+                group.grad_outs, history.rows(group.old_rows), queries, norms, group.lse,
+                group.deltas, history.num_heads, history.eps, history.logit_scale,
                 history.grad_rows(group.old_rows), (lo, hi),
             )  # fmt: skip
-            for k in range(hi - lo):
-                grads[lo + k] = dq[k].to(params[lo + k].dtype)
-                grads[g + lo + k] = dg[k].to(params[g + lo + k].dtype)
+            # One cast per kind: the stacks carry the parameters' dtypes.
+            grads[lo:hi] = dq.to(queries.dtype).unbind()
+            grads[g + lo : g + hi] = dg.to(norms.dtype).unbind()
         group.grad_outs = group.deltas = group.lse = None
-        grad_token = torch.zeros((), device=params[0].device) if ctx.has_token else None
-        return (None, None, grad_token, *grads)
+        return (None, None, None, *grads)
 
 
 class _MergeSite(torch.autograd.Function):
@@ -454,13 +454,15 @@ class _MergeSite(torch.autograd.Function):
             group.lse[index],
         )  # fmt: skip
         result = out.view(s, b, h)
+        ctx.set_materialize_grads(False)
         ctx.history, ctx.group, ctx.index = history, group, index
-        ctx.has_token = token is not None
         ctx.save_for_backward(query, norm_weight, result)
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
+        if grad_out is None:  # the routed output was not used
+            return (None,) * 7
         history, group, index = ctx.history, ctx.group, ctx.index
         query, norm_weight, out = ctx.saved_tensors
         s, b, h = history.shape
@@ -473,14 +475,4 @@ class _MergeSite(torch.autograd.Function):
             history.grad_rows(rows)[:, group.old_rows :],
         )  # fmt: skip
         group.deposit(index, flat_grad, delta)
-        grad_token = torch.zeros((), device=grad_out.device) if ctx.has_token else None
-        grad_group_token = torch.zeros((), device=grad_out.device)
-        return (
-            None,
-            None,
-            None,
-            grad_token,
-            grad_group_token,
-            grad_query.to(query.dtype),
-            grad_norm.to(norm_weight.dtype),
-        )
+        return None, None, None, None, None, grad_query.to(query.dtype), grad_norm.to(norm_weight.dtype)
