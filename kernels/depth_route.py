@@ -10,8 +10,9 @@ view of an ``[N, T, D]`` tensor. An optional ``extra`` ``[T, D]`` source takes i
 the running partial of the block variant, or a sublayer output that the forward also
 stores as history row N (a history write fused into the next read). Each program owns
 ``BT`` tokens and the full width, held as a ``[BT, BH, BHD]`` tile (heads x head width,
-padded to powers of two), so the RMS over D and the per-head dot products are register
-reductions.
+padded to powers of two; forward, a head width that is not a power of two is a tuple
+of equal power-of-two chunks instead, ``_chunked_tile``), so the RMS over D and the
+per-head dot products are register reductions.
 
 Forward: online softmax over the sources; the norm weight is folded into the query
 (``w = q * g``), so the logit of source i for head h is ``tau * r_i * (v_i[h] . w[h])``
@@ -57,7 +58,7 @@ def _store_tile(p, tile, mask, dtype: tl.constexpr, BHD: tl.constexpr, C: tl.con
 
 @triton.jit
 def _head_sum(b_a, b_b, C: tl.constexpr):
-    """Per-head dot products [BT, BH] of two chunked tiles (``b_b`` chunks may be [BH, BHD])."""
+    """Per-head dot products [BT, BH] of two chunked [BT, BH, BHD] tiles."""
     b_s = tl.sum(b_a[0] * b_b[0], axis=2)
     for c in tl.static_range(1, C):
         b_s += tl.sum(b_a[c] * b_b[c], axis=2)
