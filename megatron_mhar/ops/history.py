@@ -86,9 +86,9 @@ class SourceHistory:
         self.rows_written = 0
 
     # -- views ------------------------------------------------------------------------
-    def rows(self, stop: int) -> torch.Tensor:
-        """[T, stop, h] view of the first ``stop`` rows (T = s * b tokens)."""
-        return self._flat[:, :stop]
+    def rows(self, stop: int, start: int = 0) -> torch.Tensor:
+        """[T, stop - start, h] view of rows ``[start, stop)`` (T = s * b tokens)."""
+        return self._flat[:, start:stop]
 
     def _allocate_grad(self) -> None:
         """fp32 row gradients, zeroed, allocated by the first backward that needs them."""
@@ -104,10 +104,10 @@ class SourceHistory:
         self._allocate_grad()
         return self._grad_buffer
 
-    def grad_rows(self, stop: int) -> torch.Tensor:
-        """[T, stop, h] fp32 view of the row gradients."""
+    def grad_rows(self, stop: int, start: int = 0) -> torch.Tensor:
+        """[T, stop - start, h] fp32 view of the gradients of rows ``[start, stop)``."""
         self._allocate_grad()
-        return self._grad_flat[:, :stop]
+        return self._grad_flat[:, start:stop]
 
     def release(self) -> None:
         """Drop the last token once the forward pass is done.

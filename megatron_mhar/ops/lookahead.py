@@ -299,7 +299,9 @@ class RoutingGroup:
     """One run of a group's phase 1 and the state its merges and backward share.
 
     Holds no tensor that has an autograd history (the graph references the group through
-    the nodes' contexts; the group must not reference the graph back).
+    the nodes' contexts; the group must not reference the graph back). Per-site slices of
+    the group's tensors are taken once per group (``unbind``), not once per site: each
+    slice is a dispatched op, and host time per site is what bounds the larger models.
     """
 
     def __init__(self, sites: Sequence[GroupSite], history: "LookaheadHistory"):
@@ -308,26 +310,49 @@ class RoutingGroup:
         self.grad_enabled = torch.is_grad_enabled()
         t, d, heads = history.num_tokens, history.shape[-1], history.num_heads
         device = history.buffer.device
-        self.partials: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        # Per site (m, l, acc): the phase-1 partials, set by the group's forward.
+        self.partials: Optional[Tuple[Tuple[torch.Tensor, ...], ...]] = None
         self.lse = torch.empty((len(sites), t, heads), dtype=torch.float32, device=device)
+        self.site_lse = self.lse.unbind()
         self.next_index = 0
+        # Backward workspaces, [G, ...] each with its per-site slices.
         self.grad_outs: Optional[torch.Tensor] = None
         self.deltas: Optional[torch.Tensor] = None
+        # Per site: the merge's (dquery, dnorm) fp32, stacked once by the group's backward.
+        self.merge_grads: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(sites)
+        self._slices: Tuple[Tuple[torch.Tensor, ...], ...] = ()
         self.deposited: List[int] = []
 
     @property
     def first_site(self) -> int:
         return self.sites[0].site
 
-    def deposit(self, index: int, grad_out: torch.Tensor, delta: torch.Tensor) -> None:
-        """Keep site ``index``'s output gradient and delta for the phase-1 backward."""
+    def deposit(self, index: int, grad_out, delta, grad_query, grad_norm) -> None:
+        """Keep site ``index``'s output gradient, delta and merge gradients (of its new
+        rows) for the phase-1 backward, which returns each site's parameter gradients."""
         if self.grad_outs is None:
             g, (t, heads) = len(self.sites), delta.shape
             self.grad_outs = grad_out.new_zeros((g, t, grad_out.shape[-1]))
             self.deltas = delta.new_zeros((g, t, heads))
-        self.grad_outs[index].copy_(grad_out)
-        self.deltas[index].copy_(delta)
+            self._slices = (self.grad_outs.unbind(), self.deltas.unbind())
+        for slices, value in zip(self._slices, (grad_out, delta)):
+            slices[index].copy_(value)
+        self.merge_grads[index] = (grad_query, grad_norm)
         self.deposited.append(index)
+
+    def merge_grads_stacked(self, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """[hi - lo, D] fp32 merge gradients (dquery, dnorm) of sites ``lo:hi``; zeros for a
+        site in the range whose output was not used (it deposited nothing)."""
+        grads = self.merge_grads[lo:hi]
+        if any(x is None for x in grads):
+            zero = torch.zeros_like(next(x for x in grads if x is not None)[0])
+            grads = [(zero, zero) if x is None else x for x in grads]
+        return torch.stack([x[0] for x in grads]), torch.stack([x[1] for x in grads])
+
+    def release_backward(self) -> None:
+        self.grad_outs = self.deltas = self.lse = None
+        self.merge_grads = []
+        self._slices = self.site_lse = ()
 
 
 class LookaheadHistory(SourceHistory):
@@ -410,10 +435,11 @@ class _GroupPartials(torch.autograd.Function):
     def forward(ctx, history, group, token, *params):
         g = len(group.sites)
         queries, norms = torch.stack(params[:g]), torch.stack(params[g:])
-        group.partials = history.lookahead.group_forward(
+        partials = history.lookahead.group_forward(
             history.rows(group.old_rows), queries, norms,
             history.num_heads, history.eps, history.logit_scale,
         )  # fmt: skip
+        group.partials = tuple(zip(*(x.unbind() for x in partials)))
         # Tokens carry ordering only: with materialize_grads off their gradients stay None
         # (no zero tensors, no kernels) and autograd still runs every producer.
         ctx.set_materialize_grads(False)
@@ -435,10 +461,12 @@ class _GroupPartials(torch.autograd.Function):
                 group.deltas, history.num_heads, history.eps, history.logit_scale,
                 history.grad_rows(group.old_rows), (lo, hi),
             )  # fmt: skip
-            # One cast per kind: the stacks carry the parameters' dtypes.
-            grads[lo:hi] = dq.to(queries.dtype).unbind()
-            grads[g + lo : g + hi] = dg.to(norms.dtype).unbind()
-        group.grad_outs = group.deltas = group.lse = None
+            # Each site's gradient from its new rows (the merge) and from the old rows, added
+            # in fp32 and cast once per kind (the stacks carry the parameters' dtypes).
+            merge_dq, merge_dg = group.merge_grads_stacked(lo, hi)
+            grads[lo:hi] = (dq + merge_dq).to(queries.dtype).unbind()
+            grads[g + lo : g + hi] = (dg + merge_dg).to(norms.dtype).unbind()
+        group.release_backward()
         return (None, None, None, *grads)
 
 
@@ -447,15 +475,16 @@ class _MergeSite(torch.autograd.Function):
     def forward(ctx, history, group, index, token, group_token, query, norm_weight):
         s, b, h = history.shape
         site = group.sites[index]
-        m, l, acc = group.partials
+        m, l, acc = group.partials[index]
         out = history.lookahead.merge_forward(
-            m[index], l[index], acc[index], history.rows(site.num_rows)[:, group.old_rows :],
+            m, l, acc, history.rows(site.num_rows, group.old_rows),
             query, norm_weight, history.num_heads, history.eps, history.logit_scale,
-            group.lse[index],
+            group.site_lse[index],
         )  # fmt: skip
         result = out.view(s, b, h)
         ctx.set_materialize_grads(False)
         ctx.history, ctx.group, ctx.index = history, group, index
+        # Saved as an output: autograd then refuses a backward after an in-place change.
         ctx.save_for_backward(query, norm_weight, result)
         return result
 
@@ -469,10 +498,12 @@ class _MergeSite(torch.autograd.Function):
         rows = group.sites[index].num_rows
         flat_grad = grad_out.reshape(s * b, h)
         delta, grad_query, grad_norm = history.lookahead.merge_backward(
-            flat_grad, out.reshape(s * b, h), history.rows(rows)[:, group.old_rows :],
-            query, norm_weight, group.lse[index],
+            flat_grad, out.reshape(s * b, h), history.rows(rows, group.old_rows),
+            query, norm_weight, group.site_lse[index],
             history.num_heads, history.eps, history.logit_scale,
-            history.grad_rows(rows)[:, group.old_rows :],
+            history.grad_rows(rows, group.old_rows),
         )  # fmt: skip
-        group.deposit(index, flat_grad, delta)
-        return None, None, None, None, None, grad_query.to(query.dtype), grad_norm.to(norm_weight.dtype)
+        # The parameters' gradients go out once, summed with the old rows' part, from the
+        # group's backward (which runs after every merge of the group: they consume its token).
+        group.deposit(index, flat_grad, delta, grad_query, grad_norm)
+        return (None,) * 7

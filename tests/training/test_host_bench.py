@@ -1,0 +1,33 @@
+"""``benchmarks/bench_host.py``: the routing's host cost with stub kernels, on CPU."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_host_bench_runs_every_site_through_the_stubs(tmp_path):
+    out = tmp_path / "host.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_host.py"), "--sizes", "100m",
+         "--steps", "2", "--warmup", "1", "--out", str(out)],
+        check=True, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    size = json.loads(out.read_text())["sizes"]["100m"]
+    models, sites = size["models"], size["sites"]
+    assert size["layers"] == 12 and sites == 25
+    # Every routing site reads through the stubs once forward and once backward; the
+    # baseline has none. Lookahead: groups of 4 (the auto size at 25 sites), 7 groups.
+    assert models["baseline"]["stub_calls"] == {}
+    assert models["mhar"]["stub_calls"] == {"route_forward": sites, "route_backward": sites}
+    groups = -(-sites // 4)
+    assert models["mhar_lookahead"]["stub_calls"] == {
+        "group_forward": groups, "merge_forward": sites, "merge_backward": sites, "group_backward": groups,
+    }  # fmt: skip
+    for name in ("mhar", "mhar_lookahead"):
+        entry = models[name]
+        assert entry["aten_ops"] > models["baseline"]["aten_ops"]
+        assert entry["extra_ops_per_site"] == (entry["aten_ops"] - models["baseline"]["aten_ops"]) / sites
+        assert len(entry["ms_all"]) == 2 and entry["ms_median"] > 0
