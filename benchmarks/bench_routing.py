@@ -455,8 +455,9 @@ def run_lookahead_sweep(copy_gbps):
         fwd_variants = [(spp, {})] + [(k, {}) for k in (1, 2, 4, 8) if k != spp and k <= group] + [
             (spp, dict(num_warps=4)), (spp, dict(num_warps=8)), (spp, dict(stages=2)),
             (spp, dict(stages=4)), (spp, dict(block_t=2 * fwd.block_t, num_warps=4))]  # fmt: skip
-        bwd_variants = [{}, dict(num_warps=12 - bwd.num_warps), dict(stages=1), dict(stages=3),
-                        dict(programs_per_sm=2), dict(programs_per_sm=8), dict(block_t=2 * bwd.block_t)]
+        bwd_variants = [{}, dict(num_warps=12 - bwd.num_warps), dict(programs_per_sm=2),
+                        dict(programs_per_sm=8), dict(block_t=2 * bwd.block_t)]
+        bwd_variants += [dict(stages=k) for k in (1, 2, 4) if k != bwd.stages]
         bwd_variants += [dict(sites_per_program=k) for k in (1, 2, 4, 8) if k != bwd_spp and k <= group]  # fmt: skip
         variants = [("group_fwd", fwd_bytes, dict(sites_per_program=k, **o), lambda k=k, o=o: LA.group_forward(
             buf, qs, ws, HEADS, EPS, 1.0, sites_per_program=k, **o)) for k, o in fwd_variants]  # fmt: skip

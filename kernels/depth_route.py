@@ -58,7 +58,8 @@ def _store_tile(p, tile, mask, dtype: tl.constexpr, BHD: tl.constexpr, C: tl.con
 
 @triton.jit
 def _head_sum(b_a, b_b, C: tl.constexpr):
-    """Per-head dot products [BT, BH] of two chunked [BT, BH, BHD] tiles."""
+    """Per-head dot products [BT, BH] of two chunked tiles ([BT, BH, BHD], or [BH, BHD]
+    chunks on the right, broadcast over the tokens)."""
     b_s = tl.sum(b_a[0] * b_b[0], axis=2)
     for c in tl.static_range(1, C):
         b_s += tl.sum(b_a[c] * b_b[c], axis=2)
@@ -66,13 +67,17 @@ def _head_sum(b_a, b_b, C: tl.constexpr):
 
 
 @triton.jit
+def _inv_rms(b_v, eps, D: tl.constexpr, C: tl.constexpr):
+    """Inverse RMS [BT] over the full width of a chunked [BT, BH, BHD] tile."""
+    return tl.rsqrt(tl.sum(_head_sum(b_v, b_v, C), axis=1) / D + eps)
+
+
+@triton.jit
 def _route_logits(b_v, b_w, eps, scale, D: tl.constexpr, C: tl.constexpr):
     """Chunked [BT, BH, BHD] source tile, [BH, BHD] folded-query chunks -> (inverse RMS
     [BT], head dots [BT, BH], logits [BT, BH])."""
-    b_r = tl.rsqrt(tl.sum(_head_sum(b_v, b_v, C), axis=1) / D + eps)
-    b_dot = tl.sum(b_v[0] * b_w[0][None, :, :], axis=2)
-    for c in tl.static_range(1, C):
-        b_dot += tl.sum(b_v[c] * b_w[c][None, :, :], axis=2)
+    b_r = _inv_rms(b_v, eps, D, C)
+    b_dot = _head_sum(b_v, b_w, C)  # the query chunks broadcast over the tokens
     b_s = b_dot * (b_r * scale)[:, None]
     return b_r, b_dot, b_s
 

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .depth_route import LoopConfig, _check_sources, _num_sms, _route_fwd_step, _route_logits, _tile
+from .depth_route import LoopConfig, _check_sources, _inv_rms, _num_sms, _route_fwd_step, _route_logits, _tile
 
 
 @triton.jit
@@ -308,7 +308,7 @@ def _group_bwd_kernel(
         p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
         for _ in tl.range(0, N, num_stages=STAGES):
             b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
-            b_r = tl.rsqrt(tl.sum(tl.sum(b_v * b_v, axis=2), axis=1) / D + eps)
+            b_r = _inv_rms((b_v,), eps, D, 1)
             b_rs = b_r * scale
             b_dv = tl.load(p_dv, mask=m_v, other=0.0)
             for j in tl.static_range(SG):
@@ -408,6 +408,13 @@ def _backward_programs(num_tiles: int, device: torch.device, programs_per_sm: in
     return max(1, min(num_tiles, _num_sms(device) * programs_per_sm))
 
 
+def _check_sites_per_program(sites_per_program: Optional[int]) -> None:
+    if sites_per_program is not None and sites_per_program < 1:
+        raise ValueError(
+            f"sites_per_program must be at least 1 (or None for the default), got {sites_per_program}"
+        )
+
+
 def group_forward(
     sources: torch.Tensor,
     queries: torch.Tensor,
@@ -435,6 +442,7 @@ def group_forward(
     g = queries.shape[0]
     if n < 1:
         raise ValueError("group_forward needs at least one old row")
+    _check_sites_per_program(sites_per_program)
     queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
     head_dim, bh, bhd = _tile(d, num_heads)
     default_sites, config = _group_fwd_config(bh * bhd, g)
@@ -569,6 +577,7 @@ def group_backward(
     lo, hi = site_range if site_range is not None else (0, g)
     if not (0 <= lo < hi <= g):
         raise ValueError(f"site_range {site_range} outside the group's {g} sites")
+    _check_sites_per_program(sites_per_program)
     if grad_sources.shape != sources.shape or grad_sources.dtype != torch.float32:
         raise ValueError(
             f"grad_sources must be an fp32 view of shape {tuple(sources.shape)}, got "

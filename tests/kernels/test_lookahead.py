@@ -199,3 +199,18 @@ def test_sites_per_program_split():
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("call", ["group_forward", "group_backward"])
+def test_sites_per_program_must_be_positive(call):
+    """A non-positive split is an error, not a launch that silently covers no site."""
+    t, n0, g, d, heads = _tokens(2), 2, 3, 512, 8
+    buffer, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
+    rows = buffer[:, :n0]
+    with pytest.raises(ValueError, match="sites_per_program must be at least 1"):
+        if call == "group_forward":
+            fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=0)
+        else:
+            stats = torch.zeros(g, t, heads, device=DEVICE)
+            fused.group_backward(grad_outs, rows, queries, norms, stats, stats, heads, EPS, 1.0,
+                                 torch.zeros(rows.shape, device=DEVICE), sites_per_program=-2)  # fmt: skip
