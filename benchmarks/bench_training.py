@@ -30,10 +30,13 @@ Also reported: the baseline's MFU, memory ratios to the baseline, and, after the
 rounds, per model the forward and backward of one micro-batch timed apart (as issued by
 the host and as completed: ``micro_batch_host_split``) and one profiled step that splits
 CUDA time into the routing kernels' forward and backward and everything else, next to the
-step's wall time (their ratio shows how far the host, not the GPU, bounds the step).
+step's wall time (their ratio shows how far the host, not the GPU, bounds the step),
+and one profiled micro-batch's host time by operator and CUDA runtime call
+(``host_profile``).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -126,20 +129,76 @@ def _batches(case: SizeCase, device: str, vocab: int):
     tokens = torch.randint(0, vocab, (case.num_microbatches, mb, seq + 1), generator=generator)
     tokens = tokens.to(device)
     positions = torch.arange(seq, device=device).unsqueeze(0).expand(mb, seq)
-    return [(t[:, :-1], t[:, 1:], positions) for t in tokens]
+    # Dicts: Megatron's full-iteration CUDA graph copies each micro-batch's dict of
+    # tensors into static buffers.
+    return [{"tokens": t[:, :-1], "labels": t[:, 1:], "positions": positions} for t in tokens]
 
 
-def _step(ddp, optimizer, case: SizeCase, batches):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+def _micro_batch_loss(ddp, batch):
+    return ddp(batch["tokens"], batch["positions"], None, labels=batch["labels"])
 
+
+class _GraphedSchedule:
+    """The forward/backward schedule of one model under Megatron's full-iteration CUDA
+    graph (``FullCudaGraphWrapper``): eager for ``warmup_steps`` calls, captured on the
+    next, replayed after. The wrapper keeps its graph, result and call count in class
+    attributes, one set per process; the benchmark trains several models in one process,
+    so each model's own set is swapped in around its calls."""
+
+    def __init__(self, warmup_steps: int):
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.wrapper = FullCudaGraphWrapper(get_forward_backward_func(),
+                                            cuda_graph_warmup_steps=warmup_steps)
+        self.state = {"cuda_graph": {"training": None, "validation": None},
+                      "result": {"training": None, "validation": None},
+                      "curr_iteration": {"training": 0, "validation": 0}}
+
+    def __call__(self, **kwargs):
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+        shared = {name: getattr(FullCudaGraphWrapper, name) for name in self.state}
+        for name, own in self.state.items():
+            setattr(FullCudaGraphWrapper, name, own)
+        try:
+            return self.wrapper(**kwargs)
+        finally:
+            for name, value in shared.items():
+                setattr(FullCudaGraphWrapper, name, value)
+
+
+def _run_stream(cuda_graph: str):
+    """With graphs, everything runs on the graphs' capture stream, from model and DDP
+    construction on: the gradient-accumulation nodes DDP creates then belong to that
+    stream, so the captured backward does not wait on the legacy default stream (which
+    capture forbids; the torch here lacks the override Megatron would set for it)."""
+    if cuda_graph == "none":
+        return contextlib.nullcontext()
+    from megatron.core.full_cuda_graph import get_shared_capture_stream
+
+    stream = get_shared_capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    return torch.cuda.stream(stream)
+
+
+def _reset_graph_inputs():
+    """Drop the static input buffers of the previous size's graphs (other shapes)."""
+    from megatron.core.full_cuda_graph import StaticBufferLoader
+
+    StaticBufferLoader.static_buffers = {"training": [], "validation": []}
+
+
+def _step(trainer, case: SizeCase, schedule=None):
+    """Loss of one optimizer step with the trainer's schedule (or ``schedule``)."""
     def forward_step(data_iterator, model):
-        tokens, labels, positions = next(data_iterator)
-        losses = model(tokens, positions, None, labels=labels)
+        losses = _micro_batch_loss(model, next(data_iterator))
         return losses, lambda out: (out.float().mean(), {"loss": out.float().mean().detach()})
 
+    ddp, optimizer, batches = trainer.ddp, trainer.optimizer, trainer.batches
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    result = get_forward_backward_func()(
+    result = (schedule or trainer.schedule)(
         forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
         num_microbatches=case.num_microbatches, seq_length=case.model.seq_length,
         micro_batch_size=case.micro_batch, forward_only=False,
@@ -168,16 +227,18 @@ def routing_kernel_phases():
     return phases
 
 
-def _profile_step(ddp, optimizer, case, batches):
+def _profile_step(trainer, case):
     """CUDA time of one step (ms): routing kernels forward and backward, everything else,
-    and the step's wall time (CUDA busy time / wall time < 1 means the host is the bound)."""
+    and the step's wall time (CUDA busy time / wall time < 1 means the host is the bound).
+    Launched eagerly under graphs too: the kernels are the same, and each is profiled."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
     from torch.profiler import ProfilerActivity, profile
 
     phases = routing_kernel_phases()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        _step(ddp, optimizer, case, batches)
+        _step(trainer, case, get_forward_backward_func())
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     totals = {"fwd": 0.0, "bwd": 0.0, "other": 0.0}
@@ -197,12 +258,12 @@ def _host_split(trainer, device: str, repeats: int = 3):
     """Median ms of one micro-batch's forward and of its backward, as issued (when the
     host returns) and as completed (after synchronising). Issued close to completed means
     the host bounds that phase; their difference between two models is host time."""
-    tokens, labels, positions = trainer.batches[0]
+    batch = trainer.batches[0]
     times = []
     for _ in range(repeats):
         _sync(device)
         start = time.perf_counter()
-        loss = trainer.ddp(tokens, positions, None, labels=labels).float().mean()
+        loss = _micro_batch_loss(trainer.ddp, batch).float().mean()
         issued = time.perf_counter()
         _sync(device)
         done = time.perf_counter()
@@ -215,18 +276,40 @@ def _host_split(trainer, device: str, repeats: int = 3):
     return {name: statistics.median(column) * 1e3 for name, column in zip(names, zip(*times))}
 
 
+def _host_profile(trainer, top: int = 40):
+    """Host time of one micro-batch's forward and backward by operator (profiler CPU
+    events, inflated alike for every model by the profiler's per-op cost): the ops with
+    the most self CPU time, and the CUDA runtime / driver calls (launches, allocations,
+    synchronisations) with their counts. Where one model's host time goes beyond another's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _micro_batch_loss(trainer.ddp, trainer.batches[0]).float().mean().backward()
+        torch.cuda.synchronize()
+    trainer.ddp.zero_grad_buffer()
+    rows = [{"name": e.key, "count": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+             "cpu_total_ms": e.cpu_time_total / 1e3} for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r["self_cpu_ms"])
+    runtime = [r for r in rows if r["name"].startswith(("cuda", "cu"))]
+    return {"self_cpu_ms": sum(r["self_cpu_ms"] for r in rows),
+            "ops": sum(r["count"] for r in rows if r["name"].startswith("aten::")),
+            "top_self_cpu": rows[:top], "runtime_calls": runtime}
+
+
 @dataclasses.dataclass
 class _Trainer:
     ddp: object
     optimizer: object
     batches: list
+    schedule: object  # Megatron's forward/backward function, or a _GraphedSchedule
 
 
 def _timed_step(trainer: _Trainer, case: SizeCase, device: str):
     """(wall seconds, loss) of one optimizer step."""
     _sync(device)
     start = time.perf_counter()
-    loss = _step(trainer.ddp, trainer.optimizer, case, trainer.batches)
+    loss = _step(trainer, case)
     _sync(device)
     return time.perf_counter() - start, loss
 
@@ -242,7 +325,16 @@ def _prime_cublas():
     torch.cuda.synchronize()
 
 
-def _build_and_warm(case: SizeCase, mhar: MHARConfig, device: str, warmup: int):
+def _schedule(cuda_graph: str):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if cuda_graph == "full_iteration":
+        return _GraphedSchedule(warmup_steps=1)
+    return get_forward_backward_func()
+
+
+def _build_and_warm(case: SizeCase, mhar: MHARConfig, device: str, warmup: int,
+                    cuda_graph: str = "none"):
     """Builds one model and runs its warmup steps: (trainer, warmup losses, own peak GiB
     or None on CPU). The models built before stay idle, so the peak over this phase minus
     the bytes allocated before it is this model's own."""
@@ -252,7 +344,8 @@ def _build_and_warm(case: SizeCase, mhar: MHARConfig, device: str, warmup: int):
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     trainer = _Trainer(*_train_setup(case, mhar, device),
-                       _batches(case, device, case.model.padded_vocab_size()))
+                       _batches(case, device, case.model.padded_vocab_size()),
+                       _schedule(cuda_graph))
     losses = [_timed_step(trainer, case, device)[1] for _ in range(warmup)]
     if device != "cuda":
         return trainer, losses, None
@@ -298,12 +391,16 @@ def _add_ratios(results: dict, times: dict):
             _round_ratios(times["mhar"], times["attnres"]))
 
 
-def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profile: bool):
+def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profile: bool,
+             cuda_graph: str = "none"):
     vocab = case.model.padded_vocab_size()
+    if cuda_graph != "none":
+        _reset_graph_inputs()
     tokens = case.micro_batch * case.model.seq_length * case.num_microbatches
     trainers, warm_losses, peaks = {}, {}, {}
     for name, mhar in models.items():
-        trainers[name], warm_losses[name], peaks[name] = _build_and_warm(case, mhar, device, warmup)
+        trainers[name], warm_losses[name], peaks[name] = _build_and_warm(case, mhar, device, warmup,
+                                                                          cuda_graph)
     times, losses = _timed_rounds(trainers, case, device, steps)
     results = {}
     for name, trainer in trainers.items():
@@ -318,7 +415,8 @@ def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profi
             entry["peak_memory_gib"] = peaks[name]
         entry["micro_batch_host_split"] = _host_split(trainer, device)
         if profile and device == "cuda":
-            entry["profile"] = _profile_step(trainer.ddp, trainer.optimizer, case, trainer.batches)
+            entry["profile"] = _profile_step(trainer, case)
+            entry["host_profile"] = _host_profile(trainer)
         results[name] = entry
         print(f"[{case.name}] {name}: {entry['tokens_per_s']:.0f} tok/s, "
               f"peak {entry.get('peak_memory_gib', 0):.1f} GiB, loss {entry['losses'][-1]:.3f}",
@@ -371,12 +469,19 @@ def main(argv=None):
     parser.add_argument("--kernel-impl", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--logit-scale", type=float, default=1.0)
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--cuda-graph", default="none", choices=["none", "full_iteration"],
+                        help="full_iteration: every model's forward/backward schedule (all "
+                             "micro-batches) captured once by Megatron's FullCudaGraphWrapper "
+                             "and replayed, which removes the host's launch cost (CUDA only)")
     parser.add_argument("--out", help="JSON output path")
     args = parser.parse_args(argv)
     unknown = [s for s in args.sizes.split(",") if s not in SIZES]
     unknown += [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         parser.error(f"unknown sizes/models {unknown}; choose from {list(SIZES)} and {list(MODELS)}")
+    if args.cuda_graph != "none" and (not torch.cuda.is_available() or args.warmup < 2):
+        parser.error("--cuda-graph needs CUDA and --warmup >= 2 (one eager step, then the "
+                     "capture, both inside the warmup whose peak memory is reported)")
     if args.warmup < 1:
         parser.error("--warmup must be >= 1: the first step creates the optimizer states, "
                      "which the peak memory (taken over the warmup) must include")
@@ -384,19 +489,22 @@ def main(argv=None):
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    initialize_model_parallel_from_env(seed=1234, device=device)
+    initialize_model_parallel_from_env(seed=1234, device=device,
+                                       cuda_graph_rng=args.cuda_graph != "none")
     if device == "cuda":
         _prime_cublas()
     models = {m: dataclasses.replace(MODELS[m], kernel_impl=args.kernel_impl)
               if MODELS[m].enabled else MODELS[m] for m in args.models.split(",")}
     report = {"environment": environment(), "args": vars(args), "sizes": {}}
     try:
-        for size in args.sizes.split(","):
-            report["sizes"][size] = run_size(SIZES[size], models, args.steps, args.warmup,
-                                             device, profile=not args.no_profile)
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(report, f, indent=1)
+        with _run_stream(args.cuda_graph):
+            for size in args.sizes.split(","):
+                report["sizes"][size] = run_size(SIZES[size], models, args.steps, args.warmup,
+                                                 device, profile=not args.no_profile,
+                                                 cuda_graph=args.cuda_graph)
+                if args.out:
+                    with open(args.out, "w") as f:
+                        json.dump(report, f, indent=1)
     finally:
         destroy()
     print(json.dumps({s: {m: {k: round(v, 3) for k, v in e.items() if k in (

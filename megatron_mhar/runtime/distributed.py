@@ -76,6 +76,7 @@ def initialize_model_parallel_from_env(
     device: Literal["auto", "cuda", "cpu"] = "auto",
     timeout_minutes: int = 10,
     create_gloo_process_groups: bool = True,
+    cuda_graph_rng: bool = False,
 ) -> DistributedContext:
     """Initialise torch.distributed and Megatron's model-parallel state.
 
@@ -94,6 +95,9 @@ def initialize_model_parallel_from_env(
         create_gloo_process_groups: also create Megatron's auxiliary gloo groups
             (Megatron's default; the distributed optimizer's checkpointing uses
             them). On CPU they duplicate the default groups; tests pass False.
+        cuda_graph_rng: keep the model-parallel RNG streams in generators that a CUDA
+            graph can register (Megatron's ``use_cudagraphable_rng``), as its
+            full-iteration CUDA graph needs.
 
     Returns:
         A :class:`DistributedContext`. The data-parallel size is
@@ -157,7 +161,9 @@ def initialize_model_parallel_from_env(
         distributed_timeout_minutes=timeout_minutes,
         create_gloo_process_groups=create_gloo_process_groups,
     )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, use_cudagraphable_rng=cuda_graph_rng, force_reset_rng=True
+    )
     return DistributedContext(
         rank=rank,
         world_size=world_size,
