@@ -59,11 +59,12 @@ def _store_tile(p, tile, mask, dtype: tl.constexpr, BHD: tl.constexpr, C: tl.con
 @triton.jit
 def _head_sum(b_a, b_b, C: tl.constexpr):
     """Per-head dot products [BT, BH] of two chunked tiles ([BT, BH, BHD], or [BH, BHD]
-    chunks on the right, broadcast over the tokens)."""
-    b_s = tl.sum(b_a[0] * b_b[0], axis=2)
+    chunks on the right, broadcast over the tokens). The chunks' products are added
+    elementwise first, so a head costs one reduction across the lanes, not one per chunk."""
+    b_prod = b_a[0] * b_b[0]
     for c in tl.static_range(1, C):
-        b_s += tl.sum(b_a[c] * b_b[c], axis=2)
-    return b_s
+        b_prod += b_a[c] * b_b[c]
+    return tl.sum(b_prod, axis=2)
 
 
 @triton.jit
