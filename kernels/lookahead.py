@@ -30,32 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .depth_route import (
-    LoopConfig,
-    _check_sources,
-    _chunked_tile,
-    _head_sum,
-    _inv_rms,
-    _load_tile,
-    _num_sms,
-    _route_fwd_step,
-    _route_logits,
-    _store_tile,
-    _tile_width,
-    _to_f32,
-)
-
-
-@triton.jit
-def _folded_query(Q_ptr, G_ptr, o_d, mask, dtype: tl.constexpr, BHD: tl.constexpr, C: tl.constexpr):
-    """Chunks of w = q * g^, the norm weight rounded to the activation dtype first (as the
-    reference's key is rounded before it is scaled)."""
-    b_q = _to_f32(_load_tile(Q_ptr + o_d, mask, BHD, C, ""), C)
-    b_g = _load_tile(G_ptr + o_d, mask, BHD, C, "")
-    b_w = ()
-    for c in tl.static_range(C):
-        b_w = b_w + (b_q[c] * b_g[c].to(dtype).to(tl.float32),)
-    return b_w
+from .depth_route import LoopConfig, _check_sources, _inv_rms, _num_sms, _route_fwd_step, _route_logits, _tile
 
 
 @triton.jit
@@ -79,7 +54,6 @@ def _group_fwd_kernel(
     BT: tl.constexpr,
     BH: tl.constexpr,
     BHD: tl.constexpr,
-    C: tl.constexpr,
     BG: tl.constexpr,
     STAGES: tl.constexpr,
 ):
@@ -98,9 +72,9 @@ def _group_fwd_kernel(
     o_t64 = o_t.to(tl.int64)
 
     # Per site of the chunk a folded query w = q * g^ (g^ rounded to the activation dtype)
-    # and an online-softmax state, held in tuples: every tensor is a chunked [BT, BH, BHD]
-    # tile (C chunks per head, as in the per-site kernels) in the layout of the row loads,
-    # so the head reductions stay inside a warp and nothing is converted between layouts.
+    # and an online-softmax state, held in tuples: every tensor is a [BT, BH, BHD] tile in
+    # the layout of the row loads, as in the per-site forward, so the head reductions stay
+    # inside a warp and nothing is converted between layouts.
     b_ws = ()
     b_ms = ()
     b_ls = ()
@@ -108,21 +82,19 @@ def _group_fwd_kernel(
     for j in tl.static_range(BG):
         i_site = i_g * BG + j
         m_w = m_d & (tl.full([BH, BHD], i_site, tl.int32) < NG)
-        b_acc = ()
-        for c in tl.static_range(C):
-            b_acc = b_acc + (tl.zeros([BT, BH, BHD], dtype=tl.float32),)
-        b_ws = b_ws + (_folded_query(Q_ptr + i_site * D, G_ptr + i_site * D, o_d, m_w, V_ptr.dtype.element_ty, BHD, C),)
+        b_g = tl.load(G_ptr + i_site * D + o_d, mask=m_w, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
+        b_ws = b_ws + (tl.load(Q_ptr + i_site * D + o_d, mask=m_w, other=0.0).to(tl.float32) * b_g,)
         b_ms = b_ms + (tl.full([BT, BH], float("-inf"), tl.float32),)
         b_ls = b_ls + (tl.zeros([BT, BH], dtype=tl.float32),)
-        b_accs = b_accs + (b_acc,)
+        b_accs = b_accs + (tl.zeros([BT, BH, BHD], dtype=tl.float32),)
     p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
     for _ in tl.range(0, N, num_stages=STAGES):
-        b_v = _to_f32(_load_tile(p_v, m_v, BHD, C, ""), C)
+        b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
         for j in tl.static_range(BG):
-            b_m, b_l, b_acc = _route_fwd_step(b_v, b_ws[j], b_ms[j], b_ls[j], b_accs[j], eps, scale, D, C)
+            b_m, b_l, b_acc = _route_fwd_step((b_v,), (b_ws[j],), b_ms[j], b_ls[j], (b_accs[j],), eps, scale, D, 1)
             b_ms = b_ms[:j] + (b_m,) + b_ms[j + 1 :]
             b_ls = b_ls[:j] + (b_l,) + b_ls[j + 1 :]
-            b_accs = b_accs[:j] + (b_acc,) + b_accs[j + 1 :]
+            b_accs = b_accs[:j] + b_acc + b_accs[j + 1 :]
         p_v += stride_vn
 
     for j in tl.static_range(BG):
@@ -134,7 +106,7 @@ def _group_fwd_kernel(
         tl.store(M_ptr + p_ml, b_ms[j], mask=m_ml)
         tl.store(L_ptr + p_ml, b_ls[j], mask=m_ml)
         m_a = m_site[:, None, None] & m_d[None, :, :]
-        _store_tile(A_ptr + o_gt[:, None, None] * D + o_d[None, :, :], b_accs[j], m_a, tl.float32, BHD, C, "")
+        tl.store(A_ptr + o_gt[:, None, None] * D + o_d[None, :, :], b_accs[j], mask=m_a)
 
 
 @triton.jit
@@ -160,7 +132,6 @@ def _merge_fwd_kernel(
     BT: tl.constexpr,
     BH: tl.constexpr,
     BHD: tl.constexpr,
-    C: tl.constexpr,
 ):
     i_t = tl.program_id(0)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -173,23 +144,23 @@ def _merge_fwd_kernel(
     m_th = m_t[:, None] & (o_h[None, :] < H)
     o_t64 = o_t.to(tl.int64)
 
-    b_w = _folded_query(Q_ptr, G_ptr, o_d, m_d, V_ptr.dtype.element_ty, BHD, C)
+    b_g = tl.load(G_ptr + o_d, mask=m_d, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
+    b_w = tl.load(Q_ptr + o_d, mask=m_d, other=0.0).to(tl.float32) * b_g
 
     p_ml = o_t64[:, None] * H + o_h[None, :]
     b_m = tl.load(M_ptr + p_ml, mask=m_th, other=0.0)
     b_l = tl.load(L_ptr + p_ml, mask=m_th, other=1.0)
-    b_acc = _load_tile(A_ptr + o_t64[:, None, None] * D + o_d[None, :, :], m_v, BHD, C, "")
+    b_acc = tl.load(A_ptr + o_t64[:, None, None] * D + o_d[None, :, :], mask=m_v, other=0.0)
     p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
     for _ in range(N):
-        b_v = _to_f32(_load_tile(p_v, m_v, BHD, C, ""), C)
-        b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D, C)
+        b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+        b_m, b_l, b_accs = _route_fwd_step((b_v,), (b_w,), b_m, b_l, (b_acc,), eps, scale, D, 1)
+        b_acc = b_accs[0]
         p_v += stride_vn
 
-    b_o = ()
-    for c in tl.static_range(C):
-        b_o = b_o + (b_acc[c] / b_l[:, :, None],)
+    b_o = b_acc / b_l[:, :, None]
     p_o = O_ptr + o_t64[:, None, None] * stride_ot + o_d[None, :, :]
-    _store_tile(p_o, b_o, m_v, O_ptr.dtype.element_ty, BHD, C, "")
+    tl.store(p_o, b_o.to(O_ptr.dtype.element_ty), mask=m_v)
     tl.store(LSE_ptr + p_ml, b_m + tl.log(b_l), mask=m_th)
 
 
@@ -221,7 +192,6 @@ def _merge_bwd_kernel(
     BT: tl.constexpr,
     BH: tl.constexpr,
     BHD: tl.constexpr,
-    C: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -230,10 +200,9 @@ def _merge_bwd_kernel(
     o_d = o_h[:, None] * HD + o_k[None, :]
     m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
 
-    b_w = _folded_query(Q_ptr, G_ptr, o_d, m_d, V_ptr.dtype.element_ty, BHD, C)
-    b_dw = ()
-    for c in tl.static_range(C):
-        b_dw = b_dw + (tl.zeros([BT, BH, BHD], dtype=tl.float32),)
+    b_g = tl.load(G_ptr + o_d, mask=m_d, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
+    b_w = tl.load(Q_ptr + o_d, mask=m_d, other=0.0).to(tl.float32) * b_g
+    b_dw = tl.zeros([BT, BH, BHD], dtype=tl.float32)
 
     # Fixed tile -> program map (grid-stride), so the dw partials are deterministic.
     for i_t in range(i_p, num_tiles, n_p):
@@ -242,36 +211,29 @@ def _merge_bwd_kernel(
         m_v = m_t[:, None, None] & m_d[None, :, :]
         m_th = m_t[:, None] & (o_h[None, :] < H)
         o_t64 = o_t.to(tl.int64)
-        b_do = _to_f32(_load_tile(DO_ptr + o_t64[:, None, None] * stride_dot + o_d[None, :, :], m_v, BHD, C, ""), C)
-        b_o = _to_f32(_load_tile(O_ptr + o_t64[:, None, None] * stride_ot + o_d[None, :, :], m_v, BHD, C, ""), C)
-        b_delta = _head_sum(b_do, b_o, C)
+        b_do = tl.load(DO_ptr + o_t64[:, None, None] * stride_dot + o_d[None, :, :], mask=m_v, other=0.0).to(tl.float32)
+        b_o = tl.load(O_ptr + o_t64[:, None, None] * stride_ot + o_d[None, :, :], mask=m_v, other=0.0).to(tl.float32)
+        b_delta = tl.sum(b_do * b_o, axis=2)
         p_th = o_t64[:, None] * H + o_h[None, :]
         tl.store(DELTA_ptr + p_th, b_delta, mask=m_th)
         b_lse = tl.load(LSE_ptr + p_th, mask=m_th, other=0.0)
         p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
         p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
         for _ in range(N):
-            b_v = _to_f32(_load_tile(p_v, m_v, BHD, C, ""), C)
-            b_r, b_dot, b_s = _route_logits(b_v, b_w, eps, scale, D, C)
+            b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+            b_r, b_dot, b_s = _route_logits((b_v,), (b_w,), eps, scale, D, 1)
             b_p = tl.exp(b_s - b_lse)
-            b_ds = b_p * (_head_sum(b_do, b_v, C) - b_delta)
+            b_ds = b_p * (tl.sum(b_do * b_v, axis=2) - b_delta)
             b_c = tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
             b_rs = (b_r * scale)[:, None, None]
-            b_dv_old = _load_tile(p_dv, m_v, BHD, C, "")
-            b_dv = ()
-            b_dw_new = ()
-            for c in tl.static_range(C):
-                b_dv = b_dv + (b_p[:, :, None] * b_do[c] + b_rs * (
-                    b_ds[:, :, None] * b_w[c][None, :, :] - b_c[:, None, None] * b_v[c]
-                ) + b_dv_old[c],)  # fmt: skip
-                b_dw_new = b_dw_new + (b_dw[c] + b_rs * b_ds[:, :, None] * b_v[c],)
-            b_dw = b_dw_new
-            _store_tile(p_dv, b_dv, m_v, tl.float32, BHD, C, "")
+            b_dv = b_p[:, :, None] * b_do + b_rs * (b_ds[:, :, None] * b_w[None, :, :] - b_c[:, None, None] * b_v)
+            b_dw += b_rs * b_ds[:, :, None] * b_v
+            b_dv += tl.load(p_dv, mask=m_v, other=0.0)
+            tl.store(p_dv, b_dv, mask=m_v)
             p_v += stride_vn
             p_dv += stride_dvn
 
-    for c in tl.static_range(C):
-        tl.store(DW_ptr + i_p * D + o_d + c * BHD, tl.sum(b_dw[c], axis=0), mask=m_d)
+    tl.store(DW_ptr + i_p * D + o_d, tl.sum(b_dw, axis=0), mask=m_d)
 
 
 @triton.jit
@@ -301,7 +263,6 @@ def _group_bwd_kernel(
     BT: tl.constexpr,
     BH: tl.constexpr,
     BHD: tl.constexpr,
-    C: tl.constexpr,
     SG: tl.constexpr,
     STAGES: tl.constexpr,
 ):
@@ -316,19 +277,14 @@ def _group_bwd_kernel(
     o_d = o_h[:, None] * HD + o_k[None, :]
     m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
 
-    # Per slot: w, and (per token tile) do, lse and delta, held in tuples of chunked tiles
-    # in the layout of the row loads, with a dL/dw accumulator: the row loop reads only v
-    # and dv.
+    # Per slot: w, and (per token tile) do, lse and delta, held in tuples of tiles in the
+    # layout of the row loads, with a dL/dw accumulator: the row loop reads only v and dv.
     b_ws = ()
     b_dws = ()
     for j in tl.static_range(SG):
         m_w = m_d & (tl.full([BH, BHD], chunk_hi - 1 - j, tl.int32) >= chunk_lo)
-        b_w = _load_tile(W_ptr + (chunk_hi - 1 - j) * D + o_d, m_w, BHD, C, "")
-        b_dw = ()
-        for c in tl.static_range(C):
-            b_dw = b_dw + (tl.zeros([BT, BH, BHD], dtype=tl.float32),)
-        b_ws = b_ws + (b_w,)
-        b_dws = b_dws + (b_dw,)
+        b_ws = b_ws + (tl.load(W_ptr + (chunk_hi - 1 - j) * D + o_d, mask=m_w, other=0.0)[None, :, :],)
+        b_dws = b_dws + (tl.zeros([BT, BH, BHD], dtype=tl.float32),)
 
     for i_t in range(i_p, num_tiles, n_p):
         o_t = i_t * BT + tl.arange(0, BT)
@@ -342,8 +298,8 @@ def _group_bwd_kernel(
             m_s = m_t & (tl.full([BT], chunk_hi - 1 - j, tl.int32) >= chunk_lo)
             o_gt = (chunk_hi - 1 - j) * T + o_t64
             p_do = DO_ptr + o_gt[:, None, None] * D + o_d[None, :, :]
-            b_do = _load_tile(p_do, m_s[:, None, None] & m_d[None, :, :], BHD, C, "")
-            b_dos = b_dos + (_to_f32(b_do, C),)
+            b_do = tl.load(p_do, mask=m_s[:, None, None] & m_d[None, :, :], other=0.0)
+            b_dos = b_dos + (b_do.to(tl.float32),)
             p_th = o_gt[:, None] * H + o_h[None, :]
             m_th = m_s[:, None] & (o_h < H)[None, :]
             b_lses = b_lses + (tl.load(LSE_ptr + p_th, mask=m_th, other=float("inf")),)
@@ -351,33 +307,27 @@ def _group_bwd_kernel(
         p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
         p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
         for _ in tl.range(0, N, num_stages=STAGES):
-            b_v = _to_f32(_load_tile(p_v, m_v, BHD, C, ""), C)
-            b_r = _inv_rms(b_v, eps, D, C)
+            b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+            b_r = _inv_rms((b_v,), eps, D, 1)
             b_rs = b_r * scale
-            b_dv = _load_tile(p_dv, m_v, BHD, C, "")
+            b_dv = tl.load(p_dv, mask=m_v, other=0.0)
             for j in tl.static_range(SG):
-                b_dot = _head_sum(b_v, b_ws[j], C)  # w chunks broadcast over the tokens
+                b_dot = tl.sum(b_v * b_ws[j], axis=2)
                 b_p = tl.exp(b_dot * b_rs[:, None] - b_lses[j])
-                b_ds = b_p * (_head_sum(b_dos[j], b_v, C) - b_deltas[j])
+                b_ds = b_p * (tl.sum(b_dos[j] * b_v, axis=2) - b_deltas[j])
                 b_c = tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
-                b_dv_j = ()
-                b_dw = ()
-                for c in tl.static_range(C):
-                    b_dv_j = b_dv_j + (b_dv[c] + b_p[:, :, None] * b_dos[j][c] + b_rs[:, None, None] * (
-                        b_ds[:, :, None] * b_ws[j][c][None, :, :] - b_c[:, None, None] * b_v[c]
-                    ),)  # fmt: skip
-                    b_dw = b_dw + (b_dws[j][c] + b_rs[:, None, None] * b_ds[:, :, None] * b_v[c],)
-                b_dv = b_dv_j
+                b_dv += b_p[:, :, None] * b_dos[j] + b_rs[:, None, None] * (
+                    b_ds[:, :, None] * b_ws[j] - b_c[:, None, None] * b_v
+                )
+                b_dw = b_dws[j] + b_rs[:, None, None] * b_ds[:, :, None] * b_v
                 b_dws = b_dws[:j] + (b_dw,) + b_dws[j + 1 :]
-            _store_tile(p_dv, b_dv, m_v, tl.float32, BHD, C, "")
+            tl.store(p_dv, b_dv, mask=m_v)
             p_v += stride_vn
             p_dv += stride_dvn
 
     for j in tl.static_range(SG):
         m_w = m_d & (tl.full([BH, BHD], chunk_hi - 1 - j, tl.int32) >= chunk_lo)
-        p_dw = DW_ptr + (i_p * NG + chunk_hi - 1 - j) * D + o_d
-        for c in tl.static_range(C):
-            tl.store(p_dw + c * BHD, tl.sum(b_dws[j][c], axis=0), mask=m_w)
+        tl.store(DW_ptr + (i_p * NG + chunk_hi - 1 - j) * D + o_d, tl.sum(b_dws[j], axis=0), mask=m_w)
 
 
 @triton.jit
@@ -494,12 +444,11 @@ def group_forward(
         raise ValueError("group_forward needs at least one old row")
     _check_sites_per_program(sites_per_program)
     queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
-    head_dim, bh, bhd, chunks = _chunked_tile(d, num_heads)
-    width = _tile_width(d, num_heads)
-    default_sites, config = _group_fwd_config(width, g)
+    head_dim, bh, bhd = _tile(d, num_heads)
+    default_sites, config = _group_fwd_config(bh * bhd, g)
     bg = min(g, sites_per_program or default_sites)
     if sites_per_program:  # keep the tile's size: fewer sites, more tokens
-        config = config._replace(block_t=max(1, 4096 // (bg * width)))
+        config = config._replace(block_t=max(1, 4096 // (bg * bh * bhd)))
     block_t, num_warps, _, stages, _, _ = config.override(**loop)
     kw = dict(dtype=torch.float32, device=sources.device)
     m = torch.empty((g, t, num_heads), **kw)
@@ -510,8 +459,7 @@ def group_forward(
     _group_fwd_kernel[(triton.cdiv(t, block_t) * triton.cdiv(g, bg),)](
         sources, queries, norm_weights, m, l, acc,
         t, n, g, sources.stride(0), sources.stride(1), eps, float(logit_scale),
-        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, C=chunks, BG=bg,
-        STAGES=stages,
+        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, BG=bg, STAGES=stages,
         num_warps=num_warps,
     )  # fmt: skip
     return m, l, acc
@@ -534,8 +482,8 @@ def merge_forward(
     the output [T, D] in the sources' dtype."""
     _check_sources(sources, None, num_heads)
     t, n, d = sources.shape
-    head_dim, bh, bhd, chunks = _chunked_tile(d, num_heads)
-    block_t = max(1, 8192 // _tile_width(d, num_heads))
+    head_dim, bh, bhd = _tile(d, num_heads)
+    block_t = max(1, 8192 // (bh * bhd))
     out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
     if t == 0:
         return out
@@ -543,7 +491,7 @@ def merge_forward(
     _merge_fwd_kernel[(triton.cdiv(t, block_t),)](
         src, query, norm_weight, m, l, acc, out, lse,
         t, n, src.stride(0), src.stride(1) if n > 0 else 0, out.stride(0), eps, float(logit_scale),
-        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, C=chunks, num_warps=4,
+        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -569,10 +517,9 @@ def merge_backward(
     """
     _check_sources(sources, None, num_heads)
     t, n, d = sources.shape
-    head_dim, bh, bhd, chunks = _chunked_tile(d, num_heads)
-    width = _tile_width(d, num_heads)
-    block_t = max(1, 2048 // width)
-    num_warps = 8 if block_t * width > 2048 else 4
+    head_dim, bh, bhd = _tile(d, num_heads)
+    block_t = max(1, 2048 // (bh * bhd))
+    num_warps = 8 if block_t * bh * bhd > 2048 else 4
     device = sources.device
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
@@ -588,7 +535,7 @@ def merge_backward(
             src.stride(0), src.stride(1) if n > 0 else 0, grad_out.stride(0), out.stride(0),
             gsrc.stride(0) if n > 0 else 0, gsrc.stride(1) if n > 0 else 0,
             eps, float(logit_scale),
-            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, C=chunks, num_warps=num_warps,
+            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, num_warps=num_warps,
         )  # fmt: skip
     else:
         dw.zero_()
@@ -640,8 +587,8 @@ def group_backward(
     grad_outs, lse, delta = grad_outs.contiguous(), lse.contiguous(), delta.contiguous()
     # w = q * g^ in fp32, g^ rounded to the activation dtype: the product the kernels form.
     folded = queries.float() * norm_weights.to(sources.dtype).float()
-    head_dim, bh, bhd, chunks = _chunked_tile(d, num_heads)
-    default_sites, config = _group_bwd_config(_tile_width(d, num_heads), g)
+    head_dim, bh, bhd = _tile(d, num_heads)
+    default_sites, config = _group_bwd_config(bh * bhd, g)
     sg = min(g, sites_per_program or default_sites)
     block_t, num_warps, _, stages, _, programs_per_sm = config.override(**loop)
     device = sources.device
@@ -656,8 +603,7 @@ def group_backward(
             t, n, g, max(lo, chunk_hi - sg), chunk_hi, num_tiles,
             sources.stride(0), sources.stride(1), grad_sources.stride(0), grad_sources.stride(1),
             eps, float(logit_scale),
-            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, C=chunks, SG=sg,
-            STAGES=stages,
+            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, SG=sg, STAGES=stages,
             num_warps=num_warps,
         )  # fmt: skip
     dq, dg = _reduce_dw(dw, sources, queries, norm_weights)
