@@ -56,6 +56,6 @@ def test_full_iteration_graph_replays_the_eager_steps(tmp_path):
     for name, losses in eager.items():
         assert len(graphed[name]) == len(losses) == 5
         assert graphed[name][0] == losses[0]  # the first step runs eagerly in both
-        torch.testing.assert_close(graphed[name], losses, rtol=1e-3, atol=0, msg=name)
+        torch.testing.assert_close(graphed[name], losses, rtol=2e-3, atol=0, msg=name)
     # The steps changed the model: a replay that did nothing would repeat one loss.
     assert len(set(graphed["mhar"])) == 5
