@@ -36,7 +36,6 @@ and one profiled micro-batch's host time by operator and CUDA runtime call
 """
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import json
@@ -53,6 +52,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_mhar.config import MHARConfig  # noqa: E402
 from megatron_mhar.models.builder import build_gpt_model, make_transformer_config  # noqa: E402
 from megatron_mhar.models.config import GPTModelConfig  # noqa: E402
+from megatron_mhar.training.cuda_graphs import (  # noqa: E402
+    CUDA_GRAPH_MODES,
+    FullIterationGraph,
+    capture_stream,
+    reset_static_inputs,
+)
 
 QWEN3_VOCAB = 151936
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12}
@@ -136,57 +141,6 @@ def _batches(case: SizeCase, device: str, vocab: int):
 
 def _micro_batch_loss(ddp, batch):
     return ddp(batch["tokens"], batch["positions"], None, labels=batch["labels"])
-
-
-class _GraphedSchedule:
-    """The forward/backward schedule of one model under Megatron's full-iteration CUDA
-    graph (``FullCudaGraphWrapper``): eager for ``warmup_steps`` calls, captured on the
-    next, replayed after. The wrapper keeps its graph, result and call count in class
-    attributes, one set per process; the benchmark trains several models in one process,
-    so each model's own set is swapped in around its calls."""
-
-    def __init__(self, warmup_steps: int):
-        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        self.wrapper = FullCudaGraphWrapper(get_forward_backward_func(),
-                                            cuda_graph_warmup_steps=warmup_steps)
-        self.state = {"cuda_graph": {"training": None, "validation": None},
-                      "result": {"training": None, "validation": None},
-                      "curr_iteration": {"training": 0, "validation": 0}}
-
-    def __call__(self, **kwargs):
-        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
-
-        shared = {name: getattr(FullCudaGraphWrapper, name) for name in self.state}
-        for name, own in self.state.items():
-            setattr(FullCudaGraphWrapper, name, own)
-        try:
-            return self.wrapper(**kwargs)
-        finally:
-            for name, value in shared.items():
-                setattr(FullCudaGraphWrapper, name, value)
-
-
-def _run_stream(cuda_graph: str):
-    """With graphs, everything runs on the graphs' capture stream, from model and DDP
-    construction on: the gradient-accumulation nodes DDP creates then belong to that
-    stream, so the captured backward does not wait on the legacy default stream (which
-    capture forbids; the torch here lacks the override Megatron would set for it)."""
-    if cuda_graph == "none":
-        return contextlib.nullcontext()
-    from megatron.core.full_cuda_graph import get_shared_capture_stream
-
-    stream = get_shared_capture_stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    return torch.cuda.stream(stream)
-
-
-def _reset_graph_inputs():
-    """Drop the static input buffers of the previous size's graphs (other shapes)."""
-    from megatron.core.full_cuda_graph import StaticBufferLoader
-
-    StaticBufferLoader.static_buffers = {"training": [], "validation": []}
 
 
 def _step(trainer, case: SizeCase, schedule=None):
@@ -302,7 +256,7 @@ class _Trainer:
     ddp: object
     optimizer: object
     batches: list
-    schedule: object  # Megatron's forward/backward function, or a _GraphedSchedule
+    schedule: object  # Megatron's forward/backward function, or a FullIterationGraph
 
 
 def _timed_step(trainer: _Trainer, case: SizeCase, device: str):
@@ -329,7 +283,7 @@ def _schedule(cuda_graph: str):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if cuda_graph == "full_iteration":
-        return _GraphedSchedule(warmup_steps=1)
+        return FullIterationGraph(get_forward_backward_func(), warmup_steps=1)
     return get_forward_backward_func()
 
 
@@ -395,7 +349,7 @@ def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profi
              cuda_graph: str = "none"):
     vocab = case.model.padded_vocab_size()
     if cuda_graph != "none":
-        _reset_graph_inputs()
+        reset_static_inputs()
     tokens = case.micro_batch * case.model.seq_length * case.num_microbatches
     trainers, warm_losses, peaks = {}, {}, {}
     for name, mhar in models.items():
@@ -469,7 +423,7 @@ def main(argv=None):
     parser.add_argument("--kernel-impl", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--logit-scale", type=float, default=1.0)
     parser.add_argument("--no-profile", action="store_true")
-    parser.add_argument("--cuda-graph", default="none", choices=["none", "full_iteration"],
+    parser.add_argument("--cuda-graph", default="none", choices=CUDA_GRAPH_MODES,
                         help="full_iteration: every model's forward/backward schedule (all "
                              "micro-batches) captured once by Megatron's FullCudaGraphWrapper "
                              "and replayed, which removes the host's launch cost (CUDA only)")
@@ -497,7 +451,7 @@ def main(argv=None):
               if MODELS[m].enabled else MODELS[m] for m in args.models.split(",")}
     report = {"environment": environment(), "args": vars(args), "sizes": {}}
     try:
-        with _run_stream(args.cuda_graph):
+        with capture_stream(args.cuda_graph):
             for size in args.sizes.split(","):
                 report["sizes"][size] = run_size(SIZES[size], models, args.steps, args.warmup,
                                                  device, profile=not args.no_profile,

@@ -36,6 +36,9 @@ import yaml
 from megatron_mhar.config import MHARConfig
 from megatron_mhar.models.config import GPTModelConfig
 
+CUDA_GRAPH_MODES = ("none", "full_iteration")
+"""Values of ``training.cuda_graph`` (see :mod:`megatron_mhar.training.cuda_graphs`)."""
+
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 """The repository's recipes; a bare name such as ``smoke_cpu`` resolves here."""
 
@@ -150,6 +153,11 @@ class TrainingConfig:
     recompute_num_layers: Optional[int] = None
     """With ``full``: layers per recomputed chunk (uniform) or recomputed layers (block)."""
 
+    cuda_graph: str = "none"
+    """``full_iteration``: Megatron's full-iteration CUDA graph around the forward/backward
+    of all micro-batches (one eager step, captured on the second, replayed after), which
+    removes the host's launch cost (GPU, no pipeline parallelism); ``none``: eager."""
+
     def __post_init__(self):
         for name in ("train_iters", "global_batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
@@ -161,6 +169,10 @@ class TrainingConfig:
             )
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"training.precision must be bf16 or fp32, got {self.precision!r}")
+        if self.cuda_graph not in CUDA_GRAPH_MODES:
+            raise ValueError(
+                f"training.cuda_graph must be one of {list(CUDA_GRAPH_MODES)}, got {self.cuda_graph!r}"
+            )
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(
                 f"training.recompute_granularity must be full, selective or null, "
@@ -422,12 +434,41 @@ class TrainConfig:
                 f"model.num_layers={model.num_layers} must be a multiple of the pipeline chunks "
                 f"(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {chunks})"
             )
+        if self.training.cuda_graph != "none":
+            self._check_cuda_graph()
         warmup, decay = self.optimizer.lr_warmup_iters, self.lr_decay_iters
         if warmup >= decay:
             source = "optimizer.lr_decay_iters" if self.optimizer.lr_decay_iters else "training.train_iters"
             raise ValueError(
                 f"optimizer.lr_warmup_iters={warmup} must be shorter than the decay "
                 f"({source}={decay}); shorten the warm-up or lengthen the decay"
+            )
+
+    def _check_cuda_graph(self) -> None:
+        """What the captured schedule does not cover, each with its fix."""
+        par, tr = self.parallel, self.training
+        fix = "or set training.cuda_graph=none"
+        if par.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                f"training.cuda_graph={tr.cuda_graph} is not supported with pipeline parallelism "
+                f"(pipeline_model_parallel_size={par.pipeline_model_parallel_size}); {fix}"
+            )
+        if tr.recompute_granularity is not None:
+            raise ValueError(
+                f"training.cuda_graph={tr.cuda_graph} is not supported with activation "
+                f"recomputation; set training.recompute_granularity=null {fix}"
+            )
+        if par.overlap_grad_reduce or par.overlap_param_gather:
+            raise ValueError(
+                f"training.cuda_graph={tr.cuda_graph} is not supported with overlapped gradient "
+                f"reduction or parameter gathering; set parallel.overlap_grad_reduce=false and "
+                f"parallel.overlap_param_gather=false {fix}"
+            )
+        if self.mhar.enabled and self.logging.routing_entropy:
+            raise ValueError(
+                f"training.cuda_graph={tr.cuda_graph}: the routing-entropy diagnostic is recorded "
+                f"by Python on logged steps, which a replayed graph does not run; set "
+                f"logging.routing_entropy=false {fix}"
             )
 
     @property
@@ -755,6 +796,10 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
     if on_cpu and tr.precision == "bf16":
         raise ValueError(
             "training.precision=bf16 runs on GPUs; on CPU set training.precision=fp32"
+        )
+    if on_cpu and tr.cuda_graph != "none":
+        raise ValueError(
+            f"training.cuda_graph={tr.cuda_graph} needs a GPU; on CPU set training.cuda_graph=none"
         )
 
     data = cfg.data

@@ -39,7 +39,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_mhar.data.datasets import MicroBatches, build_gpt_datasets
 from megatron_mhar.parallel import pipeline
 from megatron_mhar.runtime.distributed import DistributedContext, destroy, initialize_model_parallel_from_env
-from megatron_mhar.training import checkpointing
+from megatron_mhar.training import checkpointing, cuda_graphs
 from megatron_mhar.training.config import TrainConfig, expand_path, to_yaml, validate_launch
 from megatron_mhar.training.metrics import MetricsWriter, StepTimer, format_duration
 from megatron_mhar.training.model import build_model_chunks, transformer_config, unwrap
@@ -88,9 +88,13 @@ def run(
         seed=cfg.run.seed,
         device="cpu" if on_cpu else "cuda",
         create_gloo_process_groups=not on_cpu,
+        cuda_graph_rng=cfg.training.cuda_graph != "none",
     )
     try:
-        return Trainer(cfg, ctx, step_hook).train(stop)
+        # With CUDA graphs the whole run, from model construction on, is on the capture
+        # stream (megatron_mhar.training.cuda_graphs says why).
+        with cuda_graphs.capture_stream(cfg.training.cuda_graph):
+            return Trainer(cfg, ctx, step_hook).train(stop)
     finally:
         destroy()
 
@@ -125,7 +129,10 @@ class Trainer:
         # Megatron's convention: each pipeline stage seeds differently, so layers at the
         # same position of different stages do not start equal.
         seed = cfg.run.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
-        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+        graphs = tr.cuda_graph != "none"
+        tensor_parallel.model_parallel_cuda_manual_seed(
+            seed, use_cudagraphable_rng=graphs, force_reset_rng=True
+        )
         import random
 
         import numpy
@@ -165,6 +172,10 @@ class Trainer:
             wd_incr_style="constant",
         )
         self._wire_model_config()
+        # Training steps through Megatron's full-iteration CUDA graph; evaluation eager.
+        self._train_schedule = (
+            cuda_graphs.FullIterationGraph(pipeline.forward_backward) if graphs else pipeline.forward_backward
+        )
 
         self.iteration = 0
         self.val_losses: List[List[float]] = []
@@ -291,10 +302,12 @@ class Trainer:
         """The one call into Megatron's schedule (training and evaluation).
 
         ``megatron_mhar.parallel.pipeline.forward_backward`` is Megatron's schedule for
-        the layout plus, for MHAR pipelines, the per-boundary p2p shapes of the history.
+        the layout plus, for MHAR pipelines, the per-boundary p2p shapes of the history;
+        training steps go through the CUDA graph when ``training.cuda_graph`` asks.
         """
         tr = self.cfg.training
-        return pipeline.forward_backward(
+        schedule = pipeline.forward_backward if forward_only else self._train_schedule
+        return schedule(
             forward_step_func=self._forward_step,
             data_iterator=iterators,
             model=self.model,

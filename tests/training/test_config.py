@@ -55,11 +55,21 @@ def test_defaults_are_the_smoke_recipe():
         pytest.param("parallel.sequence_parallel=true", "needs tensor_model_parallel_size > 1", id="sp"),
         pytest.param("optimizer.lr_warmup_iters=500", "optimizer.lr_warmup_iters=500 must be shorter than the decay (training.train_iters=150)", id="warmup"),
         pytest.param("data.weights=[1.0]", "data.weights has 1 entries for 0 data.paths", id="weights"),
+        pytest.param("training.cuda_graph=partial", "training.cuda_graph must be one of ['none', 'full_iteration']", id="graph-mode"),
+        # what the full-iteration graph does not cover, each with its fix
+        pytest.param("training.cuda_graph=full_iteration", "set logging.routing_entropy=false or set training.cuda_graph=none", id="graph-entropy"),
+        pytest.param(["training.cuda_graph=full_iteration", "parallel.pipeline_model_parallel_size=2"],
+                     "not supported with pipeline parallelism (pipeline_model_parallel_size=2)", id="graph-pp"),
+        pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "training.recompute_granularity=selective"],
+                     "set training.recompute_granularity=null or set training.cuda_graph=none", id="graph-recompute"),
+        pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "parallel.overlap_grad_reduce=true"],
+                     "set parallel.overlap_grad_reduce=false", id="graph-overlap"),
     ],
 )
 def test_bad_values_fail_at_load(override, message):
+    overrides = override if isinstance(override, list) else [override]
     with pytest.raises(ValueError) as err:
-        load_config("smoke_cpu", [override])
+        load_config("smoke_cpu", overrides)
     assert message in str(err.value)
     assert "smoke_cpu.yaml" in str(err.value)  # names the recipe
 
@@ -139,6 +149,8 @@ def test_apply_overrides_does_not_mutate():
         pytest.param(["model.vocab_size=1000"], 1, "model.vocab_size=1000 is smaller than data.embedded_vocab_size", id="vocab"),
         pytest.param(["training.precision=bf16", "run.device=cpu"], 1, "on CPU set training.precision=fp32", id="bf16-cpu"),
         pytest.param(["checkpoint.load=/nonexistent/ckpt"], 1, "checkpoint.load='/nonexistent/ckpt': no such directory", id="load"),
+        pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "run.device=cpu"], 1,
+                     "needs a GPU; on CPU set training.cuda_graph=none", id="graph-cpu"),
     ],
 )
 def test_launch_checks(overrides, world, message, monkeypatch):

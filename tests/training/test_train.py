@@ -180,3 +180,22 @@ def test_initial_checkpoint_is_its_weights(tiny, distributed_optimizer):
     assert again.checkpoint == cfg.checkpoint_dir / "iter_0000000"
     assert sorted(p.name for p in cfg.checkpoint_dir.glob("iter_*")) == saved  # ... saves no second one
     assert again.losses == first.losses
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["per_site", "lookahead"])
+def test_cuda_graph_training_replays_the_eager_steps(tiny, schedule):
+    """``training.cuda_graph=full_iteration`` (one eager step, capture on the second,
+    replays after) trains as the eager loop does: the same losses step for step, the
+    same evaluation, from the same seed and data."""
+    common = ("run.device=cuda", "logging.routing_entropy=false", f"mhar.routing_schedule={schedule}")
+    eager = _run(tiny(*common, name="eager"))
+    graphed = _run(tiny(*common, "training.cuda_graph=full_iteration", name="graphed"))
+    assert sorted(graphed.losses) == sorted(eager.losses) == list(range(1, 7))
+    assert graphed.losses[1] == eager.losses[1]  # the first step runs eagerly in both
+    for step, loss in eager.losses.items():
+        assert graphed.losses[step] == pytest.approx(loss, rel=1e-4), step
+    assert len(set(graphed.losses.values())) == 6  # the replays train: no loss repeats
+    assert [s for s, _ in graphed.val_losses] == [s for s, _ in eager.val_losses] == [3, 6]
+    for (_, got), (_, want) in zip(graphed.val_losses, eager.val_losses):
+        assert got == pytest.approx(want, rel=1e-4)
