@@ -270,9 +270,9 @@ def _timed_step(trainer: _Trainer, case: SizeCase, device: str):
 
 def _prime_cublas():
     """One bf16 linear forward and backward before any memory reading: cuBLAS takes its
-    workspaces (per handle, and backward runs on autograd's own thread, hence handle) from
-    the caching allocator on first use and keeps them, which would charge them all to the
-    first model built."""
+    workspaces (per handle and stream, and backward runs on autograd's own thread, hence
+    handle) from the caching allocator on first use and keeps them, which would charge them
+    all to the first model built."""
     x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     bias = torch.zeros(64, device="cuda", dtype=torch.bfloat16)
     (torch.nn.functional.linear(x, x, bias) @ x).sum().backward()
@@ -445,13 +445,13 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     initialize_model_parallel_from_env(seed=1234, device=device,
                                        cuda_graph_rng=args.cuda_graph != "none")
-    if device == "cuda":
-        _prime_cublas()
     models = {m: dataclasses.replace(MODELS[m], kernel_impl=args.kernel_impl)
               if MODELS[m].enabled else MODELS[m] for m in args.models.split(",")}
     report = {"environment": environment(), "args": vars(args), "sizes": {}}
     try:
         with capture_stream(args.cuda_graph):
+            if device == "cuda":  # on the stream the models run on: cuBLAS keys its workspaces by stream
+                _prime_cublas()
             for size in args.sizes.split(","):
                 report["sizes"][size] = run_size(SIZES[size], models, args.steps, args.warmup,
                                                  device, profile=not args.no_profile,
