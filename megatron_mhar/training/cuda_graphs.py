@@ -40,8 +40,8 @@ class FullIterationGraph:
 
         if warmup_steps < 1:
             raise ValueError(
-                f"warmup_steps must be >= 1 (the first call allocates the optimizer's and DDP's "
-                f"buffers eagerly), got {warmup_steps}"
+                f"warmup_steps must be >= 1 (an eager call first compiles the kernels and fills "
+                f"the lazy caches, which capture cannot do), got {warmup_steps}"
             )
         self.wrapper = FullCudaGraphWrapper(schedule, cuda_graph_warmup_steps=warmup_steps)
         self.state = {
