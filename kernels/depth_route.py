@@ -57,6 +57,18 @@ def _store_tile(p, tile, mask, dtype: tl.constexpr, BHD: tl.constexpr, C: tl.con
 
 
 @triton.jit
+def _folded_query(Q_ptr, G_ptr, o_d, mask, dtype: tl.constexpr, BHD: tl.constexpr, C: tl.constexpr):
+    """Chunks of w = q * g^ in fp32, g^ the norm weight rounded to the activation dtype
+    ``dtype`` first: the reference rounds the normalised key before scaling it by g."""
+    b_g = _load_tile(G_ptr + o_d, mask, BHD, C, "")
+    b_q = _to_f32(_load_tile(Q_ptr + o_d, mask, BHD, C, ""), C)
+    b_w = ()
+    for c in tl.static_range(C):
+        b_w = b_w + (b_q[c] * b_g[c].to(dtype).to(tl.float32),)
+    return b_w
+
+
+@triton.jit
 def _head_sum(b_a, b_b, C: tl.constexpr):
     """Per-head dot products [BT, BH] of two chunked tiles ([BT, BH, BHD], or [BH, BHD]
     chunks on the right, broadcast over the tokens). The chunks' products are added
@@ -137,11 +149,7 @@ def _route_fwd_kernel(
     o_t64 = o_t.to(tl.int64)
 
     # The reference rounds g to the activation dtype before multiplying the key by it.
-    b_g = _to_f32(_load_tile(G_ptr + o_d, m_d, BHD, C, ""), C)
-    b_q = _to_f32(_load_tile(Q_ptr + o_d, m_d, BHD, C, ""), C)
-    b_w = ()
-    for c in tl.static_range(C):
-        b_w = b_w + (b_q[c] * b_g[c].to(V_ptr.dtype.element_ty).to(tl.float32),)
+    b_w = _folded_query(Q_ptr, G_ptr, o_d, m_d, V_ptr.dtype.element_ty, BHD, C)
 
     b_m = tl.full([BT, BH], float("-inf"), tl.float32)
     b_l = tl.zeros([BT, BH], dtype=tl.float32)
@@ -253,12 +261,9 @@ def _route_bwd_kernel(
     m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
     m_h = o_h < H
 
-    b_g = _to_f32(_load_tile(G_ptr + o_d, m_d, BHD, C, ""), C)
-    b_q = _to_f32(_load_tile(Q_ptr + o_d, m_d, BHD, C, ""), C)
-    b_w = ()
+    b_w = _folded_query(Q_ptr, G_ptr, o_d, m_d, V_ptr.dtype.element_ty, BHD, C)
     b_dw = ()
     for c in tl.static_range(C):
-        b_w = b_w + (b_q[c] * b_g[c].to(V_ptr.dtype.element_ty).to(tl.float32),)
         b_dw = b_dw + (tl.zeros([BT, BH, BHD], dtype=tl.float32),)
 
     # Fixed tile -> program map (grid-stride), so the dw partials are deterministic.

@@ -30,7 +30,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .depth_route import LoopConfig, _check_sources, _inv_rms, _num_sms, _route_fwd_step, _route_logits, _tile
+from .depth_route import (
+    LoopConfig,
+    _check_sources,
+    _folded_query,
+    _inv_rms,
+    _num_sms,
+    _route_fwd_step,
+    _route_logits,
+    _tile,
+)
 
 
 @triton.jit
@@ -82,8 +91,7 @@ def _group_fwd_kernel(
     for j in tl.static_range(BG):
         i_site = i_g * BG + j
         m_w = m_d & (tl.full([BH, BHD], i_site, tl.int32) < NG)
-        b_g = tl.load(G_ptr + i_site * D + o_d, mask=m_w, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
-        b_ws = b_ws + (tl.load(Q_ptr + i_site * D + o_d, mask=m_w, other=0.0).to(tl.float32) * b_g,)
+        b_ws = b_ws + _folded_query(Q_ptr + i_site * D, G_ptr + i_site * D, o_d, m_w, V_ptr.dtype.element_ty, BHD, 1)
         b_ms = b_ms + (tl.full([BT, BH], float("-inf"), tl.float32),)
         b_ls = b_ls + (tl.zeros([BT, BH], dtype=tl.float32),)
         b_accs = b_accs + (tl.zeros([BT, BH, BHD], dtype=tl.float32),)
@@ -144,8 +152,7 @@ def _merge_fwd_kernel(
     m_th = m_t[:, None] & (o_h[None, :] < H)
     o_t64 = o_t.to(tl.int64)
 
-    b_g = tl.load(G_ptr + o_d, mask=m_d, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
-    b_w = tl.load(Q_ptr + o_d, mask=m_d, other=0.0).to(tl.float32) * b_g
+    b_w = _folded_query(Q_ptr, G_ptr, o_d, m_d, V_ptr.dtype.element_ty, BHD, 1)[0]
 
     p_ml = o_t64[:, None] * H + o_h[None, :]
     b_m = tl.load(M_ptr + p_ml, mask=m_th, other=0.0)
@@ -200,8 +207,7 @@ def _merge_bwd_kernel(
     o_d = o_h[:, None] * HD + o_k[None, :]
     m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
 
-    b_g = tl.load(G_ptr + o_d, mask=m_d, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
-    b_w = tl.load(Q_ptr + o_d, mask=m_d, other=0.0).to(tl.float32) * b_g
+    b_w = _folded_query(Q_ptr, G_ptr, o_d, m_d, V_ptr.dtype.element_ty, BHD, 1)[0]
     b_dw = tl.zeros([BT, BH, BHD], dtype=tl.float32)
 
     # Fixed tile -> program map (grid-stride), so the dw partials are deterministic.
