@@ -451,6 +451,8 @@ class Trainer:
                 window.append(loss)
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss is {loss} at step {self.iteration}")
+                if grad_norm is not None and not math.isfinite(grad_norm):
+                    raise FloatingPointError(f"grad norm is {grad_norm} at step {self.iteration}")
 
                 if self.iteration % cfg.logging.interval == 0 or self.iteration == tr.train_iters:
                     self._log_train(window, grad_norm, lr, timer)
