@@ -243,6 +243,27 @@ def _merge_bwd_kernel(
 
 
 @triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _sums_over_heads(b_xs, SG: tl.constexpr):
+    """Sum over the head axis of each of the SG [BT, BH] tiles in b_xs, four tiles per
+    reduction. Where the heads span warps, every reduction is a round trip through shared
+    memory with its barriers whatever its operand count, so four sites share one instead
+    of paying one each. Each tile's sum is its own; slots past SG reduce zeros."""
+    b_sums = ()
+    for i in tl.static_range(0, SG, 4):
+        b_zero = tl.zeros_like(b_xs[i])
+        b_x1 = b_xs[i + 1] if i + 1 < SG else b_zero
+        b_x2 = b_xs[i + 2] if i + 2 < SG else b_zero
+        b_x3 = b_xs[i + 3] if i + 3 < SG else b_zero
+        b_sums = b_sums + tl.reduce((b_xs[i], b_x1, b_x2, b_x3), 1, _add4)
+    return b_sums
+
+
+@triton.jit
 def _group_bwd_kernel(
     V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
     W_ptr,  # [NG, D] fp32 folded queries w = q * g^ of the sites, contiguous
@@ -317,16 +338,26 @@ def _group_bwd_kernel(
             b_r = _inv_rms((b_v,), eps, D, 1)
             b_rs = b_r * scale
             b_dv = tl.load(p_dv, mask=m_v, other=0.0)
+            b_ps = ()
+            b_dss = ()
+            b_cs = ()
             for j in tl.static_range(SG):
                 b_dot = tl.sum(b_v * b_ws[j], axis=2)
                 b_p = tl.exp(b_dot * b_rs[:, None] - b_lses[j])
                 b_ds = b_p * (tl.sum(b_dos[j] * b_v, axis=2) - b_deltas[j])
-                b_c = tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
-                b_dv += b_p[:, :, None] * b_dos[j] + b_rs[:, None, None] * (
-                    b_ds[:, :, None] * b_ws[j] - b_c[:, None, None] * b_v
-                )
-                b_dw = b_dws[j] + b_rs[:, None, None] * b_ds[:, :, None] * b_v
-                b_dws = b_dws[:j] + (b_dw,) + b_dws[j + 1 :]
+                b_ps = b_ps + (b_p,)
+                b_dss = b_dss + (b_ds,)
+                b_cs = b_cs + (b_ds * b_dot,)
+            b_cs = _sums_over_heads(b_cs, SG)
+            for j in tl.static_range(SG):
+                # The factors of w and v are per head and per token, so each term is one
+                # FMA per element.
+                b_kw = (b_rs[:, None] * b_dss[j])[:, :, None]
+                b_kv = (b_rs * b_cs[j] * (b_r * b_r / D))[:, None, None]
+                b_dv += b_ps[j][:, :, None] * b_dos[j]
+                b_dv += b_kw * b_ws[j]
+                b_dv -= b_kv * b_v
+                b_dws = b_dws[:j] + (b_dws[j] + b_kw * b_v,) + b_dws[j + 1 :]
             tl.store(p_dv, b_dv, mask=m_v)
             p_v += stride_vn
             p_dv += stride_dvn
@@ -388,8 +419,10 @@ def _group_bwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
     site, w, do and a dL/dw accumulator of its token tile; up to 8K fp32 of each kind per
     program, row loads pipelined three deep, 4 warps (8 at a 2048-wide tile). Sites beyond
     that run in a further launch over the rows. Measured on H200 at each model's deepest
-    group: 0.90 / 1.67 / 3.08 ms at 100M / 350M / 1B with these settings (4 / 4 / 8 warps),
-    8 / 8 / 4 warps 0.91 / 2.58 / 3.53 ms (benchmarks/results/routing_h200_lookahead.json);
+    group: 0.78 / 1.40 / 2.63 ms at 100M / 350M / 1B with these settings (4 / 4 / 8 warps),
+    8 / 8 / 4 warps 0.80 / 1.91 / 2.95 ms, 2 sites per launch 1.85 ms at 350M and 2.88 at 1B
+    (benchmarks/results/routing_h200_lookahead_shared_reductions.json); before the sites
+    shared their cross-head reduction, 0.90 / 1.67 / 3.08 ms (routing_h200_lookahead.json);
     in the sweep before, two stages (8 warps at 350M and 1B) 1.29 / 3.23 / 4.23 ms against
     three 0.90 / 2.58 / 3.08 (routing_h200_lookahead_2stages.json); one site per launch
     loses 2x."""
