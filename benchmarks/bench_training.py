@@ -196,16 +196,21 @@ def _profile_step(trainer, case):
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     totals = {"fwd": 0.0, "bwd": 0.0, "other": 0.0}
+    per_kernel = {}
     for event in prof.key_averages():
         total = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
         if total <= 0 or event.key.startswith("ProfilerStep"):
             continue
-        totals[phases.get(event.key, "other")] += total / 1e3
+        phase = phases.get(event.key, "other")
+        totals[phase] += total / 1e3
+        if phase != "other":
+            per_kernel[event.key] = {"ms": total / 1e3, "launches": event.count}
     routing = totals["fwd"] + totals["bwd"]
     cuda = routing + totals["other"]
     return {"routing_fwd_ms": totals["fwd"], "routing_bwd_ms": totals["bwd"], "routing_ms": routing,
             "other_ms": totals["other"], "cuda_ms": cuda, "wall_ms": wall * 1e3,
-            "routing_fraction": routing / max(cuda, 1e-9), "cuda_busy_fraction": cuda / (wall * 1e3)}
+            "routing_fraction": routing / max(cuda, 1e-9), "cuda_busy_fraction": cuda / (wall * 1e3),
+            "routing_kernels": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]["ms"]))}
 
 
 def _host_split(trainer, device: str, repeats: int = 3):

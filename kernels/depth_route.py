@@ -197,22 +197,29 @@ def _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D: tl.constexp
 
 
 @triton.jit
+def _grad_factors(b_p, b_ds, b_c, b_r, scale, D: tl.constexpr):
+    """Per-head and per-token factors of one source's gradient (README.md, Backward):
+    dL/dv = p do + k_w w - k_v v and dL/dw += k_w v, with k_w = tau r ds and
+    k_v = tau r^3 c / D (b_c = sum_h ds a), so each term costs one FMA per element."""
+    b_rs = b_r * scale
+    b_kw = (b_rs[:, None] * b_ds)[:, :, None]
+    b_kv = (b_rs * b_c * (b_r * b_r / D))[:, None, None]
+    return b_p[:, :, None], b_kw, b_kv
+
+
+@triton.jit
 def _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D: tl.constexpr, C: tl.constexpr):
     """Pass 2: gradient of one source tile, and its share of dL/dw (README.md)."""
     b_r, b_dot, b_s = _route_logits(b_v, b_w, eps, scale, D, C)
     b_e = tl.exp(b_s - b_lse)
     # ds = p (dp - sum_j p_j dp_j) with p = e / l: exact zero for one source.
     b_ds = b_e * (_head_sum(b_do, b_v, C) * b_l - b_ld) * (b_il * b_il)
-    b_c = tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
-    b_rs = (b_r * scale)[:, None, None]
+    b_kp, b_kw, b_kv = _grad_factors(b_e * b_il, b_ds, tl.sum(b_ds * b_dot, axis=1), b_r, scale, D)
     b_dv = ()
     dw = ()
     for c in tl.static_range(C):
-        b_dv = b_dv + (
-            (b_e * b_il)[:, :, None] * b_do[c]
-            + b_rs * (b_ds[:, :, None] * b_w[c][None, :, :] - b_c[:, None, None] * b_v[c]),
-        )
-        dw = dw + (b_dw[c] + b_rs * b_ds[:, :, None] * b_v[c],)
+        b_dv = b_dv + (b_kp * b_do[c] + b_kw * b_w[c][None, :, :] - b_kv * b_v[c],)
+        dw = dw + (b_dw[c] + b_kw * b_v[c],)
     return b_dv, dw
 
 

@@ -34,6 +34,7 @@ from .depth_route import (
     LoopConfig,
     _check_sources,
     _folded_query,
+    _grad_factors,
     _inv_rms,
     _num_sms,
     _route_fwd_step,
@@ -230,6 +231,8 @@ def _merge_bwd_kernel(
             b_r, b_dot, b_s = _route_logits((b_v,), (b_w,), eps, scale, D, 1)
             b_p = tl.exp(b_s - b_lse)
             b_ds = b_p * (tl.sum(b_do * b_v, axis=2) - b_delta)
+            # Not _grad_factors' one-FMA-per-term form: here, with the gradient loaded
+            # first, the whole 1B step ran 24.2 against 22.7 ms on the H200 (same run).
             b_c = tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
             b_rs = (b_r * scale)[:, None, None]
             b_dv = b_p[:, :, None] * b_do + b_rs * (b_ds[:, :, None] * b_w[None, :, :] - b_c[:, None, None] * b_v)
@@ -350,11 +353,8 @@ def _group_bwd_kernel(
                 b_cs = b_cs + (b_ds * b_dot,)
             b_cs = _sums_over_heads(b_cs, SG)
             for j in tl.static_range(SG):
-                # The factors of w and v are per head and per token, so each term is one
-                # FMA per element.
-                b_kw = (b_rs[:, None] * b_dss[j])[:, :, None]
-                b_kv = (b_rs * b_cs[j] * (b_r * b_r / D))[:, None, None]
-                b_dv += b_ps[j][:, :, None] * b_dos[j]
+                b_kp, b_kw, b_kv = _grad_factors(b_ps[j], b_dss[j], b_cs[j], b_r, scale, D)
+                b_dv += b_kp * b_dos[j]
                 b_dv += b_kw * b_ws[j]
                 b_dv -= b_kv * b_v
                 b_dws = b_dws[:j] + (b_dws[j] + b_kw * b_v,) + b_dws[j + 1 :]
