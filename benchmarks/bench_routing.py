@@ -423,8 +423,8 @@ def run_sweep(copy_gbps):
 def run_lookahead_sweep(copy_gbps):
     """Phase 1 of the lookahead schedule at each model's deepest group (the largest n0),
     around the default launch configs, timed from CUDA graphs: the forward's sites per
-    program, tokens, warps and stages; the backward's sites per launch, tokens, warps,
-    stages and programs per SM."""
+    program, tokens, warps and stages; the backward's row-loop kernel's sites per launch,
+    tokens, warps, stages and programs per SM, and its tensor-core kernels at 4 and 8 warps."""
     rows = []
     for case in STEP_CASES:
         if case.variant != "full":
@@ -455,10 +455,13 @@ def run_lookahead_sweep(copy_gbps):
         fwd_variants = [(spp, {})] + [(k, {}) for k in (1, 2, 4, 8) if k != spp and k <= group] + [
             (spp, dict(num_warps=4)), (spp, dict(num_warps=8)), (spp, dict(stages=2)),
             (spp, dict(stages=4)), (spp, dict(block_t=2 * fwd.block_t, num_warps=4))]  # fmt: skip
+        # The row-loop backward around its launch config, then the tensor-core kernels at
+        # 4 and 8 warps.
         bwd_variants = [{}, dict(num_warps=12 - bwd.num_warps), dict(programs_per_sm=2),
                         dict(programs_per_sm=8), dict(block_t=2 * bwd.block_t)]
         bwd_variants += [dict(stages=k) for k in (1, 2, 4) if k != bwd.stages]
         bwd_variants += [dict(sites_per_program=k) for k in (1, 2, 4, 8) if k != bwd_spp and k <= group]  # fmt: skip
+        bwd_variants += [dict(tensor_cores=True, num_warps=k) for k in (4, 8)]
         variants = [("group_fwd", fwd_bytes, dict(sites_per_program=k, **o), lambda k=k, o=o: LA.group_forward(
             buf, qs, ws, HEADS, EPS, 1.0, sites_per_program=k, **o)) for k, o in fwd_variants]  # fmt: skip
         variants += [("group_bwd", bwd_bytes, o, lambda o=o: LA.group_backward(

@@ -367,6 +367,202 @@ def _group_bwd_kernel(
         tl.store(DW_ptr + (i_p * NG + chunk_hi - 1 - j) * D + o_d, tl.sum(b_dws[j], axis=0), mask=m_w)
 
 
+# The tensor-core phase-1 backward. Per token and head the group's work is a few small
+# matrix products over the old rows (README.md, "Tensor-core phase-1 backward"): with
+# X [rows, head width] a block of the token's rows and Y [head width, 16] holding, for
+# slot j, w_j (column 2j) and do_j (column 2j + 1),
+#     X @ Y                 -> a_j and dp_j of every row (logit dots, value dots)
+#     [kw | p] @ Y^T        -> sum_j kw_j w_j + p_j do_j, the rows' gradient before the RMS
+#     [kw | p]^T @ X        -> dL/dw_j (rows 2j)
+# and only the RMS terms (r and c = sum_h ds a, which span all heads) stay per element.
+SLOTS = tl.constexpr(8)  # sites per launch: Y has 2 x SLOTS = 16 columns, the smallest dot width
+
+
+@triton.jit
+def _split(x, BF16: tl.constexpr):
+    """An fp32 tile as a dot operand pair (hi, lo): for bf16 rows hi + lo in bf16
+    (x - hi - lo ~ 2^-16 |x|), otherwise the fp32 tile itself (lo unused)."""
+    if BF16:
+        hi = x.to(tl.bfloat16)
+        pair = (hi, (x - hi.to(tl.float32)).to(tl.bfloat16))
+    else:
+        pair = (x, x)
+    return pair
+
+
+@triton.jit
+def _dot_split(a_hi, a_lo, b_hi, b_lo, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, BF16: tl.constexpr):
+    """a @ b + acc from _split operands. bf16 rows: a_hi b_hi + a_lo b_hi + a_hi b_lo on
+    bf16 tensor cores, about 2^-16 relative; *_EXACT: that operand is a bf16 tile, its lo
+    part unused. Otherwise one fp32 dot in three tf32 passes."""
+    if BF16:
+        acc = tl.dot(a_hi, b_hi, acc)
+        if not B_EXACT:
+            acc = tl.dot(a_hi, b_lo, acc)
+        if not A_EXACT:
+            acc = tl.dot(a_lo, b_hi, acc)
+    else:
+        acc = tl.dot(a_hi, b_hi, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _site_columns(W_ptr, DO_ptr, t, T, i_h, o_k, m_k, chunk_lo, chunk_hi, D: tl.constexpr, HD: tl.constexpr, BF16: tl.constexpr):
+    """Y [BHD, 16] of token t and head i_h, _split: column 2j is w of slot j (site
+    chunk_hi - 1 - j), column 2j + 1 its output gradient; slots below chunk_lo are zero."""
+    o_c = tl.arange(0, 2 * SLOTS)
+    site = chunk_hi - 1 - o_c // 2
+    m_c = m_k[:, None] & (site >= chunk_lo)[None, :]
+    is_do = (o_c % 2 == 1)[None, :]
+    o_d = (i_h * HD + o_k)[:, None]
+    b_w = tl.load(W_ptr + site[None, :] * D + o_d, mask=m_c & ~is_do, other=0.0)
+    p_do = DO_ptr + (site[None, :].to(tl.int64) * T + t) * D + o_d
+    return _split(b_w + tl.load(p_do, mask=m_c & is_do, other=0.0).to(tl.float32), BF16)
+
+
+@triton.jit
+def _row_tile(p, mask, BF16: tl.constexpr):
+    """A [BR, BHD] tile of rows as a dot operand pair: bf16 rows are exact (lo unused)."""
+    b_x = tl.load(p, mask=mask, other=0.0)
+    if BF16:
+        pair = (b_x, b_x)
+    else:
+        pair = _split(b_x.to(tl.float32), BF16)
+    return pair
+
+
+@triton.jit
+def _slot_lse_delta(LSE_ptr, DELTA_ptr, site, m_s, t, T, i_h, H: tl.constexpr):
+    """[SLOTS] log-sum-exp and delta of token t and head i_h; empty slots get lse = +inf
+    (weight 0) and delta = 0."""
+    p_th = (site * T + t) * H + i_h
+    return tl.load(LSE_ptr + p_th, mask=m_s, other=float("inf")), tl.load(DELTA_ptr + p_th, mask=m_s, other=0.0)
+
+
+@triton.jit
+def _site_logit_grads(b_xh, b_xl, b_yh, b_yl, b_rs, lse, delta, m_r, BR: tl.constexpr, BF16: tl.constexpr):
+    """Per row and slot: head dots a, weights p and logit gradients ds of one head."""
+    b_ad = _dot_split(b_xh, b_xl, b_yh, b_yl, tl.zeros([BR, 2 * SLOTS], dtype=tl.float32), BF16, False, BF16)
+    b_a, b_dp = tl.split(tl.reshape(b_ad, [BR, SLOTS, 2]))
+    b_p = tl.where(m_r[:, None], tl.exp(b_a * b_rs[:, None] - lse[None, :]), 0.0)
+    return b_a, b_p, b_p * (b_dp - delta[None, :])
+
+
+@triton.jit
+def _group_bwd_rows_kernel(
+    V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
+    W_ptr,  # [NG, D] fp32 folded queries
+    DO_ptr,  # [NG, T, D] gradients of the sites' outputs
+    LSE_ptr,  # [NG, T, H] fp32
+    DELTA_ptr,  # [NG, T, H] fp32
+    R_ptr,  # [T, N] fp32 out: inverse RMS of every row
+    KV_ptr,  # [T, N] fp32 out: tau r^3 / D * sum over the slots of c
+    T,
+    N,
+    chunk_lo,
+    chunk_hi,
+    stride_vt,
+    stride_vn,
+    eps,
+    scale,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    HD: tl.constexpr,
+    BR: tl.constexpr,
+    BHD: tl.constexpr,
+):
+    """The per-row factors that span all heads, for the head kernel below: one program per
+    token (grid-stride), rows in blocks of BR, heads in a loop (twice: the RMS first)."""
+    BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
+    o_r = tl.arange(0, BR)
+    o_k = tl.arange(0, BHD)
+    m_k = o_k < HD
+    site = chunk_hi - 1 - tl.arange(0, SLOTS)
+    m_s = site >= chunk_lo
+    for t in range(tl.program_id(0), T, tl.num_programs(0)):
+        p_t = V_ptr + tl.cast(t, tl.int64) * stride_vt
+        for i0 in range(0, N, BR):
+            rows = i0 + o_r
+            m_r = rows < N
+            m_x = m_r[:, None] & m_k[None, :]
+            p_x = p_t + rows[:, None] * stride_vn + o_k[None, :]
+            b_sq = tl.zeros([BR], dtype=tl.float32)
+            for i_h in tl.range(0, H, loop_unroll_factor=1):
+                b_x = tl.load(p_x + i_h * HD, mask=m_x, other=0.0).to(tl.float32)
+                b_sq += tl.sum(b_x * b_x, axis=1)
+            b_r = tl.rsqrt(b_sq / D + eps)
+            b_c = tl.zeros([BR, SLOTS], dtype=tl.float32)
+            for i_h in tl.range(0, H, loop_unroll_factor=1):
+                b_xh, b_xl = _row_tile(p_x + i_h * HD, m_x, BF16)
+                b_yh, b_yl = _site_columns(W_ptr, DO_ptr, t, T, i_h, o_k, m_k, chunk_lo, chunk_hi, D, HD, BF16)
+                lse, delta = _slot_lse_delta(LSE_ptr, DELTA_ptr, site, m_s, t, T, i_h, H)
+                b_a, _, b_ds = _site_logit_grads(b_xh, b_xl, b_yh, b_yl, b_r * scale, lse, delta, m_r, BR, BF16)
+                b_c += b_ds * b_a
+            o_tr = tl.cast(t, tl.int64) * N + rows
+            tl.store(R_ptr + o_tr, b_r, mask=m_r)
+            tl.store(KV_ptr + o_tr, b_r * scale * (b_r * b_r / D) * tl.sum(b_c, axis=1), mask=m_r)
+
+
+@triton.jit
+def _group_bwd_heads_kernel(
+    V_ptr, W_ptr, DO_ptr, LSE_ptr, DELTA_ptr,  # as in _group_bwd_rows_kernel
+    R_ptr, KV_ptr,  # [T, N] fp32, written by _group_bwd_rows_kernel
+    DV_ptr,  # [T, N, D] fp32 gradients of the old rows (+=), strides (stride_dvt, stride_dvn, 1)
+    DW_ptr,  # [P, NG, D] fp32 per-program partial dL/dw
+    T,
+    N,
+    NG,
+    chunk_lo,
+    chunk_hi,
+    stride_vt,
+    stride_vn,
+    stride_dvt,
+    stride_dvn,
+    scale,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    HD: tl.constexpr,
+    BR: tl.constexpr,
+    BHD: tl.constexpr,
+):
+    """The rows' gradients and dL/dw of one head (program axis 1) over a token stride
+    (axis 0): dL/dw of the head's channels accumulates in a [16, BHD] dot accumulator."""
+    BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
+    i_p = tl.program_id(0)
+    i_h = tl.program_id(1)
+    o_r = tl.arange(0, BR)
+    o_k = tl.arange(0, BHD)
+    m_k = o_k < HD
+    site = chunk_hi - 1 - tl.arange(0, SLOTS)
+    m_s = site >= chunk_lo
+    b_dw = tl.zeros([2 * SLOTS, BHD], dtype=tl.float32)
+    for t in range(i_p, T, tl.num_programs(0)):
+        b_yh, b_yl = _site_columns(W_ptr, DO_ptr, t, T, i_h, o_k, m_k, chunk_lo, chunk_hi, D, HD, BF16)
+        b_yht = tl.trans(b_yh)
+        b_ylt = tl.trans(b_yl)
+        lse, delta = _slot_lse_delta(LSE_ptr, DELTA_ptr, site, m_s, t, T, i_h, H)
+        p_t = V_ptr + tl.cast(t, tl.int64) * stride_vt + i_h * HD
+        p_dt = DV_ptr + tl.cast(t, tl.int64) * stride_dvt + i_h * HD
+        for i0 in range(0, N, BR):
+            rows = i0 + o_r
+            m_r = rows < N
+            m_x = m_r[:, None] & m_k[None, :]
+            b_xh, b_xl = _row_tile(p_t + rows[:, None] * stride_vn + o_k[None, :], m_x, BF16)
+            o_tr = tl.cast(t, tl.int64) * N + rows
+            b_rs = tl.load(R_ptr + o_tr, mask=m_r, other=0.0) * scale
+            b_kv = tl.load(KV_ptr + o_tr, mask=m_r, other=0.0)
+            _, b_p, b_ds = _site_logit_grads(b_xh, b_xl, b_yh, b_yl, b_rs, lse, delta, m_r, BR, BF16)
+            b_zh, b_zl = _split(tl.reshape(tl.join(b_rs[:, None] * b_ds, b_p), [BR, 2 * SLOTS]), BF16)
+            p_dv = p_dt + rows[:, None] * stride_dvn + o_k[None, :]
+            b_dv = tl.load(p_dv, mask=m_x, other=0.0) - b_kv[:, None] * b_xh.to(tl.float32)
+            b_dv = _dot_split(b_zh, b_zl, b_yht, b_ylt, b_dv, False, False, BF16)
+            tl.store(p_dv, b_dv, mask=m_x)
+            b_dw = _dot_split(tl.trans(b_zh), tl.trans(b_zl), b_xh, b_xl, b_dw, False, BF16, BF16)
+    b_dw, _ = tl.split(tl.permute(tl.reshape(b_dw, [SLOTS, 2, BHD]), [0, 2, 1]))
+    p_w = DW_ptr + (i_p * NG + site)[:, None] * D + (i_h * HD + o_k)[None, :]
+    tl.store(p_w, b_dw, mask=m_s[:, None] & m_k[None, :])
+
+
 @triton.jit
 def _dw_reduce_kernel(
     DW_ptr,  # [P, NG, D] fp32 per-program partial dL/dw
@@ -595,6 +791,7 @@ def group_backward(
     grad_sources: torch.Tensor,
     site_range: Optional[Tuple[int, int]] = None,
     sites_per_program: Optional[int] = None,
+    tensor_cores: bool = False,
     **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Backward of phase 1: the gradients of the sites ``site_range`` (default all) to
@@ -603,8 +800,12 @@ def group_backward(
     Args:
         grad_outs: [G, T, D] contiguous gradients of the sites' outputs.
         queries, norm_weights: [G, D]; lse, delta: [G, T, H] fp32 contiguous.
-        sites_per_program: sites per launch (default: as registers allow); the launches
-            run over the rows last chunk first.
+        sites_per_program: sites per launch of the row-loop kernels (default: as
+            registers allow); the launches run over the rows last chunk first.
+        tensor_cores: the per-head dot-product kernels where the head is at most 256
+            columns wide (padded), instead of the row-loop kernel, which holds the sites
+            in registers and adds them one by one. Opt-in: slower on the H200 except at
+            the 1B width (README.md, "Tensor-core phase-1 backward").
         loop: :class:`LoopConfig` fields overriding the default launch (benchmarks).
 
     Returns:
@@ -633,6 +834,11 @@ def group_backward(
     device = sources.device
     num_tiles = triton.cdiv(t, block_t)
     num_programs = _backward_programs(num_tiles, device, programs_per_sm)
+    if tensor_cores and bhd <= 256:  # a wider head's tiles outgrow registers and shared memory
+        return _group_backward_tensor_cores(
+            grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, eps,
+            logit_scale, grad_sources, lo, hi, loop.get("num_warps"),
+        )  # fmt: skip
     dw = torch.empty((num_programs, g, d), dtype=torch.float32, device=device)
     if t == 0:
         dw.zero_()
@@ -644,6 +850,40 @@ def group_backward(
             eps, float(logit_scale),
             D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, SG=sg, STAGES=stages,
             num_warps=num_warps,
+        )  # fmt: skip
+    dq, dg = _reduce_dw(dw, sources, queries, norm_weights)
+    return dq[lo:hi], dg[lo:hi]
+
+
+def _group_backward_tensor_cores(
+    grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, eps, logit_scale,
+    grad_sources, lo, hi, num_warps=None,
+):  # fmt: skip
+    """group_backward through _group_bwd_rows_kernel and _group_bwd_heads_kernel, SLOTS
+    sites per launch, last chunk first, 4 warps (deepest group on the H200: 1.82 / 1.75 /
+    2.21 ms at 100M / 350M / 1B, against 3.55 / 2.82 / 3.77 at 8 warps)."""
+    t, n, d = sources.shape
+    g = queries.shape[0]
+    head_dim, _, bhd = _tile(d, num_heads)
+    device = sources.device
+    sms = _num_sms(device)
+    inv_rms = torch.empty((t, n), dtype=torch.float32, device=device)
+    rms_term = torch.empty((t, n), dtype=torch.float32, device=device)
+    token_programs = max(1, min(t, triton.cdiv(4 * sms, num_heads)))
+    dw = torch.empty((token_programs, g, d), dtype=torch.float32, device=device)
+    if t == 0:
+        dw.zero_()
+    common = dict(D=d, H=num_heads, HD=head_dim, BR=16, BHD=bhd, num_warps=num_warps or 4)
+    for chunk_hi in range(hi, lo, -SLOTS) if t > 0 else ():
+        chunk_lo = max(lo, chunk_hi - SLOTS)
+        _group_bwd_rows_kernel[(max(1, min(t, 4 * sms)),)](
+            sources, folded, grad_outs, lse, delta, inv_rms, rms_term, t, n, chunk_lo, chunk_hi,
+            sources.stride(0), sources.stride(1), eps, float(logit_scale), **common,
+        )  # fmt: skip
+        _group_bwd_heads_kernel[(token_programs, num_heads)](
+            sources, folded, grad_outs, lse, delta, inv_rms, rms_term, grad_sources, dw,
+            t, n, g, chunk_lo, chunk_hi, sources.stride(0), sources.stride(1),
+            grad_sources.stride(0), grad_sources.stride(1), float(logit_scale), **common,
         )  # fmt: skip
     dq, dg = _reduce_dw(dw, sources, queries, norm_weights)
     return dq[lo:hi], dg[lo:hi]

@@ -10,6 +10,9 @@ interpreter in fp32 (conftest.py); on CUDA in bf16 (flash-attention rule: error 
 the fp32 reference at most twice the bf16 torch reference's, plus a small atol) and fp32.
 """
 
+import functools
+import types
+
 import pytest
 import torch
 
@@ -22,7 +25,15 @@ DEVICE = "cuda" if CUDA else "cpu"
 EPS = 1e-6
 DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
 GPU_ONLY = pytest.mark.skipif(not CUDA, reason="slow in the Triton interpreter")
-BACKENDS = {"triton": fused, "torch": TORCH_LOOKAHEAD}
+# The phase-1 backward's two kernels: the row loop that holds the sites in registers (the
+# default) and the opt-in tensor-core dots per head.
+TENSOR_CORES = types.SimpleNamespace(
+    group_forward=fused.group_forward,
+    merge_forward=fused.merge_forward,
+    merge_backward=fused.merge_backward,
+    group_backward=functools.partial(fused.group_backward, tensor_cores=True),
+)
+BACKENDS = {"triton": fused, "triton-tensor-cores": TENSOR_CORES, "torch": TORCH_LOOKAHEAD}
 
 CASES = [
     # (tokens, n0 old rows, G sites, D, H, tau); CPU token counts, GPU uses 64 T + 3.
@@ -115,10 +126,10 @@ def _per_site(buffer, queries, norms, grad_outs, n0, heads, tau):
 NAMES = ("out", "dsources", "dquery", "dnorm")
 
 
-def _atol(name, ref, frac, tokens):
+def _atol(name, ref, frac, tokens, per_token=1e-7):
     # dquery/dnorm sum over tokens: with one source the exact logit gradient is 0 but the
     # recomputed weights leave ~1e-7 per token (as in test_depth_route_kernels.py).
-    return frac * ref.abs().max().item() + (1e-7 * tokens if name in ("dquery", "dnorm") else 1e-6)
+    return frac * ref.abs().max().item() + (per_token * tokens if name in ("dquery", "dnorm") else 1e-6)
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
@@ -132,8 +143,12 @@ def test_group_matches_per_site(t, n0, g, d, heads, tau, dtype, backend):
     assert got[0].dtype == dtype and got[2].dtype == torch.float32
     ref32 = _per_site(*[x.float() for x in inputs], n0, heads, tau)
     if dtype == torch.float32:
+        # The tensor-core backward forms the value dots in another order than the merge's
+        # delta, so one source's vanishing logit gradient is left as rounding: up to 3e-5
+        # per token in dquery at N1-G1, where the other cases' dquery reach 1e2-1e3.
+        per_token = 1e-4 if backend == "triton-tensor-cores" else 1e-7
         for name, a, r in zip(NAMES, got, ref32):
-            torch.testing.assert_close(a, r, rtol=2e-4, atol=_atol(name, r, 2e-5, t), msg=name)
+            torch.testing.assert_close(a, r, rtol=2e-4, atol=_atol(name, r, 2e-5, t, per_token), msg=name)
         return
     ref_lp = _per_site(*inputs, n0, heads, tau)
     for name, a, r, lp in zip(NAMES, got, ref32, ref_lp):
@@ -144,9 +159,11 @@ def test_group_matches_per_site(t, n0, g, d, heads, tau, dtype, backend):
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_split_group_backward_is_bitwise(backend):
+def test_split_group_backward(backend):
     """A group whose backward is split (a checkpointed chunk ends mid-group) gives the same
-    bits as the whole group: sites outside the range add exact zeros, in a fixed order."""
+    bits as the whole group: sites outside the range add exact zeros, in a fixed order.
+    The tensor-core kernel sums a launch's sites inside its dots, so there the old rows'
+    gradients agree to rounding and everything else bitwise."""
     t, n0, g, d, heads = _tokens(5), 3, 4, 512, 8
     buffer, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
     b = BACKENDS[backend]
@@ -156,7 +173,10 @@ def test_split_group_backward_is_bitwise(backend):
     late = _grouped(b, buffer, queries, norms, grad_outs, n0, heads, 1.0, (2, 4), rows)
     early = _grouped(b, buffer, queries, norms, grad_outs, n0, heads, 1.0, (0, 2), rows)
     assert torch.equal(whole[0], late[0]) and torch.equal(whole[0], early[0])
-    assert torch.equal(whole[1], rows)
+    if backend == "triton-tensor-cores":
+        torch.testing.assert_close(rows, whole[1], rtol=1e-6, atol=1e-6 * whole[1].abs().max().item())
+    else:
+        assert torch.equal(whole[1], rows)
     for k in (2, 3):  # dquery, dnorm
         assert torch.equal(whole[k][2:], late[k][2:]) and torch.equal(whole[k][:2], early[k][:2])
 
@@ -169,11 +189,12 @@ def test_split_group_backward_is_bitwise(backend):
         pytest.param(2051, 17, 4, 512, id="100M-group"),
     ],
 )
-def test_deterministic(t, n0, g, d):
+@pytest.mark.parametrize("backend", ["triton", "triton-tensor-cores"])
+def test_deterministic(t, n0, g, d, backend):
     """Two runs of a group's forward and backward are bitwise equal (no atomics)."""
     inputs = _inputs(t, n0, g, d, 8, 8.0, torch.bfloat16)
-    first = _grouped(fused, *inputs, n0, 8, 8.0)
-    second = _grouped(fused, *inputs, n0, 8, 8.0)
+    first = _grouped(BACKENDS[backend], *inputs, n0, 8, 8.0)
+    second = _grouped(BACKENDS[backend], *inputs, n0, 8, 8.0)
     for name, a, b in zip(NAMES, first, second):
         assert torch.equal(a, b), name
 
