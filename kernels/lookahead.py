@@ -18,6 +18,8 @@ four functions, same signatures); the schedule, the derivation and the memory ar
   sites (one chunk at 100M and 350M, two at 1B). The sites' contributions are added in a
   fixed order (last site first), and sites outside ``site_range`` contribute exact zeros,
   so a group whose backward a checkpointed chunk splits gives bit-identical gradients.
+  Opt-in (``tensor_cores=True``): the same gradients as small tensor-core dots per token
+  and head (``_group_bwd_rows_kernel``, ``_group_bwd_heads_kernel``).
 
 dquery/dnorm are reduced over tokens in two deterministic stages (per-program partials,
 then a fixed-order sum), as in ``depth_route.py``; no atomics.
