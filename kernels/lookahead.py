@@ -459,20 +459,9 @@ def _group_bwd_rows_kernel(
     DELTA_ptr,  # [NG, T, H] fp32
     R_ptr,  # [T, N] fp32 out: inverse RMS of every row
     KV_ptr,  # [T, N] fp32 out: tau r^3 / D * sum over the slots of c
-    T,
-    N,
-    chunk_lo,
-    chunk_hi,
-    stride_vt,
-    stride_vn,
-    eps,
-    scale,
-    D: tl.constexpr,
-    H: tl.constexpr,
-    HD: tl.constexpr,
-    BR: tl.constexpr,
-    BHD: tl.constexpr,
-):
+    T, N, chunk_lo, chunk_hi, stride_vt, stride_vn, eps, scale,
+    D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BR: tl.constexpr, BHD: tl.constexpr,
+):  # fmt: skip
     """The per-row factors that span all heads, for the head kernel below: one program per
     token (grid-stride), rows in blocks of BR, heads in a loop (twice: the RMS first)."""
     BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
@@ -511,22 +500,9 @@ def _group_bwd_heads_kernel(
     R_ptr, KV_ptr,  # [T, N] fp32, written by _group_bwd_rows_kernel
     DV_ptr,  # [T, N, D] fp32 gradients of the old rows (+=), strides (stride_dvt, stride_dvn, 1)
     DW_ptr,  # [P, NG, D] fp32 per-program partial dL/dw
-    T,
-    N,
-    NG,
-    chunk_lo,
-    chunk_hi,
-    stride_vt,
-    stride_vn,
-    stride_dvt,
-    stride_dvn,
-    scale,
-    D: tl.constexpr,
-    H: tl.constexpr,
-    HD: tl.constexpr,
-    BR: tl.constexpr,
-    BHD: tl.constexpr,
-):
+    T, N, NG, chunk_lo, chunk_hi, stride_vt, stride_vn, stride_dvt, stride_dvn, scale,
+    D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BR: tl.constexpr, BHD: tl.constexpr,
+):  # fmt: skip
     """The rows' gradients and dL/dw of one head (program axis 1) over a token stride
     (axis 0): dL/dw of the head's channels accumulates in a [16, BHD] dot accumulator."""
     BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
