@@ -806,17 +806,23 @@ def group_backward(
     # w = q * g^ in fp32, g^ rounded to the activation dtype: the product the kernels form.
     folded = queries.float() * norm_weights.to(sources.dtype).float()
     head_dim, bh, bhd = _tile(d, num_heads)
+    if tensor_cores and bhd <= 256:  # a wider head's tiles outgrow registers and shared memory
+        unused = sorted(set(loop) - {"num_warps"}) + (["sites_per_program"] if sites_per_program else [])
+        if unused:
+            raise ValueError(
+                f"tensor_cores=True takes only num_warps as a launch override, got {unused}; "
+                f"drop them or use tensor_cores=False"
+            )
+        return _group_backward_tensor_cores(
+            grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, head_dim,
+            bhd, eps, logit_scale, grad_sources, lo, hi, loop.get("num_warps"),
+        )  # fmt: skip
     default_sites, config = _group_bwd_config(bh * bhd, g)
     sg = min(g, sites_per_program or default_sites)
     block_t, num_warps, _, stages, _, programs_per_sm = config.override(**loop)
     device = sources.device
     num_tiles = triton.cdiv(t, block_t)
     num_programs = _backward_programs(num_tiles, device, programs_per_sm)
-    if tensor_cores and bhd <= 256:  # a wider head's tiles outgrow registers and shared memory
-        return _group_backward_tensor_cores(
-            grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, eps,
-            logit_scale, grad_sources, lo, hi, loop.get("num_warps"),
-        )  # fmt: skip
     dw = torch.empty((num_programs, g, d), dtype=torch.float32, device=device)
     if t == 0:
         dw.zero_()
@@ -834,15 +840,14 @@ def group_backward(
 
 
 def _group_backward_tensor_cores(
-    grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, eps, logit_scale,
-    grad_sources, lo, hi, num_warps=None,
+    grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, head_dim, bhd, eps,
+    logit_scale, grad_sources, lo, hi, num_warps=None,
 ):  # fmt: skip
     """group_backward through _group_bwd_rows_kernel and _group_bwd_heads_kernel, SLOTS
     sites per launch, last chunk first, 4 warps (deepest group on the H200: 1.82 / 1.75 /
     2.21 ms at 100M / 350M / 1B, against 3.55 / 2.82 / 3.77 at 8 warps)."""
     t, n, d = sources.shape
     g = queries.shape[0]
-    head_dim, _, bhd = _tile(d, num_heads)
     device = sources.device
     sms = _num_sms(device)
     inv_rms = torch.empty((t, n), dtype=torch.float32, device=device)

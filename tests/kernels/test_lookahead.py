@@ -235,3 +235,17 @@ def test_sites_per_program_must_be_positive(call):
             stats = torch.zeros(g, t, heads, device=DEVICE)
             fused.group_backward(grad_outs, rows, queries, norms, stats, stats, heads, EPS, 1.0,
                                  torch.zeros(rows.shape, device=DEVICE), sites_per_program=-2)  # fmt: skip
+
+
+def test_tensor_cores_reject_row_loop_overrides():
+    """The tensor-core kernels take only num_warps; a row-loop override is an error, not
+    silently ignored."""
+    t, n0, g, d, heads = _tokens(2), 2, 2, 512, 8
+    rows, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
+    stats = torch.zeros(g, t, heads, device=DEVICE)
+    grad_rows = torch.zeros(rows.shape, device=DEVICE)
+    for override in (dict(block_t=2), dict(sites_per_program=1)):
+        with pytest.raises(ValueError, match="tensor_cores=True takes only num_warps"):
+            fused.group_backward(grad_outs, rows, queries, norms, stats, stats, heads, EPS, 1.0,
+                                 grad_rows, tensor_cores=True, **override)  # fmt: skip
+    assert not grad_rows.any()  # nothing written before the error
