@@ -345,7 +345,7 @@ def run_step(case, tau, impls, lookahead_groups=(0,)):
     return result
 
 
-SWEEP_CASES = SITE_CASES[:4] + [SITE_CASES[6],
+SWEEP_CASES = SITE_CASES[:4] + SITE_CASES[5:] + [
     # Same tokens and depth as 1B-final at a power-of-two width: isolates the cost of
     # padding 1280 (head width 160) to a 2048-wide register tile.
     SiteCase("probe-D1024-N73", 1024, 73, 2 * 1024),
@@ -394,16 +394,25 @@ def run_sweep(copy_gbps):
         nb = site_bytes(case)
         _, lse = K.route_forward(view, None, query, norm_weight, HEADS, EPS, 1.0)
         _, bh, bhd = K._tile(case.d, HEADS)
-        fwd, bwd = K._fwd_config(width), K._bwd_config(bh * bhd)
-        # The default first, then one change at a time.
+        fwd, bwd = K._fwd_config(width), K._bwd_config(bh * bhd, HEADS == 1)
+        # The default first, then one change at a time, then the tiles of twice and half
+        # the tokens, and the defaults before the 2-warp backward (2K fp32 per tile at 4
+        # warps, 4 programs per SM) and the one-token forward at the 1B width.
         fwd_loops = [fwd, fwd.override(prefetch=True, stages=1), fwd.override(stages=2),
-                     fwd.override(stages=4), fwd.override(l2_reuse=not fwd.l2_reuse),
+                     fwd.override(stages=3), fwd.override(stages=4),
+                     fwd.override(l2_reuse=not fwd.l2_reuse),
                      fwd.override(block_t=max(1, fwd.block_t // 2), num_warps=2),
-                     fwd.override(block_t=2 * fwd.block_t, num_warps=8)]  # fmt: skip
+                     fwd.override(block_t=2 * fwd.block_t),
+                     fwd.override(block_t=2 * fwd.block_t, num_warps=8),
+                     K.LoopConfig(max(1, 4096 // width), max(2, min(8, max(1, 4096 // width) * width // 2048)),
+                                  False, 3)]  # fmt: skip
         bwd_loops = [bwd, bwd.override(prefetch=True, stages=1), bwd.override(stages=1),
                      bwd.override(stages=3), bwd.override(l2_reuse=not bwd.l2_reuse),
-                     bwd.override(programs_per_sm=2), bwd.override(programs_per_sm=8),
-                     bwd.override(block_t=2 * bwd.block_t, num_warps=8)]  # fmt: skip
+                     bwd.override(programs_per_sm=2), bwd.override(programs_per_sm=4),
+                     bwd.override(programs_per_sm=8),
+                     bwd.override(block_t=max(1, bwd.block_t // 2)),
+                     bwd.override(block_t=2 * bwd.block_t), bwd.override(num_warps=4),
+                     K.LoopConfig(max(1, 2048 // (bh * bhd)), 4, False, 2)]  # fmt: skip
         variants = [("fwd", "fwd", loop, lambda loop: K._launch_fwd(
             view, None, query, norm_weight, HEADS, EPS, 1.0, **loop._asdict()))
             for loop in fwd_loops]  # fmt: skip
@@ -476,6 +485,7 @@ def run_lookahead_sweep(copy_gbps):
 
 
 def main():
+    global HEADS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/routing_h200.json")
     parser.add_argument("--logit-scale", type=float, default=1.0)
@@ -486,9 +496,12 @@ def main():
                         help="also sweep the kernels' launch configs (CUDA graphs)")
     parser.add_argument("--sweep-lookahead", action="store_true",
                         help="also sweep the lookahead phase-1 kernels' launch configs")
+    parser.add_argument("--heads", type=int, default=HEADS,
+                        help="routing heads H of every case (1 = AttnRes)")
     parser.add_argument("--lookahead-groups", default="0",
                         help="comma list of lookahead group sizes for the step section (0 = auto)")
     args = parser.parse_args()
+    HEADS = args.heads
     unknown = [x for x in args.sections.split(",") if x not in ("host", "site", "step")]
     unknown += [x for x in args.impls.split(",") if x not in ("triton", "eager", "compile", "lookahead")]
     if unknown:

@@ -189,11 +189,42 @@ def _route_fwd_kernel(
 
 
 @triton.jit
-def _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D: tl.constexpr, C: tl.constexpr):
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
+def _bwd_head_sums(b_v, b_w, b_do, eps, scale, D: tl.constexpr, C: tl.constexpr, ONE_REDUCE: tl.constexpr):
+    """(inverse RMS [BT], head dots v.w, logits, head dots do.v [BT, BH]) of one source
+    tile. ``ONE_REDUCE``: the three per-head sums share one reduction. Where a head spans
+    warps (H = 1), each reduction is a round trip through shared memory with its barriers
+    whatever its operand count: on the H200 the H = 1 backward ran 3-6% faster at 350M /
+    1B. With 8 heads it ties, except at D = 4096 (one token, 8 warps), where it ran
+    1.60 against 1.19 ms (benchmarks/results/routing_h200_configs_ab.json)."""
+    if ONE_REDUCE:
+        b_sq = b_v[0] * b_v[0]
+        b_vw = b_v[0] * b_w[0]
+        b_dv = b_do[0] * b_v[0]
+        for c in tl.static_range(1, C):
+            b_sq += b_v[c] * b_v[c]
+            b_vw += b_v[c] * b_w[c]
+            b_dv += b_do[c] * b_v[c]
+        b_sq, b_dot, b_dp = tl.reduce((b_sq, b_vw, b_dv), 2, _add3)
+        b_r = tl.rsqrt(tl.sum(b_sq, axis=1) / D + eps)
+        b_s = b_dot * (b_r * scale)[:, None]
+    else:
+        b_r, b_dot, b_s = _route_logits(b_v, b_w, eps, scale, D, C)
+        b_dp = _head_sum(b_do, b_v, C)
+    return b_r, b_dot, b_s, b_dp
+
+
+@triton.jit
+def _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D: tl.constexpr, C: tl.constexpr,
+                    ONE_REDUCE: tl.constexpr):
     """Pass 1: add e_i = exp(s_i - lse) to l and e_i * (dout . v_i) to ld, per head [BT, BH]."""
-    _, _, b_s = _route_logits(b_v, b_w, eps, scale, D, C)
+    _, _, b_s, b_dp = _bwd_head_sums(b_v, b_w, b_do, eps, scale, D, C, ONE_REDUCE)
     b_e = tl.exp(b_s - b_lse)
-    return b_l + b_e, b_ld + b_e * _head_sum(b_do, b_v, C)
+    return b_l + b_e, b_ld + b_e * b_dp
 
 
 @triton.jit
@@ -208,12 +239,13 @@ def _grad_factors(b_p, b_ds, b_c, b_r, scale, D: tl.constexpr):
 
 
 @triton.jit
-def _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D: tl.constexpr, C: tl.constexpr):
+def _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D: tl.constexpr, C: tl.constexpr,
+                    ONE_REDUCE: tl.constexpr):
     """Pass 2: gradient of one source tile, and its share of dL/dw (README.md)."""
-    b_r, b_dot, b_s = _route_logits(b_v, b_w, eps, scale, D, C)
+    b_r, b_dot, b_s, b_dp = _bwd_head_sums(b_v, b_w, b_do, eps, scale, D, C, ONE_REDUCE)
     b_e = tl.exp(b_s - b_lse)
     # ds = p (dp - sum_j p_j dp_j) with p = e / l: exact zero for one source.
-    b_ds = b_e * (_head_sum(b_do, b_v, C) * b_l - b_ld) * (b_il * b_il)
+    b_ds = b_e * (b_dp * b_l - b_ld) * (b_il * b_il)
     b_kp, b_kw, b_kv = _grad_factors(b_e * b_il, b_ds, tl.sum(b_ds * b_dot, axis=1), b_r, scale, D)
     b_dv = ()
     dw = ()
@@ -259,6 +291,7 @@ def _route_bwd_kernel(
     STAGES: tl.constexpr,
     EVICT_KEEP: tl.constexpr,
     EVICT_STREAM: tl.constexpr,
+    ONE_REDUCE: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -298,22 +331,22 @@ def _route_bwd_kernel(
                 b_v = _to_f32(b_vn, C)
                 p_vn += stride_vn
                 b_vn = _load_tile(p_vn, m_v, BHD, C, "")
-                b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C)
-            b_l, b_ld = _route_bwd_sums(_to_f32(b_vn, C), b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C)
+                b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C, ONE_REDUCE)
+            b_l, b_ld = _route_bwd_sums(_to_f32(b_vn, C), b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C, ONE_REDUCE)
         else:
             for _ in tl.range(0, N, num_stages=STAGES):
                 b_v = _to_f32(_load_tile(p_vn, m_v, BHD, C, EVICT_KEEP), C)
-                b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C)
+                b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C, ONE_REDUCE)
                 p_vn += stride_vn
         if HAS_EXTRA:
             b_v = _to_f32(_load_tile(p_e, m_v, BHD, C, ""), C)
-            b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C)
+            b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C, ONE_REDUCE)
         b_il = 1.0 / b_l
 
         p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
         for _ in tl.range(0, N, num_stages=STAGES):
             b_v = _to_f32(_load_tile(p_v, m_v, BHD, C, EVICT_STREAM), C)
-            b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D, C)
+            b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D, C, ONE_REDUCE)
             if ACCUMULATE:
                 b_old = _to_f32(_load_tile(p_dv, m_v, BHD, C, EVICT_STREAM), C)
                 b_sum = ()
@@ -325,7 +358,7 @@ def _route_bwd_kernel(
             p_dv += stride_dvn
         if HAS_EXTRA:
             b_v = _to_f32(_load_tile(p_e, m_v, BHD, C, ""), C)
-            b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D, C)
+            b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D, C, ONE_REDUCE)
             if EXTRA_ROW:
                 # Row N's fp32 gradient holds the share of the later reads: add it here.
                 b_old = _to_f32(_load_tile(p_dv, m_v, BHD, C, ""), C)
@@ -422,7 +455,8 @@ class LoopConfig(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def _fwd_config(padded_d: int) -> LoopConfig:
     """Forward: 4K fp32 per tile at 2 warps (64 per thread), source loads pipelined three
-    deep through shared memory.
+    deep through shared memory; at a 2048-wide tile the same 4K at one warp (128 per
+    thread) and four stages, and from 4096 up one token at 2 warps and four stages.
 
     Measured on H200 at the paper shapes from CUDA graphs (benchmarks/bench_routing.py
     --sweep, benchmarks/results/routing_h200_sweep.json): 0.98 / 1.00 / 0.67 / 0.82 of
@@ -430,25 +464,45 @@ def _fwd_config(padded_d: int) -> LoopConfig:
     0.76 for twice the tile at 4 warps (the same 64 per thread) and 0.85 / 0.85 / 0.57 /
     0.64 for a register prefetch of the next source instead of the pipeline; two stages
     lose 15-20%, four tie; 8 warps lose; evict-first hints on the loads change nothing.
+    At the 1B width (1280, a 2048-wide tile; benchmarks/results/routing_h200_configs_ab.json,
+    fwdcheck) one warp and four stages measured 0.102 / 0.040 / 0.0167 ms at N = 73 /
+    25 / 9 (0.90 / 0.81 / 0.74 of copy bandwidth) against 0.114 / 0.039 / 0.0169 ms for
+    one token at 2 warps and 0.125 / 0.045 / 0.0188 ms for the former two tokens at 2
+    warps and three stages; with one head (AttnRes) 0.091 against 0.100 ms at N = 73.
     """
-    block_t = max(1, 4096 // padded_d)
+    if padded_d == 2048:
+        return LoopConfig(2, 1, False, 4)
+    if padded_d > 2048:
+        return LoopConfig(1, 2, False, 4)
+    block_t = 4096 // padded_d
     return LoopConfig(block_t, max(2, min(8, block_t * padded_d // 2048)), False, 3)
 
 
 @functools.lru_cache(maxsize=None)
-def _bwd_config(padded_d: int) -> LoopConfig:
-    """Backward: 2K fp32 per tile (it holds dout, v, dw and the gradient), 4 warps, both
-    source loops pipelined two deep (0.82 / 0.82 / 0.62 of copy bandwidth at 100M / 350M /
-    1B, against 0.73 / 0.76 / 0.55 with the register prefetch; one or three stages lose
-    10-15%, 2 programs per SM 30%, 8 programs per SM, the L2 hints or twice the tile at 8
-    warps tie or lose). At D = 4096 one token, 8 warps, plain loops, the L2 hints (pass 2
-    rereads what pass 1 asked L2 to keep; the gradient streams) and 2 programs per SM:
-    1.22 ms at the 8B shape, against 1.31 ms without the hints, 1.38 ms with three
-    stages and 1.55 ms with the register prefetch."""
-    block_t = max(1, 2048 // padded_d)
-    if block_t * padded_d > 2048:
-        return LoopConfig(block_t, 8, False, 1, l2_reuse=True, programs_per_sm=2)
-    return LoopConfig(block_t, 4, False, 2)
+def _bwd_config(padded_d: int, one_head: bool = False) -> LoopConfig:
+    """Backward: 2 warps, 1K fp32 per tile (it holds dout, v, dw and the gradient) and
+    8 programs per SM, or one token and 4 programs per SM at widths of 2048; both source
+    loops pipelined two deep. One head (AttnRes, H = 1) of 1024 or 2048 takes a 4K tile
+    with 4 programs per SM.
+
+    Measured on H200 from CUDA graphs (benchmarks/results/routing_h200_configs_ab.json):
+    0.701 / 0.692 / 0.856 ms at the 100M / 350M / 1B final sites (0.85 / 0.84 / 0.63 of
+    copy bandwidth) against 0.724 / 0.707 / 0.876 ms for the former 2K tile at 4 warps
+    and 4 programs per SM; at 2 warps the 1K tile needs 8 programs per SM (4: 0.95 ms at
+    100M) and twice the tile loses 5-30%. One head: 0.713 / 0.672 / 0.672 ms against
+    0.741 / 0.729 / 0.836 ms, the 1B width gaining most: there a token's row spans two
+    warps of the former tile and each sum over it crossed them through shared memory.
+    Earlier sweeps (routing_h200_sweep.json): one or three stages lose 10-15%, the
+    register prefetch 10%, the L2 hints tie. At D = 4096 one token, 8 warps, plain loops,
+    L2 eviction hints (pass 2 rereads what pass 1 asked L2 to keep; the gradient streams)
+    and 2 programs per SM: 1.22 ms at the 8B shape, against 1.31 ms without the hints,
+    1.38 ms with three stages and 1.55 ms with the register prefetch."""
+    if padded_d > 2048:
+        return LoopConfig(1, 8, False, 1, l2_reuse=True, programs_per_sm=2)
+    if one_head and padded_d >= 1024:
+        return LoopConfig(4096 // padded_d, 2, False, 2, programs_per_sm=4)
+    block_t = max(1, 1024 // padded_d)
+    return LoopConfig(block_t, 2, False, 2, programs_per_sm=8 if block_t * padded_d <= 1024 else 4)
 
 
 def _with_next_row(rows: torch.Tensor) -> torch.Tensor:
@@ -518,7 +572,7 @@ def _launch_bwd(
     head_dim, bh, bhd = _tile(d, num_heads)
     chunks = 1
     block_t, num_warps, prefetch, stages, l2_reuse, programs_per_sm = _bwd_config(
-        bh * bhd
+        bh * bhd, num_heads == 1
     ).override(**loop)
     prefetch = prefetch and n > 0
     device = sources.device
@@ -547,6 +601,7 @@ def _launch_bwd(
             # stream everything read or written once.
             EVICT_KEEP="evict_last" if l2_reuse else "",
             EVICT_STREAM="evict_first" if l2_reuse else "",
+            ONE_REDUCE=num_heads == 1,
             num_warps=num_warps,
         )  # fmt: skip
     else:
