@@ -413,6 +413,7 @@ def run_sweep(copy_gbps):
                      bwd.override(block_t=max(1, bwd.block_t // 2)),
                      bwd.override(block_t=2 * bwd.block_t), bwd.override(num_warps=4),
                      K.LoopConfig(max(1, 2048 // (bh * bhd)), 4, False, 2)]  # fmt: skip
+        fwd_loops, bwd_loops = list(dict.fromkeys(fwd_loops)), list(dict.fromkeys(bwd_loops))  # drop repeats
         variants = [("fwd", "fwd", loop, lambda loop: K._launch_fwd(
             view, None, query, norm_weight, HEADS, EPS, 1.0, **loop._asdict()))
             for loop in fwd_loops]  # fmt: skip
