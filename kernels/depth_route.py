@@ -456,7 +456,7 @@ class LoopConfig(NamedTuple):
 def _fwd_config(padded_d: int) -> LoopConfig:
     """Forward: 4K fp32 per tile at 2 warps (64 per thread), source loads pipelined three
     deep through shared memory; at a 2048-wide tile the same 4K at one warp (128 per
-    thread) and four stages, and from 4096 up one token at 2 warps and four stages.
+    thread) and four stages.
 
     Measured on H200 at the paper shapes from CUDA graphs (benchmarks/bench_routing.py
     --sweep, benchmarks/results/routing_h200_sweep.json): 0.98 / 1.00 / 0.67 / 0.82 of
@@ -472,9 +472,7 @@ def _fwd_config(padded_d: int) -> LoopConfig:
     """
     if padded_d == 2048:
         return LoopConfig(2, 1, False, 4)
-    if padded_d > 2048:
-        return LoopConfig(1, 2, False, 4)
-    block_t = 4096 // padded_d
+    block_t = max(1, 4096 // padded_d)
     return LoopConfig(block_t, max(2, min(8, block_t * padded_d // 2048)), False, 3)
 
 
@@ -490,8 +488,8 @@ def _bwd_config(padded_d: int, one_head: bool = False) -> LoopConfig:
     copy bandwidth) against 0.724 / 0.707 / 0.876 ms for the former 2K tile at 4 warps
     and 4 programs per SM; at 2 warps the 1K tile needs 8 programs per SM (4: 0.95 ms at
     100M) and twice the tile loses 5-30%. One head: 0.713 / 0.672 / 0.672 ms against
-    0.741 / 0.729 / 0.836 ms, the 1B width gaining most: there a token's row spans two
-    warps of the former tile and each sum over it crossed them through shared memory.
+    0.741 / 0.729 / 0.836 ms, the 1B width gaining most (likely because a token's row
+    spanned two warps of the former tile, so each sum over it crossed them).
     Earlier sweeps (routing_h200_sweep.json): one or three stages lose 10-15%, the
     register prefetch 10%, the L2 hints tie. At D = 4096 one token, 8 warps, plain loops,
     L2 eviction hints (pass 2 rereads what pass 1 asked L2 to keep; the gradient streams)
