@@ -488,8 +488,11 @@ def _bwd_config(padded_d: int, one_head: bool = False) -> LoopConfig:
     copy bandwidth) against 0.724 / 0.707 / 0.876 ms for the former 2K tile at 4 warps
     and 4 programs per SM; at 2 warps the 1K tile needs 8 programs per SM (4: 0.95 ms at
     100M) and twice the tile loses 5-30%. One head: 0.713 / 0.672 / 0.672 ms against
-    0.741 / 0.729 / 0.836 ms, the 1B width gaining most (likely because a token's row
-    spanned two warps of the former tile, so each sum over it crossed them).
+    0.741 / 0.729 / 0.836 ms, the 1B width gaining most. There a token's row spans both
+    warps of the program (TTGIR of an sm_90 compile), so every sum over it is a trip
+    through shared memory; a likely cause of the gain is that each trip's barriers now
+    serve two tokens instead of one (not profiled). With 8 heads the same two tokens
+    measured 1.11 ms: the warps hold heads, and the tile doubles every thread's registers.
     Earlier sweeps (routing_h200_sweep.json): one or three stages lose 10-15%, the
     register prefetch 10%, the L2 hints tie. At D = 4096 one token, 8 warps, plain loops,
     L2 eviction hints (pass 2 rereads what pass 1 asked L2 to keep; the gradient streams)
