@@ -396,16 +396,16 @@ def run_sweep(copy_gbps):
         _, bh, bhd = K._tile(case.d, HEADS)
         fwd, bwd = K._fwd_config(width), K._bwd_config(bh * bhd, HEADS == 1)
         # The default first, then one change at a time, then the tiles of twice and half
-        # the tokens, and the defaults before the 2-warp backward (2K fp32 per tile at 4
-        # warps, 4 programs per SM) and the one-token forward at the 1B width.
+        # the tokens, and the former defaults: forward 2 warps and three stages (it
+        # differs at the 1B width only), backward 2K fp32 per tile at 4 warps and 4
+        # programs per SM. Repeats are timed once.
         fwd_loops = [fwd, fwd.override(prefetch=True, stages=1), fwd.override(stages=2),
                      fwd.override(stages=3), fwd.override(stages=4),
                      fwd.override(l2_reuse=not fwd.l2_reuse),
                      fwd.override(block_t=max(1, fwd.block_t // 2), num_warps=2),
                      fwd.override(block_t=2 * fwd.block_t),
                      fwd.override(block_t=2 * fwd.block_t, num_warps=8),
-                     K.LoopConfig(max(1, 4096 // width), max(2, min(8, max(1, 4096 // width) * width // 2048)),
-                                  False, 3)]  # fmt: skip
+                     fwd.override(num_warps=2, stages=3)]  # fmt: skip
         bwd_loops = [bwd, bwd.override(prefetch=True, stages=1), bwd.override(stages=1),
                      bwd.override(stages=3), bwd.override(l2_reuse=not bwd.l2_reuse),
                      bwd.override(programs_per_sm=2), bwd.override(programs_per_sm=4),
@@ -413,7 +413,7 @@ def run_sweep(copy_gbps):
                      bwd.override(block_t=max(1, bwd.block_t // 2)),
                      bwd.override(block_t=2 * bwd.block_t), bwd.override(num_warps=4),
                      K.LoopConfig(max(1, 2048 // (bh * bhd)), 4, False, 2)]  # fmt: skip
-        fwd_loops, bwd_loops = list(dict.fromkeys(fwd_loops)), list(dict.fromkeys(bwd_loops))  # drop repeats
+        fwd_loops, bwd_loops = list(dict.fromkeys(fwd_loops)), list(dict.fromkeys(bwd_loops))
         variants = [("fwd", "fwd", loop, lambda loop: K._launch_fwd(
             view, None, query, norm_weight, HEADS, EPS, 1.0, **loop._asdict()))
             for loop in fwd_loops]  # fmt: skip
@@ -503,6 +503,9 @@ def main():
                         help="comma list of lookahead group sizes for the step section (0 = auto)")
     args = parser.parse_args()
     HEADS = args.heads
+    widths = sorted({c.d for c in SITE_CASES + STEP_CASES + SWEEP_CASES})
+    if HEADS < 1 or any(d % HEADS for d in widths):
+        parser.error(f"--heads {HEADS} must divide every case's width {widths}: use 1, 2, 4, 8, ... 256")
     unknown = [x for x in args.sections.split(",") if x not in ("host", "site", "step")]
     unknown += [x for x in args.impls.split(",") if x not in ("triton", "eager", "compile", "lookahead")]
     if unknown:
