@@ -396,7 +396,7 @@ def _split(x, BF16: tl.constexpr):
 def _dot_split(a_hi, a_lo, b_hi, b_lo, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, BF16: tl.constexpr):
     """a @ b + acc from _split operands. bf16 rows: a_hi b_hi + a_lo b_hi + a_hi b_lo on
     bf16 tensor cores, about 2^-16 relative; *_EXACT: that operand is a bf16 tile, its lo
-    part unused. Otherwise one fp32 dot in three tf32 passes."""
+    part unused. Otherwise (fp32 rows) one IEEE fp32 dot."""
     if BF16:
         acc = tl.dot(a_hi, b_hi, acc)
         if not B_EXACT:
