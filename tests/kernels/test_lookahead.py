@@ -177,8 +177,17 @@ def test_split_group_backward(backend):
         torch.testing.assert_close(rows, whole[1], rtol=1e-6, atol=1e-6 * whole[1].abs().max().item())
     else:
         assert torch.equal(whole[1], rows)
+    # The interpreter runs tl.dot as numpy's matmul, whose BLAS kernel (chosen per CPU)
+    # may sum a row of the product in an order that depends on the other rows, here the
+    # sites outside the range: there the tensor-core kernel's dquery/dnorm agree to
+    # rounding. On a GPU every row of an MMA is summed alike, and they are bitwise equal.
+    exact = backend != "triton-tensor-cores" or CUDA
     for k in (2, 3):  # dquery, dnorm
-        assert torch.equal(whole[k][2:], late[k][2:]) and torch.equal(whole[k][:2], early[k][:2])
+        for got, ref in ((late[k][2:], whole[k][2:]), (early[k][:2], whole[k][:2])):
+            if exact:
+                assert torch.equal(got, ref)
+            else:
+                torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
