@@ -430,11 +430,17 @@ def run_sweep(copy_gbps):
     return rows
 
 
-def run_lookahead_sweep(copy_gbps):
+LOOKAHEAD_SWEEP_MODES = ("group_fwd", "group_bwd", "merge_fwd", "merge_bwd")
+
+
+def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
     """Phase 1 of the lookahead schedule at each model's deepest group (the largest n0),
     around the default launch configs, timed from CUDA graphs: the forward's sites per
     program, tokens, warps and stages; the backward's row-loop kernel's sites per launch,
-    tokens, warps, stages and programs per SM, and its tensor-core kernels at 4 and 8 warps."""
+    tokens, warps, stages and programs per SM, and its tensor-core kernels at 4 and 8 warps;
+    then the merges of that group (0 .. G - 1 new rows, one site after another as a step
+    runs them) around their launch configs, the per-site kernels' tiles among them.
+    ``modes``: the kernels to time, of LOOKAHEAD_SWEEP_MODES."""
     rows = []
     for case in STEP_CASES:
         if case.variant != "full":
@@ -464,25 +470,84 @@ def run_lookahead_sweep(copy_gbps):
         bwd_bytes = read + 8 * n0 * case.t * case.d + group * case.t * case.d * es
         fwd_variants = [(spp, {})] + [(k, {}) for k in (1, 2, 4, 8) if k != spp and k <= group] + [
             (spp, dict(num_warps=4)), (spp, dict(num_warps=8)), (spp, dict(stages=2)),
-            (spp, dict(stages=4)), (spp, dict(block_t=2 * fwd.block_t, num_warps=4))]  # fmt: skip
+            (spp, dict(stages=4)), (spp, dict(block_t=2 * fwd.block_t, num_warps=4)),
+            (spp, dict(num_warps=1)), (spp, dict(num_warps=1, stages=4)), (1, dict(num_warps=1))]  # fmt: skip
+        # The tensor-core forward around its launch config (none where it does not fit).
+        dots = LA._group_fwd_dots_config(bh, case.d // HEADS)
+        dots_fwd = [] if dots is None else [
+            {}, dict(num_warps=12 - dots.num_warps), dict(stages=2), dict(stages=3),
+            dict(programs_per_sm=1), dict(programs_per_sm=4), dict(programs_per_sm=8)]  # fmt: skip
         # The row-loop backward around its launch config, then the tensor-core kernels at
         # 4 and 8 warps.
-        bwd_variants = [{}, dict(num_warps=12 - bwd.num_warps), dict(programs_per_sm=2),
-                        dict(programs_per_sm=8), dict(block_t=2 * bwd.block_t)]
+        bwd_variants = [{}, dict(num_warps=12 - bwd.num_warps), dict(num_warps=2), dict(num_warps=16),
+                        dict(programs_per_sm=1), dict(programs_per_sm=2), dict(programs_per_sm=8),
+                        dict(block_t=2 * bwd.block_t), dict(sites_per_program=group, num_warps=16),
+                        dict(sites_per_program=group, num_warps=16, stages=2)]  # fmt: skip
         bwd_variants += [dict(stages=k) for k in (1, 2, 4) if k != bwd.stages]
         bwd_variants += [dict(sites_per_program=k) for k in (1, 2, 4, 8) if k != bwd_spp and k <= group]  # fmt: skip
+        # Row-loop variants name the family: the default picks the kernels by group size.
+        fwd_variants = [(k, {"tensor_cores": False, **o}) for k, o in fwd_variants]
+        bwd_variants = [{"tensor_cores": False, **o} for o in bwd_variants]
+        fwd_variants += [(None, dict(tensor_cores=True, **o)) for o in dots_fwd]
         bwd_variants += [dict(tensor_cores=True, num_warps=k) for k in (4, 8)]
         variants = [("group_fwd", fwd_bytes, dict(sites_per_program=k, **o), lambda k=k, o=o: LA.group_forward(
             buf, qs, ws, HEADS, EPS, 1.0, sites_per_program=k, **o)) for k, o in fwd_variants]  # fmt: skip
         variants += [("group_bwd", bwd_bytes, o, lambda o=o: LA.group_backward(
             grad_outs, buf, qs, ws, lse, deltas, HEADS, EPS, 1.0, gbuf, **o)) for o in bwd_variants]  # fmt: skip
+        variants += merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, bh * bhd, group)
         for mode, nbytes, cfg, launch in variants:
+            if mode not in modes:
+                continue
             t = bench(launch, graph=True)
             frac = nbytes / t["ms"] / 1e6 / copy_gbps
             rows.append({"case": case.name, "mode": mode, "group": group, "n0": n0, "config": cfg,
                          **t, "bytes": nbytes, "frac_copy": frac})  # fmt: skip
             print(f"  la-sweep {case.name:5s} {mode:9s} {cfg} {t['ms']:8.3f} ms {frac:5.2f}", flush=True)
     return rows
+
+
+def merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, padded_d, group):
+    """(mode, bytes, config, launch) of the G merges of one group, forward and backward,
+    with the group's first rows of ``buf`` standing in for its new rows. Configs as fp32
+    elements per tile at a warp count and pipeline depth: the defaults first, then tiles
+    around them and the per-site kernels' launch configs at this width."""
+    t, d, es = case.t, case.d, buf.element_size()
+    new = buf[:, : group - 1]
+    gnew = torch.zeros(new.shape, device="cuda")
+    lse = torch.empty((group, t, HEADS), device="cuda")
+    outs = [LA.merge_forward(m[k], l[k], acc[k], new[:, :k], qs[k], ws[k], HEADS, EPS, 1.0, lse[k])
+            for k in range(group)]  # fmt: skip
+    rows = sum(range(group))
+    fwd_bytes = group * t * (4 * d + 8 * HEADS + es * d + 4 * HEADS) + rows * t * d * es
+    bwd_bytes = group * t * (2 * es * d + 8 * HEADS) + rows * t * d * (es + 8)
+
+    def tile(elements, warps, stages, **extra):
+        return K.LoopConfig(max(1, elements // padded_d), warps, False, stages, **extra)
+
+    mf, mb = LA._merge_fwd_config(padded_d), LA._merge_bwd_config(padded_d)
+    fwd_loops = [mf, mf.override(stages=2), mf.override(stages=3), tile(8192, 8, 3), tile(4096, 4, 3),
+                 tile(4096, 2, 1), tile(4096, 2, 3), tile(2048, 1, 3), tile(2048, 1, 4),
+                 K._fwd_config(padded_d)]  # fmt: skip
+    bwd_loops = [mb, mb.override(stages=2), mb.override(stages=2, programs_per_sm=8),
+                 mb.override(num_warps=2, stages=2), tile(1024, 2, 2, programs_per_sm=8),
+                 tile(1024, 2, 1, programs_per_sm=8), tile(4096, 8, 2, programs_per_sm=2),
+                 K._bwd_config(padded_d)]  # fmt: skip
+
+    def merges_fwd(loop):
+        for k in range(group):
+            LA.merge_forward(m[k], l[k], acc[k], new[:, :k], qs[k], ws[k], HEADS, EPS, 1.0, lse[k],
+                             **loop._asdict())  # fmt: skip
+
+    def merges_bwd(loop):
+        for k in range(group):
+            LA.merge_backward(grad_outs[k], outs[k], new[:, :k], qs[k], ws[k], lse[k], HEADS, EPS, 1.0,
+                              gnew[:, :k], **loop._asdict())  # fmt: skip
+
+    variants = [("merge_fwd", fwd_bytes, loop._asdict(), lambda loop=loop: merges_fwd(loop))
+                for loop in dict.fromkeys(fwd_loops)]  # fmt: skip
+    variants += [("merge_bwd", bwd_bytes, loop._asdict(), lambda loop=loop: merges_bwd(loop))
+                 for loop in dict.fromkeys(bwd_loops)]  # fmt: skip
+    return variants
 
 
 def main():
@@ -492,11 +557,12 @@ def main():
     parser.add_argument("--logit-scale", type=float, default=1.0)
     parser.add_argument("--impls", default="triton,eager,compile")
     parser.add_argument("--sections", default="host,site,step",
-                        help="comma list of host, site, step")
+                        help="comma list of host, site, step (empty: only the sweeps)")
     parser.add_argument("--sweep", action="store_true",
                         help="also sweep the kernels' launch configs (CUDA graphs)")
-    parser.add_argument("--sweep-lookahead", action="store_true",
-                        help="also sweep the lookahead phase-1 kernels' launch configs")
+    parser.add_argument("--sweep-lookahead", nargs="?", const=",".join(LOOKAHEAD_SWEEP_MODES),
+                        help="also sweep the lookahead kernels' launch configs; optional comma "
+                             f"list of the kernels ({', '.join(LOOKAHEAD_SWEEP_MODES)}; default all)")
     parser.add_argument("--heads", type=int, default=HEADS,
                         help="routing heads H of every case (1 = AttnRes)")
     parser.add_argument("--lookahead-groups", default="0",
@@ -506,11 +572,14 @@ def main():
     widths = sorted({c.d for c in SITE_CASES + STEP_CASES + SWEEP_CASES})
     if HEADS < 1 or any(d % HEADS for d in widths):
         parser.error(f"--heads {HEADS} must divide every case's width {widths}: use 1, 2, 4, 8, ... 256")
-    unknown = [x for x in args.sections.split(",") if x not in ("host", "site", "step")]
+    unknown = [x for x in args.sections.split(",") if x and x not in ("host", "site", "step")]
     unknown += [x for x in args.impls.split(",") if x not in ("triton", "eager", "compile", "lookahead")]
+    if args.sweep_lookahead:
+        unknown += [x for x in args.sweep_lookahead.split(",") if x not in LOOKAHEAD_SWEEP_MODES]
     if unknown:
-        parser.error(f"unknown sections/impls {unknown}: sections are host, site, step; "
-                     "impls are triton, eager, compile, lookahead")
+        parser.error(f"unknown sections/impls/sweep kernels {unknown}: sections are host, site, step; "
+                     "impls are triton, eager, compile, lookahead; sweep kernels are "
+                     + ", ".join(LOOKAHEAD_SWEEP_MODES))
     if not torch.cuda.is_available():
         raise SystemExit("bench_routing.py needs a CUDA device")
     impls = args.impls.split(",")
@@ -545,7 +614,7 @@ def main():
         report["sweep"] = run_sweep(copy_gbps)
         save()
     if args.sweep_lookahead:
-        report["lookahead_sweep"] = run_lookahead_sweep(copy_gbps)
+        report["lookahead_sweep"] = run_lookahead_sweep(copy_gbps, args.sweep_lookahead.split(","))
         save()
     if "host" in sections:
         report["host"] = run_host()

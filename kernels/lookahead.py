@@ -143,6 +143,7 @@ def _merge_fwd_kernel(
     BT: tl.constexpr,
     BH: tl.constexpr,
     BHD: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     i_t = tl.program_id(0)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -162,7 +163,7 @@ def _merge_fwd_kernel(
     b_l = tl.load(L_ptr + p_ml, mask=m_th, other=1.0)
     b_acc = tl.load(A_ptr + o_t64[:, None, None] * D + o_d[None, :, :], mask=m_v, other=0.0)
     p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
-    for _ in range(N):
+    for _ in tl.range(0, N, num_stages=STAGES):
         b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
         b_m, b_l, b_accs = _route_fwd_step((b_v,), (b_w,), b_m, b_l, (b_acc,), eps, scale, D, 1)
         b_acc = b_accs[0]
@@ -202,6 +203,7 @@ def _merge_bwd_kernel(
     BT: tl.constexpr,
     BH: tl.constexpr,
     BHD: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -228,7 +230,7 @@ def _merge_bwd_kernel(
         b_lse = tl.load(LSE_ptr + p_th, mask=m_th, other=0.0)
         p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
         p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
-        for _ in range(N):
+        for _ in tl.range(0, N, num_stages=STAGES):
             b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
             b_r, b_dot, b_s = _route_logits((b_v,), (b_w,), eps, scale, D, 1)
             b_p = tl.exp(b_s - b_lse)
@@ -409,22 +411,25 @@ def _dot_split(a_hi, a_lo, b_hi, b_lo, acc, A_EXACT: tl.constexpr, B_EXACT: tl.c
 
 
 @triton.jit
-def _site_columns(W_ptr, DO_ptr, t, T, i_h, o_k, m_k, chunk_lo, chunk_hi, D: tl.constexpr, HD: tl.constexpr, BF16: tl.constexpr):
-    """Y [BHD, 16] of token t and head i_h, _split: column 2j is w of slot j (site
-    chunk_hi - 1 - j), column 2j + 1 its output gradient; slots below chunk_lo are zero."""
+def _site_columns(W_ptr, DO_ptr, t, T, o_h, k0, BH: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+                  HD: tl.constexpr, D: tl.constexpr, chunk_lo, chunk_hi, BF16: tl.constexpr):  # fmt: skip
+    """Y [BH, K, 16] of token t over the heads o_h and their channels [k0, k0 + K), _split:
+    column 2j is w of slot j (site chunk_hi - 1 - j), column 2j + 1 its output gradient;
+    slots below chunk_lo are zero."""
     o_c = tl.arange(0, 2 * SLOTS)
     site = chunk_hi - 1 - o_c // 2
-    m_c = m_k[:, None] & (site >= chunk_lo)[None, :]
-    is_do = (o_c % 2 == 1)[None, :]
-    o_d = (i_h * HD + o_k)[:, None]
-    b_w = tl.load(W_ptr + site[None, :] * D + o_d, mask=m_c & ~is_do, other=0.0)
-    p_do = DO_ptr + (site[None, :].to(tl.int64) * T + t) * D + o_d
-    return _split(b_w + tl.load(p_do, mask=m_c & is_do, other=0.0).to(tl.float32), BF16)
+    o_k = k0 + tl.arange(0, K)
+    mask = (o_h < H)[:, None, None] & (o_k < HD)[None, :, None] & (site >= chunk_lo)[None, None, :]
+    is_do = (o_c % 2 == 1)[None, None, :]
+    o_d = o_h[:, None, None] * HD + o_k[None, :, None]
+    b_w = tl.load(W_ptr + site[None, None, :] * D + o_d, mask=mask & ~is_do, other=0.0)
+    p_do = DO_ptr + (site[None, None, :].to(tl.int64) * T + t) * D + o_d
+    return _split(b_w + tl.load(p_do, mask=mask & is_do, other=0.0).to(tl.float32), BF16)
 
 
 @triton.jit
 def _row_tile(p, mask, BF16: tl.constexpr):
-    """A [BR, BHD] tile of rows as a dot operand pair: bf16 rows are exact (lo unused)."""
+    """A tile of rows as a dot operand pair: bf16 rows are exact (lo unused)."""
     b_x = tl.load(p, mask=mask, other=0.0)
     if BF16:
         pair = (b_x, b_x)
@@ -434,20 +439,127 @@ def _row_tile(p, mask, BF16: tl.constexpr):
 
 
 @triton.jit
-def _slot_lse_delta(LSE_ptr, DELTA_ptr, site, m_s, t, T, i_h, H: tl.constexpr):
-    """[SLOTS] log-sum-exp and delta of token t and head i_h; empty slots get lse = +inf
-    (weight 0) and delta = 0."""
-    p_th = (site * T + t) * H + i_h
-    return tl.load(LSE_ptr + p_th, mask=m_s, other=float("inf")), tl.load(DELTA_ptr + p_th, mask=m_s, other=0.0)
+def _interleaved_split(x, A: tl.constexpr, B: tl.constexpr, S: tl.constexpr, BF16: tl.constexpr):
+    """An fp32 [A, B, S] tile as one [A, B, 2S] dot operand whose element 2j + 1 holds what
+    element 2j (x[..., j] rounded to bf16) misses, so a dot that then adds the pairs
+    (``_pair_sum``) sums x to about 2^-16 relative in one product; fp32 rows: x and zeros."""
+    if BF16:
+        hi = x.to(tl.bfloat16)
+        lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
+    else:
+        hi = x
+        lo = tl.zeros_like(x)
+    return tl.reshape(tl.join(hi, lo), [A, B, 2 * S])
 
 
 @triton.jit
-def _site_logit_grads(b_xh, b_xl, b_yh, b_yl, b_rs, lse, delta, m_r, BR: tl.constexpr, BF16: tl.constexpr):
-    """Per row and slot: head dots a, weights p and logit gradients ds of one head."""
-    b_ad = _dot_split(b_xh, b_xl, b_yh, b_yl, tl.zeros([BR, 2 * SLOTS], dtype=tl.float32), BF16, False, BF16)
-    b_a, b_dp = tl.split(tl.reshape(b_ad, [BR, SLOTS, 2]))
-    b_p = tl.where(m_r[:, None], tl.exp(b_a * b_rs[:, None] - lse[None, :]), 0.0)
-    return b_a, b_p, b_p * (b_dp - delta[None, :])
+def _pair_sum(x, A: tl.constexpr, B: tl.constexpr, S: tl.constexpr):
+    """[A, B, 2S] -> [A, B, S]: the sum of each (hi, lo) pair of ``_interleaved_split``."""
+    return tl.sum(tl.reshape(x, [A, B, S, 2]), axis=3)
+
+
+@triton.jit
+def _row_pair_sum(x, A: tl.constexpr, S: tl.constexpr, K: tl.constexpr):
+    """[A, 2S, K] -> [A, S, K]: the sum of each (hi, lo) pair of rows."""
+    return tl.sum(tl.reshape(x, [A, S, 2, K]), axis=2)
+
+
+@triton.jit
+def _query_columns(Q_ptr, G_ptr, site, m_s, o_h, k0, BH: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+                   HD: tl.constexpr, D: tl.constexpr, dtype: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+    """[BH, K, 2 * SLOTS] columns of the folded queries w = q * g^ (g^ rounded to ``dtype``)
+    over the head channels [k0, k0 + K): column 2j (and its remainder 2j + 1) is site[j]."""
+    o_k = k0 + tl.arange(0, K)
+    mask = (o_h < H)[:, None, None] & (o_k < HD)[None, :, None] & m_s[None, None, :]
+    p = site[None, None, :] * D + o_h[:, None, None] * HD + o_k[None, :, None]
+    b_q = tl.load(Q_ptr + p, mask=mask, other=0.0).to(tl.float32)
+    b_w = b_q * tl.load(G_ptr + p, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    return _interleaved_split(b_w, BH, K, SLOTS, BF16)
+
+
+@triton.jit
+def _dot(a, b, acc, BF16: tl.constexpr):
+    """a @ b + acc in fp32: bf16 operands on bf16 tensor cores, fp32 ones as IEEE fp32."""
+    if BF16:
+        acc = tl.dot(a, b, acc)
+    else:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _group_fwd_dots_kernel(
+    V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
+    Q_ptr,  # [NG, D] pseudo-queries of the group's sites, contiguous
+    G_ptr,  # [NG, D] norm weights, contiguous
+    M_ptr,  # [NG, T, H] fp32 running max of the logits
+    L_ptr,  # [NG, T, H] fp32 softmax denominators (relative to M)
+    A_ptr,  # [NG, T, D] fp32 unnormalised accumulators (relative to M)
+    T, N, NG, stride_vt, stride_vn, eps, scale,
+    D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BH: tl.constexpr, KA: tl.constexpr,
+    KB: tl.constexpr, BR: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """Phase 1 as dots per token and head (README.md, "Tensor-core phase-1 forward"): for
+    a block X [BR, head width] of the token's rows, X @ [w_j] gives the head dots of SLOTS
+    sites (program axis 1 picks the sites), and P^T @ X adds the block to the sites'
+    accumulators after the online-softmax rescale, one rescale per block of rows. The head
+    width is a chunk of KA channels plus, if it is not a power of two, one of KB (160 =
+    128 + 32). Tokens in a grid-stride loop over program axis 0."""
+    BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
+    o_h = tl.arange(0, BH)
+    o_r = tl.arange(0, BR)
+    o_ka = tl.arange(0, KA)
+    site = tl.program_id(1) * SLOTS + tl.arange(0, SLOTS)
+    m_s = site < NG
+    site64 = site.to(tl.int64)
+    dtype = V_ptr.dtype.element_ty
+    b_wa = _query_columns(Q_ptr, G_ptr, site, m_s, o_h, 0, BH, KA, H, HD, D, dtype, BF16)
+    m_ha = (o_h < H)[:, None, None] & (o_ka < HD)[None, None, :]
+    if KB > 0:
+        o_kb = KA + tl.arange(0, KB)
+        m_hb = (o_h < H)[:, None, None] & (o_kb < HD)[None, None, :]
+        b_wb = _query_columns(Q_ptr, G_ptr, site, m_s, o_h, KA, BH, KB, H, HD, D, dtype, BF16)
+    for t in range(tl.program_id(0), T, tl.num_programs(0)):
+        p_t = V_ptr + tl.cast(t, tl.int64) * stride_vt
+        b_m = tl.full([BH, SLOTS], float("-inf"), tl.float32)
+        b_l = tl.zeros([BH, SLOTS], dtype=tl.float32)
+        b_acca = tl.zeros([BH, 2 * SLOTS, KA], dtype=tl.float32)
+        if KB > 0:
+            b_accb = tl.zeros([BH, 2 * SLOTS, KB], dtype=tl.float32)
+        for i0 in tl.range(0, N, BR, num_stages=STAGES):
+            rows = i0 + o_r
+            m_r = rows < N
+            p_x = p_t + rows[None, :, None] * stride_vn + o_h[:, None, None] * HD
+            b_xa = tl.load(p_x + o_ka[None, None, :], mask=m_r[None, :, None] & m_ha, other=0.0)
+            b_sq = tl.sum(tl.sum(b_xa.to(tl.float32) * b_xa.to(tl.float32), axis=2), axis=0)
+            b_s = _dot(b_xa, b_wa, tl.zeros([BH, BR, 2 * SLOTS], dtype=tl.float32), BF16)
+            if KB > 0:
+                b_xb = tl.load(p_x + o_kb[None, None, :], mask=m_r[None, :, None] & m_hb, other=0.0)
+                b_sq += tl.sum(tl.sum(b_xb.to(tl.float32) * b_xb.to(tl.float32), axis=2), axis=0)
+                b_s = _dot(b_xb, b_wb, b_s, BF16)
+            b_rs = tl.rsqrt(b_sq / D + eps) * scale
+            b_z = _pair_sum(b_s, BH, BR, SLOTS) * b_rs[None, :, None]
+            b_z = tl.where(m_r[None, :, None], b_z, float("-inf"))
+            b_mn = tl.maximum(b_m, tl.max(b_z, axis=1))
+            b_alpha = tl.exp(b_m - b_mn)
+            b_p = tl.exp(b_z - b_mn[:, None, :])
+            b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+            b_pt = tl.permute(_interleaved_split(b_p, BH, BR, SLOTS, BF16), (0, 2, 1))  # [BH, 2 SLOTS, BR]
+            b_scale = tl.reshape(tl.join(b_alpha, b_alpha), [BH, 2 * SLOTS])[:, :, None]
+            b_acca = _dot(b_pt, b_xa, b_acca * b_scale, BF16)
+            if KB > 0:
+                b_accb = _dot(b_pt, b_xb, b_accb * b_scale, BF16)
+            b_m = b_mn
+        o_st = site64 * T + t  # row of the [NG, T, .] outputs
+        p_ml = o_st[None, :] * H + o_h[:, None]
+        m_ml = (o_h < H)[:, None] & m_s[None, :]
+        tl.store(M_ptr + p_ml, b_m, mask=m_ml)
+        tl.store(L_ptr + p_ml, b_l, mask=m_ml)
+        p_a = A_ptr + o_st[None, :, None] * D + o_h[:, None, None] * HD
+        m_a = (o_h < H)[:, None, None] & m_s[None, :, None]
+        tl.store(p_a + o_ka[None, None, :], _row_pair_sum(b_acca, BH, SLOTS, KA), mask=m_a & (o_ka < HD)[None, None, :])
+        if KB > 0:
+            tl.store(p_a + o_kb[None, None, :], _row_pair_sum(b_accb, BH, SLOTS, KB), mask=m_a & (o_kb < HD)[None, None, :])
 
 
 @triton.jit
@@ -457,80 +569,99 @@ def _group_bwd_rows_kernel(
     DO_ptr,  # [NG, T, D] gradients of the sites' outputs
     LSE_ptr,  # [NG, T, H] fp32
     DELTA_ptr,  # [NG, T, H] fp32
-    R_ptr,  # [T, N] fp32 out: inverse RMS of every row
+    Z_ptr,  # [T, N, H, 2 * SLOTS] fp32 out: per row, head and slot j, tau r ds (column 2j) and p (2j + 1)
     KV_ptr,  # [T, N] fp32 out: tau r^3 / D * sum over the slots of c
     T, N, chunk_lo, chunk_hi, stride_vt, stride_vn, eps, scale,
-    D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BR: tl.constexpr, BHD: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BH: tl.constexpr, KA: tl.constexpr,
+    KB: tl.constexpr, BR: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    """The per-row factors that span all heads, for the head kernel below: one program per
-    token (grid-stride), rows in blocks of BR, heads in a loop (twice: the RMS first)."""
+    """The per-row factors of the head kernel below: one program per token (grid-stride),
+    rows in blocks of BR, every head at once as one batched dot X @ Y per channel chunk
+    (KA, and KB where the head width is not a power of two), so the RMS and c, which span
+    the heads, need no second pass."""
     BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
+    o_h = tl.arange(0, BH)
     o_r = tl.arange(0, BR)
-    o_k = tl.arange(0, BHD)
-    m_k = o_k < HD
-    site = chunk_hi - 1 - tl.arange(0, SLOTS)
-    m_s = site >= chunk_lo
+    o_c = tl.arange(0, 2 * SLOTS)
+    o_ka = tl.arange(0, KA)
+    m_ha = (o_h < H)[:, None, None] & (o_ka < HD)[None, None, :]
+    if KB > 0:
+        o_kb = KA + tl.arange(0, KB)
+        m_hb = (o_h < H)[:, None, None] & (o_kb < HD)[None, None, :]
+    site = (chunk_hi - 1 - tl.arange(0, SLOTS)).to(tl.int64)
+    m_th = (o_h < H)[:, None] & (site >= chunk_lo)[None, :]
     for t in range(tl.program_id(0), T, tl.num_programs(0)):
+        b_yah, b_yal = _site_columns(W_ptr, DO_ptr, t, T, o_h, 0, BH, KA, H, HD, D, chunk_lo, chunk_hi, BF16)
+        if KB > 0:
+            b_ybh, b_ybl = _site_columns(W_ptr, DO_ptr, t, T, o_h, KA, BH, KB, H, HD, D, chunk_lo, chunk_hi, BF16)
+        p_th = (site[None, :] * T + t) * H + o_h[:, None]  # [BH, SLOTS]; empty slots: weight 0
+        b_lse = tl.load(LSE_ptr + p_th, mask=m_th, other=float("inf"))
+        b_delta = tl.load(DELTA_ptr + p_th, mask=m_th, other=0.0)
         p_t = V_ptr + tl.cast(t, tl.int64) * stride_vt
-        for i0 in range(0, N, BR):
+        for i0 in tl.range(0, N, BR, num_stages=STAGES):
             rows = i0 + o_r
             m_r = rows < N
-            m_x = m_r[:, None] & m_k[None, :]
-            p_x = p_t + rows[:, None] * stride_vn + o_k[None, :]
-            b_sq = tl.zeros([BR], dtype=tl.float32)
-            for i_h in tl.range(0, H, loop_unroll_factor=1):
-                b_x = tl.load(p_x + i_h * HD, mask=m_x, other=0.0).to(tl.float32)
-                b_sq += tl.sum(b_x * b_x, axis=1)
+            p_x = p_t + rows[None, :, None] * stride_vn + o_h[:, None, None] * HD
+            b_xa = tl.load(p_x + o_ka[None, None, :], mask=m_r[None, :, None] & m_ha, other=0.0)
+            b_sq = tl.sum(tl.sum(b_xa.to(tl.float32) * b_xa.to(tl.float32), axis=2), axis=0)
+            b_ad = tl.zeros([BH, BR, 2 * SLOTS], dtype=tl.float32)
+            b_ad = _dot_split(b_xa, b_xa, b_yah, b_yal, b_ad, BF16, False, BF16)
+            if KB > 0:
+                b_xb = tl.load(p_x + o_kb[None, None, :], mask=m_r[None, :, None] & m_hb, other=0.0)
+                b_sq += tl.sum(tl.sum(b_xb.to(tl.float32) * b_xb.to(tl.float32), axis=2), axis=0)
+                b_ad = _dot_split(b_xb, b_xb, b_ybh, b_ybl, b_ad, BF16, False, BF16)
             b_r = tl.rsqrt(b_sq / D + eps)
-            b_c = tl.zeros([BR, SLOTS], dtype=tl.float32)
-            for i_h in tl.range(0, H, loop_unroll_factor=1):
-                b_xh, b_xl = _row_tile(p_x + i_h * HD, m_x, BF16)
-                b_yh, b_yl = _site_columns(W_ptr, DO_ptr, t, T, i_h, o_k, m_k, chunk_lo, chunk_hi, D, HD, BF16)
-                lse, delta = _slot_lse_delta(LSE_ptr, DELTA_ptr, site, m_s, t, T, i_h, H)
-                b_a, _, b_ds = _site_logit_grads(b_xh, b_xl, b_yh, b_yl, b_r * scale, lse, delta, m_r, BR, BF16)
-                b_c += b_ds * b_a
+            b_rs = (b_r * scale)[None, :, None]
+            b_a, b_dp = tl.split(tl.reshape(b_ad, [BH, BR, SLOTS, 2]))
+            b_p = tl.where(m_r[None, :, None], tl.exp(b_a * b_rs - b_lse[:, None, :]), 0.0)
+            b_ds = b_p * (b_dp - b_delta[:, None, :])
+            b_c = tl.sum(tl.sum(b_ds * b_a, axis=2), axis=0)
             o_tr = tl.cast(t, tl.int64) * N + rows
-            tl.store(R_ptr + o_tr, b_r, mask=m_r)
-            tl.store(KV_ptr + o_tr, b_r * scale * (b_r * b_r / D) * tl.sum(b_c, axis=1), mask=m_r)
+            tl.store(KV_ptr + o_tr, b_r * scale * (b_r * b_r / D) * b_c, mask=m_r)
+            p_z = Z_ptr + ((o_tr[None, :, None] * H + o_h[:, None, None]) * (2 * SLOTS) + o_c[None, None, :])
+            b_z = tl.reshape(tl.join(b_rs * b_ds, b_p), [BH, BR, 2 * SLOTS])
+            tl.store(p_z, b_z, mask=(o_h < H)[:, None, None] & m_r[None, :, None])
 
 
 @triton.jit
 def _group_bwd_heads_kernel(
-    V_ptr, W_ptr, DO_ptr, LSE_ptr, DELTA_ptr,  # as in _group_bwd_rows_kernel
-    R_ptr, KV_ptr,  # [T, N] fp32, written by _group_bwd_rows_kernel
+    V_ptr, W_ptr, DO_ptr,  # as in _group_bwd_rows_kernel
+    Z_ptr, KV_ptr,  # written by _group_bwd_rows_kernel
     DV_ptr,  # [T, N, D] fp32 gradients of the old rows (+=), strides (stride_dvt, stride_dvn, 1)
     DW_ptr,  # [P, NG, D] fp32 per-program partial dL/dw
-    T, N, NG, chunk_lo, chunk_hi, stride_vt, stride_vn, stride_dvt, stride_dvn, scale,
+    T, N, NG, chunk_lo, chunk_hi, stride_vt, stride_vn, stride_dvt, stride_dvn,
     D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BR: tl.constexpr, BHD: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """The rows' gradients and dL/dw of one head (program axis 1) over a token stride
-    (axis 0): dL/dw of the head's channels accumulates in a [16, BHD] dot accumulator."""
+    (axis 0), from the rows kernel's factors Z: dv += Z @ Y^T - kv v, and dL/dw of the
+    head's channels accumulates as Z^T @ X in a [16, BHD] dot accumulator."""
     BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
     i_p = tl.program_id(0)
     i_h = tl.program_id(1)
     o_r = tl.arange(0, BR)
     o_k = tl.arange(0, BHD)
+    o_c = tl.arange(0, 2 * SLOTS)
     m_k = o_k < HD
     site = chunk_hi - 1 - tl.arange(0, SLOTS)
     m_s = site >= chunk_lo
     b_dw = tl.zeros([2 * SLOTS, BHD], dtype=tl.float32)
     for t in range(i_p, T, tl.num_programs(0)):
-        b_yh, b_yl = _site_columns(W_ptr, DO_ptr, t, T, i_h, o_k, m_k, chunk_lo, chunk_hi, D, HD, BF16)
-        b_yht = tl.trans(b_yh)
-        b_ylt = tl.trans(b_yl)
-        lse, delta = _slot_lse_delta(LSE_ptr, DELTA_ptr, site, m_s, t, T, i_h, H)
+        b_yh, b_yl = _site_columns(W_ptr, DO_ptr, t, T, i_h + tl.arange(0, 1), 0, 1, BHD, H, HD, D, chunk_lo,
+                                   chunk_hi, BF16)  # fmt: skip
+        b_yht = tl.trans(tl.reshape(b_yh, [BHD, 2 * SLOTS]))
+        b_ylt = tl.trans(tl.reshape(b_yl, [BHD, 2 * SLOTS]))
         p_t = V_ptr + tl.cast(t, tl.int64) * stride_vt + i_h * HD
         p_dt = DV_ptr + tl.cast(t, tl.int64) * stride_dvt + i_h * HD
-        for i0 in range(0, N, BR):
+        for i0 in tl.range(0, N, BR, num_stages=STAGES):
             rows = i0 + o_r
             m_r = rows < N
             m_x = m_r[:, None] & m_k[None, :]
             b_xh, b_xl = _row_tile(p_t + rows[:, None] * stride_vn + o_k[None, :], m_x, BF16)
             o_tr = tl.cast(t, tl.int64) * N + rows
-            b_rs = tl.load(R_ptr + o_tr, mask=m_r, other=0.0) * scale
             b_kv = tl.load(KV_ptr + o_tr, mask=m_r, other=0.0)
-            _, b_p, b_ds = _site_logit_grads(b_xh, b_xl, b_yh, b_yl, b_rs, lse, delta, m_r, BR, BF16)
-            b_zh, b_zl = _split(tl.reshape(tl.join(b_rs[:, None] * b_ds, b_p), [BR, 2 * SLOTS]), BF16)
+            p_z = Z_ptr + (o_tr[:, None] * H + i_h) * (2 * SLOTS) + o_c[None, :]
+            b_zh, b_zl = _split(tl.load(p_z, mask=m_r[:, None], other=0.0), BF16)
             p_dv = p_dt + rows[:, None] * stride_dvn + o_k[None, :]
             b_dv = tl.load(p_dv, mask=m_x, other=0.0) - b_kv[:, None] * b_xh.to(tl.float32)
             b_dv = _dot_split(b_zh, b_zl, b_yht, b_ylt, b_dv, False, False, BF16)
@@ -587,6 +718,38 @@ def _group_fwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
     return sites_per_program, LoopConfig(block_t, 2, False, 3)
 
 
+def _auto_tensor_cores(sites: int, tensor_cores: Optional[bool]) -> bool:
+    """Whether phase 1 runs the tensor-core kernels: ``tensor_cores`` if given, else when
+    the group fills more than half of a dot's SLOTS sites. With fewer (the 100M shape's
+    groups of 4) half of every dot is idle, and there the row loops measured faster on the
+    H200 (README.md, "Tensor-core phase 1")."""
+    return sites > SLOTS // 2 if tensor_cores is None else tensor_cores
+
+
+@functools.lru_cache(maxsize=None)
+def _head_chunks(head_dim: int) -> Tuple[int, int]:
+    """(KA, KB) channel chunks of a head for the dot kernels: the largest power of two in
+    the head width and the rest padded to a power of two (160 = 128 + 32; KB = 0 when the
+    width is a power of two), each at least the dots' 16."""
+    ka = max(16, 1 << (head_dim.bit_length() - 1))
+    rest = head_dim - ka
+    return ka, (max(16, triton.next_power_of_2(rest)) if rest > 0 else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _group_fwd_dots_config(padded_heads: int, head_dim: int) -> Optional[LoopConfig]:
+    """Launch config of the tensor-core phase-1 forward, or None where its accumulators
+    ([BH, 2 * SLOTS, KA + KB] fp32 per program) would not fit in registers: 4 warps, row
+    blocks unpipelined, two programs per SM striding over the tokens. Measured on the H200
+    at the deepest groups (benchmarks/results/routing_h200_lookahead_dots.json): 4 warps
+    0.266 / 0.289 ms at 350M / 1B against 0.322 / 0.327 at 8; at 1B two stages 0.360 ms;
+    four programs per SM tie, one loses at 350M (0.372 ms)."""
+    ka, kb = _head_chunks(head_dim)
+    if padded_heads * 2 * SLOTS * (ka + kb) > 32768:
+        return None
+    return LoopConfig(1, 4, False, 1, programs_per_sm=2)
+
+
 @functools.lru_cache(maxsize=None)
 def _group_bwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
     """(sites per launch, launch config) of the phase-1 backward. A program holds, per
@@ -603,6 +766,20 @@ def _group_bwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
     block_t = max(1, 1024 // padded_d)
     sites_per_launch = max(1, min(sites, 8192 // (block_t * padded_d)))
     return sites_per_launch, LoopConfig(block_t, 8 if padded_d >= 2048 else 4, False, 3)
+
+
+@functools.lru_cache(maxsize=None)
+def _merge_fwd_config(padded_d: int) -> LoopConfig:
+    """Merge forward: 8K fp32 per tile at 4 warps, the new rows' loop unpipelined."""
+    return LoopConfig(max(1, 8192 // padded_d), 4, False, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _merge_bwd_config(padded_d: int) -> LoopConfig:
+    """Merge backward: 2K fp32 per tile at 4 warps (8 above), 4 programs per SM, the new
+    rows' loop unpipelined."""
+    block_t = max(1, 2048 // padded_d)
+    return LoopConfig(block_t, 8 if block_t * padded_d > 2048 else 4, False, 1, programs_per_sm=4)
 
 
 def _reduce_dw(dw, sources, queries, norm_weights):
@@ -636,6 +813,7 @@ def group_forward(
     eps: float,
     logit_scale: float,
     sites_per_program: Optional[int] = None,
+    tensor_cores: Optional[bool] = None,
     **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Phase 1: partials of G sites over the old rows, each row read once per token tile.
@@ -645,6 +823,10 @@ def group_forward(
         queries, norm_weights: [G, D].
         sites_per_program: sites held by one program (default: as many as about 4K fp32
             accumulators allow); the others go to sibling programs of the same token tile.
+            The tensor-core kernel always holds SLOTS sites per program.
+        tensor_cores: the dot-product kernel (``_group_fwd_dots_kernel``) where its
+            accumulators fit in registers, instead of the row loop; None (default): where
+            the group has more than SLOTS / 2 sites (``_auto_tensor_cores``).
         loop: :class:`LoopConfig` fields overriding the default launch (benchmarks).
 
     Returns:
@@ -658,6 +840,10 @@ def group_forward(
     _check_sites_per_program(sites_per_program)
     queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
     head_dim, bh, bhd = _tile(d, num_heads)
+    dots = _group_fwd_dots_config(bh, head_dim) if _auto_tensor_cores(g, tensor_cores) else None
+    if dots is not None:
+        return _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, head_dim, bh,
+                                           eps, logit_scale, dots.override(**loop), sites_per_program)  # fmt: skip
     default_sites, config = _group_fwd_config(bh * bhd, g)
     bg = min(g, sites_per_program or default_sites)
     if sites_per_program:  # keep the tile's size: fewer sites, more tokens
@@ -678,6 +864,34 @@ def group_forward(
     return m, l, acc
 
 
+def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, head_dim, padded_heads, eps,
+                                logit_scale, config, sites_per_program):  # fmt: skip
+    """group_forward through _group_fwd_dots_kernel: SLOTS sites per program (program axis
+    1), tokens striding over ``config.programs_per_sm`` programs per SM (axis 0)."""
+    if sites_per_program or config.block_t != 1 or config.prefetch or config.l2_reuse:
+        raise ValueError(
+            "tensor_cores=True takes num_warps, stages and programs_per_sm as launch overrides; "
+            "drop sites_per_program, block_t, prefetch and l2_reuse or use tensor_cores=False"
+        )
+    t, n, d = sources.shape
+    g = queries.shape[0]
+    kw = dict(dtype=torch.float32, device=sources.device)
+    m = torch.empty((g, t, num_heads), **kw)
+    l = torch.empty((g, t, num_heads), **kw)
+    acc = torch.empty((g, t, d), **kw)
+    if t == 0:
+        return m, l, acc
+    ka, kb = _head_chunks(head_dim)
+    programs = _backward_programs(t, sources.device, config.programs_per_sm)
+    _group_fwd_dots_kernel[(programs, triton.cdiv(g, SLOTS))](
+        sources, queries, norm_weights, m, l, acc,
+        t, n, g, sources.stride(0), sources.stride(1), eps, float(logit_scale),
+        D=d, H=num_heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, STAGES=config.stages,
+        num_warps=config.num_warps,
+    )  # fmt: skip
+    return m, l, acc
+
+
 def merge_forward(
     m: torch.Tensor,
     l: torch.Tensor,
@@ -689,14 +903,16 @@ def merge_forward(
     eps: float,
     logit_scale: float,
     lse: torch.Tensor,
+    **loop,
 ) -> torch.Tensor:
     """Fold the new rows [T, n, D] (n may be 0) into one site's partial (m, l [T, H],
     acc [T, D], contiguous fp32); write its log-sum-exp into ``lse`` [T, H] and return
-    the output [T, D] in the sources' dtype."""
+    the output [T, D] in the sources' dtype. ``loop``: :class:`LoopConfig` fields
+    overriding the default launch (benchmarks)."""
     _check_sources(sources, None, num_heads)
     t, n, d = sources.shape
     head_dim, bh, bhd = _tile(d, num_heads)
-    block_t = max(1, 8192 // (bh * bhd))
+    block_t, num_warps, _, stages, _, _ = _merge_fwd_config(bh * bhd).override(**loop)
     out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
     if t == 0:
         return out
@@ -704,7 +920,7 @@ def merge_forward(
     _merge_fwd_kernel[(triton.cdiv(t, block_t),)](
         src, query, norm_weight, m, l, acc, out, lse,
         t, n, src.stride(0), src.stride(1) if n > 0 else 0, out.stride(0), eps, float(logit_scale),
-        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, num_warps=4,
+        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages, num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -720,10 +936,11 @@ def merge_backward(
     eps: float,
     logit_scale: float,
     grad_sources: torch.Tensor,
-    programs_per_sm: int = 4,
+    **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`merge_forward` in one pass over the new rows; adds their
-    gradients into the fp32 view ``grad_sources`` [T, n, D].
+    gradients into the fp32 view ``grad_sources`` [T, n, D]. ``loop``: :class:`LoopConfig`
+    fields overriding the default launch (benchmarks).
 
     Returns:
         (delta [T, H] fp32, grad_query fp32 [D], grad_norm_weight fp32 [D]) of the new rows.
@@ -731,8 +948,7 @@ def merge_backward(
     _check_sources(sources, None, num_heads)
     t, n, d = sources.shape
     head_dim, bh, bhd = _tile(d, num_heads)
-    block_t = max(1, 2048 // (bh * bhd))
-    num_warps = 8 if block_t * bh * bhd > 2048 else 4
+    block_t, num_warps, _, stages, _, programs_per_sm = _merge_bwd_config(bh * bhd).override(**loop)
     device = sources.device
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
@@ -748,7 +964,8 @@ def merge_backward(
             src.stride(0), src.stride(1) if n > 0 else 0, grad_out.stride(0), out.stride(0),
             gsrc.stride(0) if n > 0 else 0, gsrc.stride(1) if n > 0 else 0,
             eps, float(logit_scale),
-            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, num_warps=num_warps,
+            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages,
+            num_warps=num_warps,
         )  # fmt: skip
     else:
         dw.zero_()
@@ -769,7 +986,7 @@ def group_backward(
     grad_sources: torch.Tensor,
     site_range: Optional[Tuple[int, int]] = None,
     sites_per_program: Optional[int] = None,
-    tensor_cores: bool = False,
+    tensor_cores: Optional[bool] = None,
     **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Backward of phase 1: the gradients of the sites ``site_range`` (default all) to
@@ -780,10 +997,10 @@ def group_backward(
         queries, norm_weights: [G, D]; lse, delta: [G, T, H] fp32 contiguous.
         sites_per_program: sites per launch of the row-loop kernels (default: as
             registers allow); the launches run over the rows last chunk first.
-        tensor_cores: the per-head dot-product kernels where the head is at most 256
-            columns wide (padded), instead of the row-loop kernel, which holds the sites
-            in registers and adds them one by one. Opt-in: slower on the H200 except at
-            the 1B width (README.md, "Tensor-core phase-1 backward").
+        tensor_cores: the dot-product kernels where the head is at most 256 columns
+            wide (padded), instead of the row-loop kernel, which holds the sites in
+            registers and adds them one by one; None (default): where the group has more
+            than SLOTS / 2 sites (``_auto_tensor_cores``; README.md, "Tensor-core phase 1").
         loop: :class:`LoopConfig` fields overriding the default launch (benchmarks).
 
     Returns:
@@ -806,7 +1023,9 @@ def group_backward(
     # w = q * g^ in fp32, g^ rounded to the activation dtype: the product the kernels form.
     folded = queries.float() * norm_weights.to(sources.dtype).float()
     head_dim, bh, bhd = _tile(d, num_heads)
-    if tensor_cores and bhd <= 256:  # a wider head's tiles outgrow registers and shared memory
+    # A wider head's tiles outgrow registers and shared memory.
+    if _auto_tensor_cores(g, tensor_cores) and bhd <= 256:  # the group's size: a split group
+        # (recomputation) runs the same kernels as the whole one
         unused = sorted(set(loop) - {"num_warps"}) + (["sites_per_program"] if sites_per_program else [])
         if unused:
             raise ValueError(
@@ -815,7 +1034,7 @@ def group_backward(
             )
         return _group_backward_tensor_cores(
             grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, head_dim,
-            bhd, eps, logit_scale, grad_sources, lo, hi, loop.get("num_warps"),
+            bh, bhd, eps, logit_scale, grad_sources, lo, hi, loop.get("num_warps"),
         )  # fmt: skip
     default_sites, config = _group_bwd_config(bh * bhd, g)
     sg = min(g, sites_per_program or default_sites)
@@ -840,33 +1059,38 @@ def group_backward(
 
 
 def _group_backward_tensor_cores(
-    grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, head_dim, bhd, eps,
-    logit_scale, grad_sources, lo, hi, num_warps=None,
+    grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, head_dim, padded_heads, bhd,
+    eps, logit_scale, grad_sources, lo, hi, num_warps=None,
 ):  # fmt: skip
-    """group_backward through _group_bwd_rows_kernel and _group_bwd_heads_kernel, SLOTS
-    sites per launch, last chunk first, 4 warps (deepest group on the H200: 1.82 / 1.75 /
-    2.21 ms at 100M / 350M / 1B, against 3.55 / 2.82 / 3.77 at 8 warps)."""
+    """group_backward through _group_bwd_rows_kernel (per token, every head at once) and
+    _group_bwd_heads_kernel (per head), SLOTS sites per launch, last chunk first. The rows
+    kernel's factors live in a transient [T, N, H, 2 * SLOTS] fp32 workspace (69 MB at the
+    1B shape's deepest group)."""
     t, n, d = sources.shape
     g = queries.shape[0]
     device = sources.device
     sms = _num_sms(device)
-    inv_rms = torch.empty((t, n), dtype=torch.float32, device=device)
+    factors = torch.empty((t, n, num_heads, 2 * SLOTS), dtype=torch.float32, device=device)
     rms_term = torch.empty((t, n), dtype=torch.float32, device=device)
     token_programs = max(1, min(t, triton.cdiv(4 * sms, num_heads)))
     dw = torch.empty((token_programs, g, d), dtype=torch.float32, device=device)
     if t == 0:
         dw.zero_()
-    common = dict(D=d, H=num_heads, HD=head_dim, BR=16, BHD=bhd, num_warps=num_warps or 4)
+    ka, kb = _head_chunks(head_dim)
+    rows_warps = 4 if padded_heads * (ka + kb) <= 1024 else 8
     for chunk_hi in range(hi, lo, -SLOTS) if t > 0 else ():
         chunk_lo = max(lo, chunk_hi - SLOTS)
-        _group_bwd_rows_kernel[(max(1, min(t, 4 * sms)),)](
-            sources, folded, grad_outs, lse, delta, inv_rms, rms_term, t, n, chunk_lo, chunk_hi,
-            sources.stride(0), sources.stride(1), eps, float(logit_scale), **common,
+        _group_bwd_rows_kernel[(max(1, min(t, 2 * sms)),)](
+            sources, folded, grad_outs, lse, delta, factors, rms_term, t, n, chunk_lo, chunk_hi,
+            sources.stride(0), sources.stride(1), eps, float(logit_scale),
+            D=d, H=num_heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, STAGES=1,
+            num_warps=rows_warps,
         )  # fmt: skip
         _group_bwd_heads_kernel[(token_programs, num_heads)](
-            sources, folded, grad_outs, lse, delta, inv_rms, rms_term, grad_sources, dw,
+            sources, folded, grad_outs, factors, rms_term, grad_sources, dw,
             t, n, g, chunk_lo, chunk_hi, sources.stride(0), sources.stride(1),
-            grad_sources.stride(0), grad_sources.stride(1), float(logit_scale), **common,
+            grad_sources.stride(0), grad_sources.stride(1),
+            D=d, H=num_heads, HD=head_dim, BR=16, BHD=bhd, STAGES=2, num_warps=num_warps or 4,
         )  # fmt: skip
     dq, dg = _reduce_dw(dw, sources, queries, norm_weights)
     return dq[lo:hi], dg[lo:hi]

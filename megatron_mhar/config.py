@@ -6,7 +6,8 @@ from typing import Optional
 VARIANTS = ("none", "full", "block", "delta")
 KERNEL_IMPLS = ("auto", "torch", "triton")
 ROUTING_SCHEDULES = ("per_site", "lookahead")
-EXECUTION_FIELDS = ("kernel_impl", "routing_schedule", "lookahead_group", "fused_writes")
+LOOKAHEAD_KERNELS = ("auto", "row_loop", "tensor_cores")
+EXECUTION_FIELDS = ("kernel_impl", "routing_schedule", "lookahead_group", "lookahead_kernels", "fused_writes")
 """MHARConfig fields that choose how routing runs, not what it computes: a checkpoint or a
 converted model may be loaded with other values."""
 
@@ -49,6 +50,11 @@ class MHARConfig:
     lookahead_group: int = 0
     """Sites per lookahead group; 0 picks the power of two nearest sqrt(2L + 1)."""
 
+    lookahead_kernels: str = "auto"
+    """Triton kernels of the lookahead schedule's phase 1: ``tensor_cores`` (dots per token
+    and head), ``row_loop`` (the sites in registers, one row at a time) or ``auto``
+    (tensor cores for groups of more than 4 sites); see kernels/README.md."""
+
     fused_writes: bool = False
     """Per-site schedule, full and block variants: store each completed history row inside
     the next site's routing kernel instead of a copy of its own (one launch and one
@@ -72,6 +78,7 @@ class MHARConfig:
             raise ValueError(f"mhar.logit_scale must be positive, got {self.logit_scale}")
         _require_choice("kernel_impl", self.kernel_impl, KERNEL_IMPLS)
         _require_choice("routing_schedule", self.routing_schedule, ROUTING_SCHEDULES)
+        _require_choice("lookahead_kernels", self.lookahead_kernels, LOOKAHEAD_KERNELS)
         if self.routing_schedule == "lookahead" and self.variant != "full":
             raise ValueError(
                 f"mhar.routing_schedule='lookahead' needs variant='full' (got {self.variant!r}); "

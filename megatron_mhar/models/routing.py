@@ -150,7 +150,7 @@ class DepthStream:
                 capacity=layout.capacity,
                 like=like,
                 backend=get_backend(mhar.kernel_impl, like.device),
-                lookahead=get_lookahead_backend(mhar.kernel_impl, like.device),
+                lookahead=get_lookahead_backend(mhar.kernel_impl, like.device, mhar.lookahead_kernels),
                 num_heads=mhar.num_heads,
                 eps=eps,
                 logit_scale=mhar.logit_scale,

@@ -36,6 +36,7 @@ CPU path), the group object and :class:`LookaheadHistory`, a :class:`SourceHisto
 whose reads go through groups. The per-site path is untouched.
 """
 
+import functools
 import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -264,14 +265,25 @@ TORCH_LOOKAHEAD = LookaheadBackend(
 )
 
 
-def get_lookahead_backend(impl: str, device: torch.device) -> LookaheadBackend:
-    """The two-phase backend for ``impl`` (``auto`` picks Triton on CUDA when available)."""
+LOOKAHEAD_KERNELS = {"auto": None, "row_loop": False, "tensor_cores": True}
+"""Phase-1 kernel families of the Triton backend, as ``tensor_cores`` of its functions."""
+
+
+def get_lookahead_backend(impl: str, device: torch.device, kernels: str = "auto") -> LookaheadBackend:
+    """The two-phase backend for ``impl`` (``auto`` picks Triton on CUDA when available);
+    ``kernels``: the Triton phase-1 kernels, a key of :data:`LOOKAHEAD_KERNELS`."""
+    if kernels not in LOOKAHEAD_KERNELS:
+        raise ValueError(f"kernels must be one of {list(LOOKAHEAD_KERNELS)}, got {kernels!r}")
     if resolve_impl(impl, device) == "torch":
         return TORCH_LOOKAHEAD
     from mhar_kernels import lookahead as fused
 
+    tensor_cores = LOOKAHEAD_KERNELS[kernels]
     return LookaheadBackend(
-        fused.group_forward, fused.merge_forward, fused.merge_backward, fused.group_backward
+        functools.partial(fused.group_forward, tensor_cores=tensor_cores),
+        fused.merge_forward,
+        fused.merge_backward,
+        functools.partial(fused.group_backward, tensor_cores=tensor_cores),
     )
 
 

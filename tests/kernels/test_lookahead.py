@@ -25,15 +25,25 @@ DEVICE = "cuda" if CUDA else "cpu"
 EPS = 1e-6
 DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
 GPU_ONLY = pytest.mark.skipif(not CUDA, reason="slow in the Triton interpreter")
-# The phase-1 backward's two kernels: the row loop that holds the sites in registers (the
-# default) and the opt-in tensor-core dots per head.
-TENSOR_CORES = types.SimpleNamespace(
-    group_forward=fused.group_forward,
-    merge_forward=fused.merge_forward,
-    merge_backward=fused.merge_backward,
-    group_backward=functools.partial(fused.group_backward, tensor_cores=True),
-)
-BACKENDS = {"triton": fused, "triton-tensor-cores": TENSOR_CORES, "torch": TORCH_LOOKAHEAD}
+
+
+def _phase1_kernels(tensor_cores: bool) -> types.SimpleNamespace:
+    """The Triton backend with one of phase 1's kernel families, forward and backward: the
+    row loops that hold the sites in registers, or the tensor-core dots per token and head
+    (the default picks one by group size; every case here runs both)."""
+    return types.SimpleNamespace(
+        group_forward=functools.partial(fused.group_forward, tensor_cores=tensor_cores),
+        merge_forward=fused.merge_forward,
+        merge_backward=fused.merge_backward,
+        group_backward=functools.partial(fused.group_backward, tensor_cores=tensor_cores),
+    )
+
+
+BACKENDS = {
+    "triton-row-loop": _phase1_kernels(False),
+    "triton-tensor-cores": _phase1_kernels(True),
+    "torch": TORCH_LOOKAHEAD,
+}
 
 CASES = [
     # (tokens, n0 old rows, G sites, D, H, tau); CPU token counts, GPU uses 64 T + 3.
@@ -198,7 +208,7 @@ def test_split_group_backward(backend):
         pytest.param(2051, 17, 4, 512, id="100M-group"),
     ],
 )
-@pytest.mark.parametrize("backend", ["triton", "triton-tensor-cores"])
+@pytest.mark.parametrize("backend", ["triton-row-loop", "triton-tensor-cores"])
 def test_deterministic(t, n0, g, d, backend):
     """Two runs of a group's forward and backward are bitwise equal (no atomics)."""
     inputs = _inputs(t, n0, g, d, 8, 8.0, torch.bfloat16)
@@ -214,8 +224,9 @@ def test_sites_per_program_split():
     t, n0, g, d, heads = _tokens(4), 3, 5, 512, 8
     buffer, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
     rows = buffer[:, :n0]
-    whole = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=g, block_t=1)
-    split = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=2, block_t=1)
+    row_loop = dict(tensor_cores=False, block_t=1)
+    whole = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=g, **row_loop)
+    split = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=2, **row_loop)
     for a, b in zip(whole, split):
         assert torch.equal(a, b)
     lse = (whole[0] + whole[1].log()).contiguous()
@@ -224,7 +235,7 @@ def test_sites_per_program_split():
     for sites in (g, 2, 1):
         grad_rows = torch.zeros(rows.shape, device=DEVICE)
         dq, dg = fused.group_backward(grad_outs, rows, queries, norms, lse, delta, heads, EPS, 1.0,
-                                      grad_rows, sites_per_program=sites)  # fmt: skip
+                                      grad_rows, sites_per_program=sites, tensor_cores=False)  # fmt: skip
         grads.append((grad_rows, dq, dg))
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
@@ -247,10 +258,13 @@ def test_sites_per_program_must_be_positive(call):
 
 
 def test_tensor_cores_reject_row_loop_overrides():
-    """The tensor-core kernels take only num_warps; a row-loop override is an error, not
-    silently ignored."""
+    """The tensor-core kernels take only their own launch fields; a row-loop override is an
+    error, not silently ignored."""
     t, n0, g, d, heads = _tokens(2), 2, 2, 512, 8
     rows, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
+    for override in (dict(block_t=2), dict(sites_per_program=1), dict(l2_reuse=True)):
+        with pytest.raises(ValueError, match="tensor_cores=True takes num_warps, stages and programs_per_sm"):
+            fused.group_forward(rows, queries, norms, heads, EPS, 1.0, tensor_cores=True, **override)
     stats = torch.zeros(g, t, heads, device=DEVICE)
     grad_rows = torch.zeros(rows.shape, device=DEVICE)
     for override in (dict(block_t=2), dict(sites_per_program=1)):
