@@ -18,8 +18,11 @@ four functions, same signatures); the schedule, the derivation and the memory ar
   sites (one chunk at 100M and 350M, two at 1B). The sites' contributions are added in a
   fixed order (last site first), and sites outside ``site_range`` contribute exact zeros,
   so a group whose backward a checkpointed chunk splits gives bit-identical gradients.
-  Opt-in (``tensor_cores=True``): the same gradients as small tensor-core dots per token
-  and head (``_group_bwd_rows_kernel``, ``_group_bwd_heads_kernel``).
+
+Both phase-1 functions also run as small tensor-core dots per token and head
+(``_group_fwd_dots_kernel``; ``_group_bwd_rows_kernel`` then ``_group_bwd_heads_kernel``),
+the default for groups of more than SLOTS / 2 sites (``tensor_cores``; README.md,
+"Tensor-core phase 1").
 
 dquery/dnorm are reduced over tokens in two deterministic stages (per-program partials,
 then a fixed-order sum), as in ``depth_route.py``; no atomics.
@@ -395,18 +398,26 @@ def _split(x, BF16: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, acc, BF16: tl.constexpr):
+    """a @ b + acc in fp32: bf16 operands on bf16 tensor cores, fp32 ones as IEEE fp32."""
+    if BF16:
+        acc = tl.dot(a, b, acc)
+    else:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _dot_split(a_hi, a_lo, b_hi, b_lo, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, BF16: tl.constexpr):
     """a @ b + acc from _split operands. bf16 rows: a_hi b_hi + a_lo b_hi + a_hi b_lo on
     bf16 tensor cores, about 2^-16 relative; *_EXACT: that operand is a bf16 tile, its lo
     part unused. Otherwise (fp32 rows) one IEEE fp32 dot."""
+    acc = _dot(a_hi, b_hi, acc, BF16)
     if BF16:
-        acc = tl.dot(a_hi, b_hi, acc)
         if not B_EXACT:
             acc = tl.dot(a_hi, b_lo, acc)
         if not A_EXACT:
             acc = tl.dot(a_lo, b_hi, acc)
-    else:
-        acc = tl.dot(a_hi, b_hi, acc, input_precision="ieee")
     return acc
 
 
@@ -475,16 +486,6 @@ def _query_columns(Q_ptr, G_ptr, site, m_s, o_h, k0, BH: tl.constexpr, K: tl.con
     b_q = tl.load(Q_ptr + p, mask=mask, other=0.0).to(tl.float32)
     b_w = b_q * tl.load(G_ptr + p, mask=mask, other=0.0).to(dtype).to(tl.float32)
     return _interleaved_split(b_w, BH, K, SLOTS, BF16)
-
-
-@triton.jit
-def _dot(a, b, acc, BF16: tl.constexpr):
-    """a @ b + acc in fp32: bf16 operands on bf16 tensor cores, fp32 ones as IEEE fp32."""
-    if BF16:
-        acc = tl.dot(a, b, acc)
-    else:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    return acc
 
 
 @triton.jit
