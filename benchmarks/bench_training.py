@@ -89,10 +89,10 @@ MODELS = {
     "attnres": MHARConfig(variant="full", num_heads=1),
     "mhar": MHARConfig(variant="full", num_heads=8),
     "mhar_lookahead": MHARConfig(variant="full", num_heads=8, routing_schedule="lookahead"),
-    # The same schedule with phase 1 on the row-loop kernels (the default picks the
-    # tensor-core kernels for groups of more than 4 sites), and AttnRes on the lookahead.
-    "mhar_lookahead_row_loop": MHARConfig(variant="full", num_heads=8, routing_schedule="lookahead",
-                                          lookahead_kernels="row_loop"),
+    # The same schedule with phase 1 on the tensor-core kernels (the default runs the row
+    # loops), and AttnRes on the lookahead schedule.
+    "mhar_lookahead_tensor_cores": MHARConfig(variant="full", num_heads=8, routing_schedule="lookahead",
+                                              lookahead_kernels="tensor_cores"),
     "attnres_lookahead": MHARConfig(variant="full", num_heads=1, routing_schedule="lookahead"),
 }
 

@@ -21,8 +21,7 @@ four functions, same signatures); the schedule, the derivation and the memory ar
 
 Both phase-1 functions also run as small tensor-core dots per token and head
 (``_group_fwd_dots_kernel``; ``_group_bwd_rows_kernel`` then ``_group_bwd_heads_kernel``),
-the default for groups of more than SLOTS / 2 sites (``tensor_cores``; README.md,
-"Tensor-core phase 1").
+opt-in through ``tensor_cores`` (README.md, "Tensor-core phase 1").
 
 dquery/dnorm are reduced over tokens in two deterministic stages (per-program partials,
 then a fixed-order sum), as in ``depth_route.py``; no atomics.
@@ -488,7 +487,9 @@ def _query_columns(Q_ptr, G_ptr, site, m_s, o_h, k0, BH: tl.constexpr, K: tl.con
     return _interleaved_split(b_w, BH, K, SLOTS, BF16)
 
 
-@triton.jit
+# Sizes are not specialised: Triton compiles a size of 1 as a constant, and at the 1B
+# width that variant asked for more shared memory than the H200 has (first group, N = 1).
+@triton.jit(do_not_specialize=["T", "N", "NG"])
 def _group_fwd_dots_kernel(
     V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
     Q_ptr,  # [NG, D] pseudo-queries of the group's sites, contiguous
@@ -563,7 +564,9 @@ def _group_fwd_dots_kernel(
             tl.store(p_a + o_kb[None, None, :], _row_pair_sum(b_accb, BH, SLOTS, KB), mask=m_a & (o_kb < HD)[None, None, :])
 
 
-@triton.jit
+# Sizes are not specialised: Triton compiles a size of 1 as a constant, and at the 1B
+# width that variant asked for more shared memory than the H200 has (first group, N = 1).
+@triton.jit(do_not_specialize=["T", "N", "chunk_lo", "chunk_hi"])
 def _group_bwd_rows_kernel(
     V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
     W_ptr,  # [NG, D] fp32 folded queries
@@ -624,7 +627,9 @@ def _group_bwd_rows_kernel(
             tl.store(p_z, b_z, mask=(o_h < H)[:, None, None] & m_r[None, :, None])
 
 
-@triton.jit
+# Sizes are not specialised: Triton compiles a size of 1 as a constant, and at the 1B
+# width that variant asked for more shared memory than the H200 has (first group, N = 1).
+@triton.jit(do_not_specialize=["T", "N", "NG", "chunk_lo", "chunk_hi"])
 def _group_bwd_heads_kernel(
     V_ptr, W_ptr, DO_ptr,  # as in _group_bwd_rows_kernel
     Z_ptr, KV_ptr,  # written by _group_bwd_rows_kernel
@@ -719,12 +724,20 @@ def _group_fwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
     return sites_per_program, LoopConfig(block_t, 2, False, 3)
 
 
-def _auto_tensor_cores(sites: int, tensor_cores: Optional[bool]) -> bool:
-    """Whether phase 1 runs the tensor-core kernels: ``tensor_cores`` if given, else when
-    the group fills more than half of a dot's SLOTS sites. With fewer (the 100M shape's
-    groups of 4) half of every dot is idle, and there the row loops measured faster on the
-    H200 (README.md, "Tensor-core phase 1")."""
-    return sites > SLOTS // 2 if tensor_cores is None else tensor_cores
+def _use_tensor_cores(tensor_cores: Optional[bool], sites: int, head_dim: int, backward: bool) -> bool:
+    """Whether phase 1 runs the tensor-core kernels: ``tensor_cores`` if given; None picks
+    them where the H200 measured them faster (README.md, "Tensor-core phase 1"): groups of
+    more than SLOTS / 2 sites (with fewer, half of every dot is idle; the 100M shape's
+    groups of 4 ran faster on the row loops), heads of at most 256 padded columns (one
+    1024-wide head, AttnRes at 350M, took 112 ms per training step in the dot forward) and,
+    backward, heads wider than 128 (at 350M's 128 the two dot kernels took 46 ms per
+    training step against 44 for the row loop; at 1B's 160 the deepest group took 1.28
+    against 2.63 ms). Decided by the group's size, never a split's: a recomputed chunk
+    runs the kernels of the whole group."""
+    if tensor_cores is not None:
+        return tensor_cores
+    narrow = triton.next_power_of_2(head_dim) <= 256 and (head_dim > 128 or not backward)
+    return sites > SLOTS // 2 and narrow
 
 
 @functools.lru_cache(maxsize=None)
@@ -814,7 +827,7 @@ def group_forward(
     eps: float,
     logit_scale: float,
     sites_per_program: Optional[int] = None,
-    tensor_cores: Optional[bool] = None,
+    tensor_cores: Optional[bool] = False,
     **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Phase 1: partials of G sites over the old rows, each row read once per token tile.
@@ -826,8 +839,8 @@ def group_forward(
             accumulators allow); the others go to sibling programs of the same token tile.
             The tensor-core kernel always holds SLOTS sites per program.
         tensor_cores: the dot-product kernel (``_group_fwd_dots_kernel``) where its
-            accumulators fit in registers, instead of the row loop; None (default): where
-            the group has more than SLOTS / 2 sites (``_auto_tensor_cores``).
+            accumulators fit in registers, instead of the row loop (the default); None:
+            where the H200 measured it faster (``_use_tensor_cores``).
         loop: :class:`LoopConfig` fields overriding the default launch (benchmarks).
 
     Returns:
@@ -841,7 +854,8 @@ def group_forward(
     _check_sites_per_program(sites_per_program)
     queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
     head_dim, bh, bhd = _tile(d, num_heads)
-    dots = _group_fwd_dots_config(bh, head_dim) if _auto_tensor_cores(g, tensor_cores) else None
+    use_dots = _use_tensor_cores(tensor_cores, g, head_dim, backward=False)
+    dots = _group_fwd_dots_config(bh, head_dim) if use_dots else None
     if dots is not None:
         return _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, head_dim, bh,
                                            eps, logit_scale, dots.override(**loop), sites_per_program)  # fmt: skip
@@ -987,7 +1001,7 @@ def group_backward(
     grad_sources: torch.Tensor,
     site_range: Optional[Tuple[int, int]] = None,
     sites_per_program: Optional[int] = None,
-    tensor_cores: Optional[bool] = None,
+    tensor_cores: Optional[bool] = False,
     **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Backward of phase 1: the gradients of the sites ``site_range`` (default all) to
@@ -999,9 +1013,9 @@ def group_backward(
         sites_per_program: sites per launch of the row-loop kernels (default: as
             registers allow); the launches run over the rows last chunk first.
         tensor_cores: the dot-product kernels where the head is at most 256 columns
-            wide (padded), instead of the row-loop kernel, which holds the sites in
-            registers and adds them one by one; None (default): where the group has more
-            than SLOTS / 2 sites (``_auto_tensor_cores``; README.md, "Tensor-core phase 1").
+            wide (padded), instead of the row-loop kernel (the default), which holds the
+            sites in registers and adds them one by one; None: where the H200 measured
+            them faster (``_use_tensor_cores``; README.md, "Tensor-core phase 1").
         loop: :class:`LoopConfig` fields overriding the default launch (benchmarks).
 
     Returns:
@@ -1025,8 +1039,7 @@ def group_backward(
     folded = queries.float() * norm_weights.to(sources.dtype).float()
     head_dim, bh, bhd = _tile(d, num_heads)
     # A wider head's tiles outgrow registers and shared memory.
-    if _auto_tensor_cores(g, tensor_cores) and bhd <= 256:  # the group's size: a split group
-        # (recomputation) runs the same kernels as the whole one
+    if _use_tensor_cores(tensor_cores, g, head_dim, backward=True) and bhd <= 256:
         unused = sorted(set(loop) - {"num_warps"}) + (["sites_per_program"] if sites_per_program else [])
         if unused:
             raise ValueError(

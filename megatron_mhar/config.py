@@ -6,7 +6,7 @@ from typing import Optional
 VARIANTS = ("none", "full", "block", "delta")
 KERNEL_IMPLS = ("auto", "torch", "triton")
 ROUTING_SCHEDULES = ("per_site", "lookahead")
-LOOKAHEAD_KERNELS = ("auto", "row_loop", "tensor_cores")
+LOOKAHEAD_KERNELS = ("auto", "row_loop", "tensor_cores")  # the order of ops.lookahead's map
 EXECUTION_FIELDS = ("kernel_impl", "routing_schedule", "lookahead_group", "lookahead_kernels", "fused_writes")
 """MHARConfig fields that choose how routing runs, not what it computes: a checkpoint or a
 converted model may be loaded with other values."""
@@ -50,10 +50,12 @@ class MHARConfig:
     lookahead_group: int = 0
     """Sites per lookahead group; 0 picks the power of two nearest sqrt(2L + 1)."""
 
-    lookahead_kernels: str = "auto"
-    """Triton kernels of the lookahead schedule's phase 1: ``tensor_cores`` (dots per token
-    and head), ``row_loop`` (the sites in registers, one row at a time) or ``auto``
-    (tensor cores for groups of more than 4 sites); see kernels/README.md."""
+    lookahead_kernels: str = "row_loop"
+    """Triton kernels of the lookahead schedule's phase 1: ``row_loop`` (the sites in
+    registers, one row at a time), ``tensor_cores`` (dots per token and head) or ``auto``
+    (tensor cores where the H200 measured them faster). Row loops by default until a 1B
+    training run has passed with the tensor-core kernels (kernels/README.md, "Tensor-core
+    phase 1")."""
 
     fused_writes: bool = False
     """Per-site schedule, full and block variants: store each completed history row inside

@@ -42,6 +42,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_mhar.config import LOOKAHEAD_KERNELS
 from megatron_mhar.ops.depth_route import resolve_impl
 from megatron_mhar.ops.history import RoutingBackend, SourceHistory
 
@@ -265,20 +266,20 @@ TORCH_LOOKAHEAD = LookaheadBackend(
 )
 
 
-LOOKAHEAD_KERNELS = {"auto": None, "row_loop": False, "tensor_cores": True}
-"""Phase-1 kernel families of the Triton backend, as ``tensor_cores`` of its functions."""
+# mhar.lookahead_kernels -> the ``tensor_cores`` argument of the Triton phase-1 functions.
+_TENSOR_CORES = dict(zip(LOOKAHEAD_KERNELS, (None, False, True)))
 
 
-def get_lookahead_backend(impl: str, device: torch.device, kernels: str = "auto") -> LookaheadBackend:
+def get_lookahead_backend(impl: str, device: torch.device, kernels: str = "row_loop") -> LookaheadBackend:
     """The two-phase backend for ``impl`` (``auto`` picks Triton on CUDA when available);
-    ``kernels``: the Triton phase-1 kernels, a key of :data:`LOOKAHEAD_KERNELS`."""
-    if kernels not in LOOKAHEAD_KERNELS:
+    ``kernels``: the Triton phase-1 kernels, one of ``mhar.lookahead_kernels``' values."""
+    if kernels not in _TENSOR_CORES:
         raise ValueError(f"kernels must be one of {list(LOOKAHEAD_KERNELS)}, got {kernels!r}")
     if resolve_impl(impl, device) == "torch":
         return TORCH_LOOKAHEAD
     from mhar_kernels import lookahead as fused
 
-    tensor_cores = LOOKAHEAD_KERNELS[kernels]
+    tensor_cores = _TENSOR_CORES[kernels]
     return LookaheadBackend(
         functools.partial(fused.group_forward, tensor_cores=tensor_cores),
         fused.merge_forward,

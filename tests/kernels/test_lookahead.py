@@ -218,6 +218,41 @@ def test_deterministic(t, n0, g, d, backend):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize(
+    "d,heads,g,forward_dots,backward_dots",
+    [
+        # Head width 160 (the 1B shape): dots forward and backward.
+        pytest.param(1280, 8, 5, True, True, id="1B-width"),
+        # Head width 128 (350M): dot forward, row-loop backward.
+        pytest.param(1024, 8, 5, True, False, id="350M-width"),
+        # A group of 4 fills half a dot: row loops.
+        pytest.param(512, 8, 4, False, False, id="group-of-4"),
+        # One head of 768 (1024 padded columns): row loops.
+        pytest.param(768, 1, 5, False, False, id="one-head"),
+    ],
+)
+def test_tensor_cores_auto(d, heads, g, forward_dots, backward_dots):
+    """tensor_cores=None runs the family its rule names (bitwise the same results), also
+    for a split group's site range: the rule reads the group's size, not the range's."""
+    t, n0 = _tokens(2), 3
+    buffer, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
+    rows = buffer[:, :n0]
+    auto = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, tensor_cores=None)
+    named = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, tensor_cores=forward_dots)
+    for a, b in zip(auto, named):
+        assert torch.equal(a, b)
+    lse = (auto[0] + auto[1].log()).contiguous()
+    delta = torch.randn(g, t, heads, device=DEVICE)
+    grads = []
+    for tensor_cores in (None, backward_dots):
+        grad_rows = torch.zeros(rows.shape, device=DEVICE)
+        dq, dg = fused.group_backward(grad_outs, rows, queries, norms, lse, delta, heads, EPS, 1.0,
+                                      grad_rows, (0, 2), tensor_cores=tensor_cores)  # fmt: skip
+        grads.append((grad_rows, dq, dg))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 def test_sites_per_program_split():
     """Phase 1 with the sites split over sibling programs, and its backward with the sites
     split over launches, give the same bits as one program / one launch per token tile."""

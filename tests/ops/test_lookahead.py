@@ -97,6 +97,8 @@ def test_lookahead_history_is_freed(megatron_world1):
                      id="block"),
         pytest.param(dict(routing_schedule="lookahead", lookahead_group=-1), "non-negative",
                      id="negative-group"),
+        pytest.param(dict(routing_schedule="lookahead", lookahead_kernels="tensor"),
+                     "lookahead_kernels must be one of", id="unknown-kernels"),
     ],
 )
 def test_lookahead_config_errors(fields, message):
