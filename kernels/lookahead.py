@@ -374,7 +374,7 @@ def _group_bwd_kernel(
 
 
 # The tensor-core phase-1 backward. Per token and head the group's work is a few small
-# matrix products over the old rows (README.md, "Tensor-core phase-1 backward"): with
+# matrix products over the old rows (README.md, "Tensor-core phase 1"): with
 # X [rows, head width] a block of the token's rows and Y [head width, 16] holding, for
 # slot j, w_j (column 2j) and do_j (column 2j + 1),
 #     X @ Y                 -> a_j and dp_j of every row (logit dots, value dots)
@@ -487,21 +487,37 @@ def _query_columns(Q_ptr, G_ptr, site, m_s, o_h, k0, BH: tl.constexpr, K: tl.con
     return _interleaved_split(b_w, BH, K, SLOTS, BF16)
 
 
+@triton.jit
+def _row_block(p_t, rows, m_r, stride_vn, BH: tl.constexpr, H: tl.constexpr, HD: tl.constexpr,
+               KA: tl.constexpr, KB: tl.constexpr):  # fmt: skip
+    """A block of a token's rows over every head as the dots' channel chunks [BH, BR, KA]
+    and [BH, BR, KB] (the first again where KB = 0), in the rows' dtype, and the rows' sums
+    of squares [BR] over the full width."""
+    o_h = tl.arange(0, BH)
+    o_ka = tl.arange(0, KA)
+    p_x = p_t + rows[None, :, None] * stride_vn + o_h[:, None, None] * HD
+    m_x = m_r[None, :, None] & (o_h < H)[:, None, None]
+    b_xa = tl.load(p_x + o_ka[None, None, :], mask=m_x & (o_ka < HD)[None, None, :], other=0.0)
+    b_sq = tl.sum(tl.sum(b_xa.to(tl.float32) * b_xa.to(tl.float32), axis=2), axis=0)
+    b_xb = b_xa
+    if KB > 0:
+        o_kb = KA + tl.arange(0, KB)
+        b_xb = tl.load(p_x + o_kb[None, None, :], mask=m_x & (o_kb < HD)[None, None, :], other=0.0)
+        b_sq += tl.sum(tl.sum(b_xb.to(tl.float32) * b_xb.to(tl.float32), axis=2), axis=0)
+    return b_xa, b_xb, b_sq
+
+
 # Sizes are not specialised: Triton compiles a size of 1 as a constant, and at the 1B
 # width that variant asked for more shared memory than the H200 has (first group, N = 1).
 @triton.jit(do_not_specialize=["T", "N", "NG"])
 def _group_fwd_dots_kernel(
-    V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
-    Q_ptr,  # [NG, D] pseudo-queries of the group's sites, contiguous
-    G_ptr,  # [NG, D] norm weights, contiguous
-    M_ptr,  # [NG, T, H] fp32 running max of the logits
-    L_ptr,  # [NG, T, H] fp32 softmax denominators (relative to M)
-    A_ptr,  # [NG, T, D] fp32 unnormalised accumulators (relative to M)
+    V_ptr, Q_ptr, G_ptr,  # as in _group_fwd_kernel: [T, N, D] old rows, [NG, D] queries and norms
+    M_ptr, L_ptr, A_ptr,  # as in _group_fwd_kernel: fp32 partials [NG, T, H], [NG, T, H], [NG, T, D]
     T, N, NG, stride_vt, stride_vn, eps, scale,
     D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BH: tl.constexpr, KA: tl.constexpr,
     KB: tl.constexpr, BR: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Phase 1 as dots per token and head (README.md, "Tensor-core phase-1 forward"): for
+    """Phase 1 as dots per token and head (README.md, "Tensor-core phase 1"): for
     a block X [BR, head width] of the token's rows, X @ [w_j] gives the head dots of SLOTS
     sites (program axis 1 picks the sites), and P^T @ X adds the block to the sites'
     accumulators after the online-softmax rescale, one rescale per block of rows. The head
@@ -516,10 +532,8 @@ def _group_fwd_dots_kernel(
     site64 = site.to(tl.int64)
     dtype = V_ptr.dtype.element_ty
     b_wa = _query_columns(Q_ptr, G_ptr, site, m_s, o_h, 0, BH, KA, H, HD, D, dtype, BF16)
-    m_ha = (o_h < H)[:, None, None] & (o_ka < HD)[None, None, :]
     if KB > 0:
         o_kb = KA + tl.arange(0, KB)
-        m_hb = (o_h < H)[:, None, None] & (o_kb < HD)[None, None, :]
         b_wb = _query_columns(Q_ptr, G_ptr, site, m_s, o_h, KA, BH, KB, H, HD, D, dtype, BF16)
     for t in range(tl.program_id(0), T, tl.num_programs(0)):
         p_t = V_ptr + tl.cast(t, tl.int64) * stride_vt
@@ -531,13 +545,9 @@ def _group_fwd_dots_kernel(
         for i0 in tl.range(0, N, BR, num_stages=STAGES):
             rows = i0 + o_r
             m_r = rows < N
-            p_x = p_t + rows[None, :, None] * stride_vn + o_h[:, None, None] * HD
-            b_xa = tl.load(p_x + o_ka[None, None, :], mask=m_r[None, :, None] & m_ha, other=0.0)
-            b_sq = tl.sum(tl.sum(b_xa.to(tl.float32) * b_xa.to(tl.float32), axis=2), axis=0)
+            b_xa, b_xb, b_sq = _row_block(p_t, rows, m_r, stride_vn, BH, H, HD, KA, KB)
             b_s = _dot(b_xa, b_wa, tl.zeros([BH, BR, 2 * SLOTS], dtype=tl.float32), BF16)
             if KB > 0:
-                b_xb = tl.load(p_x + o_kb[None, None, :], mask=m_r[None, :, None] & m_hb, other=0.0)
-                b_sq += tl.sum(tl.sum(b_xb.to(tl.float32) * b_xb.to(tl.float32), axis=2), axis=0)
                 b_s = _dot(b_xb, b_wb, b_s, BF16)
             b_rs = tl.rsqrt(b_sq / D + eps) * scale
             b_z = _pair_sum(b_s, BH, BR, SLOTS) * b_rs[None, :, None]
@@ -559,9 +569,11 @@ def _group_fwd_dots_kernel(
         tl.store(L_ptr + p_ml, b_l, mask=m_ml)
         p_a = A_ptr + o_st[None, :, None] * D + o_h[:, None, None] * HD
         m_a = (o_h < H)[:, None, None] & m_s[None, :, None]
-        tl.store(p_a + o_ka[None, None, :], _row_pair_sum(b_acca, BH, SLOTS, KA), mask=m_a & (o_ka < HD)[None, None, :])
+        m_ka = m_a & (o_ka < HD)[None, None, :]
+        tl.store(p_a + o_ka[None, None, :], _row_pair_sum(b_acca, BH, SLOTS, KA), mask=m_ka)
         if KB > 0:
-            tl.store(p_a + o_kb[None, None, :], _row_pair_sum(b_accb, BH, SLOTS, KB), mask=m_a & (o_kb < HD)[None, None, :])
+            m_kb = m_a & (o_kb < HD)[None, None, :]
+            tl.store(p_a + o_kb[None, None, :], _row_pair_sum(b_accb, BH, SLOTS, KB), mask=m_kb)
 
 
 # Sizes are not specialised: Triton compiles a size of 1 as a constant, and at the 1B
@@ -587,11 +599,6 @@ def _group_bwd_rows_kernel(
     o_h = tl.arange(0, BH)
     o_r = tl.arange(0, BR)
     o_c = tl.arange(0, 2 * SLOTS)
-    o_ka = tl.arange(0, KA)
-    m_ha = (o_h < H)[:, None, None] & (o_ka < HD)[None, None, :]
-    if KB > 0:
-        o_kb = KA + tl.arange(0, KB)
-        m_hb = (o_h < H)[:, None, None] & (o_kb < HD)[None, None, :]
     site = (chunk_hi - 1 - tl.arange(0, SLOTS)).to(tl.int64)
     m_th = (o_h < H)[:, None] & (site >= chunk_lo)[None, :]
     for t in range(tl.program_id(0), T, tl.num_programs(0)):
@@ -605,14 +612,10 @@ def _group_bwd_rows_kernel(
         for i0 in tl.range(0, N, BR, num_stages=STAGES):
             rows = i0 + o_r
             m_r = rows < N
-            p_x = p_t + rows[None, :, None] * stride_vn + o_h[:, None, None] * HD
-            b_xa = tl.load(p_x + o_ka[None, None, :], mask=m_r[None, :, None] & m_ha, other=0.0)
-            b_sq = tl.sum(tl.sum(b_xa.to(tl.float32) * b_xa.to(tl.float32), axis=2), axis=0)
+            b_xa, b_xb, b_sq = _row_block(p_t, rows, m_r, stride_vn, BH, H, HD, KA, KB)
             b_ad = tl.zeros([BH, BR, 2 * SLOTS], dtype=tl.float32)
             b_ad = _dot_split(b_xa, b_xa, b_yah, b_yal, b_ad, BF16, False, BF16)
             if KB > 0:
-                b_xb = tl.load(p_x + o_kb[None, None, :], mask=m_r[None, :, None] & m_hb, other=0.0)
-                b_sq += tl.sum(tl.sum(b_xb.to(tl.float32) * b_xb.to(tl.float32), axis=2), axis=0)
                 b_ad = _dot_split(b_xb, b_xb, b_ybh, b_ybl, b_ad, BF16, False, BF16)
             b_r = tl.rsqrt(b_sq / D + eps)
             b_rs = (b_r * scale)[None, :, None]
@@ -864,10 +867,7 @@ def group_forward(
     if sites_per_program:  # keep the tile's size: fewer sites, more tokens
         config = config._replace(block_t=max(1, 4096 // (bg * bh * bhd)))
     block_t, num_warps, _, stages, _, _ = config.override(**loop)
-    kw = dict(dtype=torch.float32, device=sources.device)
-    m = torch.empty((g, t, num_heads), **kw)
-    l = torch.empty((g, t, num_heads), **kw)
-    acc = torch.empty((g, t, d), **kw)
+    m, l, acc = _empty_partials(g, t, d, num_heads, sources.device)
     if t == 0:
         return m, l, acc
     _group_fwd_kernel[(triton.cdiv(t, block_t) * triton.cdiv(g, bg),)](
@@ -877,6 +877,13 @@ def group_forward(
         num_warps=num_warps,
     )  # fmt: skip
     return m, l, acc
+
+
+def _empty_partials(g: int, t: int, d: int, num_heads: int, device: torch.device):
+    """Phase 1's outputs (m, l [G, T, H], acc [G, T, D]) fp32, uninitialised."""
+    kw = dict(dtype=torch.float32, device=device)
+    stats = (g, t, num_heads)
+    return torch.empty(stats, **kw), torch.empty(stats, **kw), torch.empty((g, t, d), **kw)
 
 
 def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, head_dim, padded_heads, eps,
@@ -890,10 +897,7 @@ def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, head_
         )
     t, n, d = sources.shape
     g = queries.shape[0]
-    kw = dict(dtype=torch.float32, device=sources.device)
-    m = torch.empty((g, t, num_heads), **kw)
-    l = torch.empty((g, t, num_heads), **kw)
-    acc = torch.empty((g, t, d), **kw)
+    m, l, acc = _empty_partials(g, t, d, num_heads, sources.device)
     if t == 0:
         return m, l, acc
     ka, kb = _head_chunks(head_dim)
