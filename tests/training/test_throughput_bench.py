@@ -15,11 +15,12 @@ def test_throughput_bench_reports_every_model(tmp_path):
     out = tmp_path / "training.json"
     subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--sizes", "tiny",
-         "--models", "baseline,attnres,mhar", "--steps", "2", "--warmup", "1", "--out", str(out)],
+         "--models", "baseline,attnres,mhar,attnres_lookahead,mhar_lookahead", "--steps", "2", "--warmup", "1",
+         "--out", str(out)],
         check=True, cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     models = json.loads(out.read_text())["sizes"]["tiny"]["models"]
-    assert set(models) == {"baseline", "attnres", "mhar"}
+    assert set(models) == {"baseline", "attnres", "mhar", "attnres_lookahead", "mhar_lookahead"}
     assert models["baseline"]["throughput_ratio"] == 1.0
     for name, entry in models.items():
         assert entry["tokens_per_s"] > 0 and len(entry["step_s_all"]) == 2
@@ -31,7 +32,10 @@ def test_throughput_bench_reports_every_model(tmp_path):
     # AttnRes and MHAR are other models than the baseline: their parameters and losses differ.
     assert models["mhar"]["params"] > models["baseline"]["params"]
     assert models["mhar"]["losses"] != models["baseline"]["losses"]
+    # Each AttnRes is compared with MHAR on its own schedule.
     assert 0 < models["attnres"]["throughput_vs_mhar"]
+    assert 0 < models["attnres_lookahead"]["throughput_vs_mhar"]
+    assert "throughput_vs_mhar" not in models["mhar_lookahead"]
 
 
 def _bench_losses(tmp_path, name, *extra):
