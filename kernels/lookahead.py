@@ -768,6 +768,18 @@ def _group_fwd_dots_config(padded_heads: int, head_dim: int) -> Optional[LoopCon
 
 
 @functools.lru_cache(maxsize=None)
+def _group_bwd_dots_config(padded_heads: int, head_dim: int) -> Tuple[LoopConfig, LoopConfig]:
+    """Launch configs of the tensor-core phase-1 backward's (rows, heads) kernels: the rows
+    kernel at 4 warps up to 1K channels over its heads' chunks (8 above, the 1B width),
+    unpipelined, two programs per SM striding over the tokens; the heads kernel at 4 warps
+    (at 1B 1.284 ms for the deepest group against 1.828 at 8; at 350M 8 warps took 1.222
+    against 1.288), row blocks pipelined two deep, ``4 * SMs / H`` token programs per head."""
+    ka, kb = _head_chunks(head_dim)
+    rows = LoopConfig(1, 4 if padded_heads * (ka + kb) <= 1024 else 8, False, 1, programs_per_sm=2)
+    return rows, LoopConfig(1, 4, False, 2)
+
+
+@functools.lru_cache(maxsize=None)
 def _group_bwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
     """(sites per launch, launch config) of the phase-1 backward. A program holds, per
     site, w, do and a dL/dw accumulator of its token tile; up to 8K fp32 of each kind per
@@ -1095,20 +1107,22 @@ def _group_backward_tensor_cores(
     if t == 0:
         dw.zero_()
     ka, kb = _head_chunks(head_dim)
-    rows_warps = 4 if padded_heads * (ka + kb) <= 1024 else 8
+    rows_config, heads_config = _group_bwd_dots_config(padded_heads, head_dim)
+    rows_programs = _backward_programs(t, device, rows_config.programs_per_sm)
     for chunk_hi in range(hi, lo, -SLOTS) if t > 0 else ():
         chunk_lo = max(lo, chunk_hi - SLOTS)
-        _group_bwd_rows_kernel[(max(1, min(t, 2 * sms)),)](
+        _group_bwd_rows_kernel[(rows_programs,)](
             sources, folded, grad_outs, lse, delta, factors, rms_term, t, n, chunk_lo, chunk_hi,
             sources.stride(0), sources.stride(1), eps, float(logit_scale),
-            D=d, H=num_heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, STAGES=1,
-            num_warps=rows_warps,
+            D=d, H=num_heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, STAGES=rows_config.stages,
+            num_warps=rows_config.num_warps,
         )  # fmt: skip
         _group_bwd_heads_kernel[(token_programs, num_heads)](
             sources, folded, grad_outs, factors, rms_term, grad_sources, dw,
             t, n, g, chunk_lo, chunk_hi, sources.stride(0), sources.stride(1),
             grad_sources.stride(0), grad_sources.stride(1),
-            D=d, H=num_heads, HD=head_dim, BR=16, BHD=bhd, STAGES=2, num_warps=num_warps or 4,
+            D=d, H=num_heads, HD=head_dim, BR=16, BHD=bhd, STAGES=heads_config.stages,
+            num_warps=num_warps or heads_config.num_warps,
         )  # fmt: skip
     dq, dg = _reduce_dw(dw, sources, queries, norm_weights)
     return dq[lo:hi], dg[lo:hi]

@@ -1,0 +1,107 @@
+"""Shared memory of the tensor-core phase-1 kernels, compiled for sm_90 on any machine.
+
+    python benchmarks/kernel_resources.py [--out FILE]
+
+Triton's CUDA backend compiles without a GPU. Each kernel is compiled as its JIT would
+compile a launch with the given sizes: an integer argument of value 1 becomes a constant and
+one divisible by 16 gets that alignment, unless the kernel does not specialise it. A size of
+1 compiled as a constant once gave the rows kernel a variant that needed 319 KB of shared
+memory at the 1B width (the first group's N = 1), and a 1B training run failed on the H200.
+Prints one JSON row per (shape, launch, kernel); tests/kernels/test_kernel_resources.py
+checks every row against the H200's limit.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.environ.get("TRITON_INTERPRET") == "1":
+    raise SystemExit("kernel_resources.py compiles kernels: unset TRITON_INTERPRET")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from mhar_kernels import lookahead as fused  # noqa: E402
+
+H200_SHARED_BYTES = 232448  # the most shared memory one program may use on sm_90 (227 KiB)
+ROWS = ("V_ptr", "DO_ptr", "Q_ptr", "G_ptr")  # pointers to tensors in the rows' dtype
+
+# (width, heads, rows dtype): the 1B and 350M widths in bf16, and in fp32 (twice the tiles)
+# the 1B width and the kernel tests' width.
+SHAPES = [(1280, 8, "bf16"), (1024, 8, "bf16"), (1280, 8, "fp32"), (768, 8, "fp32")]
+LAUNCHES = {
+    "first-group": dict(T=2048, N=1, NG=8, chunk_lo=0, chunk_hi=8),  # one old row, a full group
+    "one-site": dict(T=2051, N=1, NG=1, chunk_lo=0, chunk_hi=1),  # a group of one site over one row
+    "deep-group": dict(T=2048, N=65, NG=8, chunk_lo=0, chunk_hi=8),
+}
+
+
+def shared_bytes(kernel, sizes, constexprs, rows_dtype, num_warps):
+    """Compile ``kernel`` for sm_90 as launched with the integer arguments ``sizes`` (other
+    integers: strides, divisible by 16); the shared memory it needs, in bytes."""
+    names = kernel.arg_names
+    signature, attrs, values = {}, {}, dict(constexprs)
+    for i, (name, param) in enumerate(zip(names, kernel.params)):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + (rows_dtype if name in ROWS else "fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("eps", "scale"):
+            signature[name] = "fp32"
+        else:
+            value = sizes.get(name, 16)
+            if not param.do_not_specialize and value == 1:
+                signature[name], values[name] = "constexpr", 1
+            else:
+                signature[name] = "i32"
+                if not param.do_not_specialize and value % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(
+        fn=kernel, signature=signature, attrs=attrs,
+        constexprs={(names.index(k),): v for k, v in values.items()},
+    )  # fmt: skip
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return compiled.metadata.shared
+
+
+def shape_rows(d, heads, dtype, launch, sizes):
+    """One row per tensor-core kernel of a shape and launch, with its launch config."""
+    head_dim = d // heads
+    padded_heads = triton.next_power_of_2(heads)
+    ka, kb = fused._head_chunks(head_dim)
+    chunks = dict(D=d, H=heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16)
+    head_tile = dict(D=d, H=heads, HD=head_dim, BR=16, BHD=triton.next_power_of_2(head_dim))
+    forward = fused._group_fwd_dots_config(padded_heads, head_dim)
+    rows, per_head = fused._group_bwd_dots_config(padded_heads, head_dim)
+    kernels = [
+        (fused._group_fwd_dots_kernel, dict(chunks, STAGES=forward.stages), forward.num_warps),
+        (fused._group_bwd_rows_kernel, dict(chunks, STAGES=rows.stages), rows.num_warps),
+        (fused._group_bwd_heads_kernel, dict(head_tile, STAGES=per_head.stages), per_head.num_warps),
+    ]
+    for kernel, constexprs, warps in kernels:
+        yield {"width": d, "heads": heads, "dtype": dtype, "launch": launch, "kernel": kernel.fn.__name__,
+               "num_warps": warps, "shared_bytes": shared_bytes(kernel, sizes, constexprs, dtype, warps),
+               "limit_bytes": H200_SHARED_BYTES}  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="also write the rows as a JSON list")
+    args = parser.parse_args()
+    rows = []
+    for d, heads, dtype in SHAPES:
+        for launch, sizes in LAUNCHES.items():
+            for row in shape_rows(d, heads, dtype, launch, sizes):
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
