@@ -89,8 +89,10 @@ MODELS = {
     "attnres": MHARConfig(variant="full", num_heads=1),
     "mhar": MHARConfig(variant="full", num_heads=8),
     "mhar_lookahead": MHARConfig(variant="full", num_heads=8, routing_schedule="lookahead"),
-    # The same schedule with phase 1 on the tensor-core kernels (the default runs the row
-    # loops), and AttnRes on the lookahead schedule.
+    # The same schedule with phase 1 on one kernel family each (the default, ``auto``,
+    # picks per group and direction), and AttnRes on the lookahead schedule.
+    "mhar_lookahead_row_loop": MHARConfig(variant="full", num_heads=8, routing_schedule="lookahead",
+                                          lookahead_kernels="row_loop"),
     "mhar_lookahead_tensor_cores": MHARConfig(variant="full", num_heads=8, routing_schedule="lookahead",
                                               lookahead_kernels="tensor_cores"),
     "attnres_lookahead": MHARConfig(variant="full", num_heads=1, routing_schedule="lookahead"),

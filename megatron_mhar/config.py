@@ -50,11 +50,10 @@ class MHARConfig:
     lookahead_group: int = 0
     """Sites per lookahead group; 0 picks the power of two nearest sqrt(2L + 1)."""
 
-    lookahead_kernels: str = "row_loop"
+    lookahead_kernels: str = "auto"
     """Triton kernels of the lookahead schedule's phase 1: ``row_loop`` (the sites in
     registers, one row at a time), ``tensor_cores`` (dots per token and head) or ``auto``
-    (tensor cores where the H200 measured them faster). Row loops by default until a 1B
-    training run has passed with the tensor-core kernels (kernels/README.md, "Tensor-core
+    (tensor cores where the H200 measured them faster: kernels/README.md, "Tensor-core
     phase 1")."""
 
     fused_writes: bool = False
