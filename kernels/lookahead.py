@@ -21,7 +21,8 @@ four functions, same signatures); the schedule, the derivation and the memory ar
 
 Both phase-1 functions also run as small tensor-core dots per token and head
 (``_group_fwd_dots_kernel``; ``_group_bwd_rows_kernel`` then ``_group_bwd_heads_kernel``),
-opt-in through ``tensor_cores`` (README.md, "Tensor-core phase 1").
+chosen through ``tensor_cores`` (README.md, "Tensor-core phase 1"; models pass
+``mhar.lookahead_kernels``, whose default ``auto`` is ``tensor_cores=None``).
 
 dquery/dnorm are reduced over tokens in two deterministic stages (per-program partials,
 then a fixed-order sum), as in ``depth_route.py``; no atomics.
