@@ -6,7 +6,7 @@ from typing import Optional
 VARIANTS = ("none", "full", "block", "delta")
 KERNEL_IMPLS = ("auto", "torch", "triton")
 ROUTING_SCHEDULES = ("per_site", "lookahead")
-LOOKAHEAD_KERNELS = ("auto", "row_loop", "tensor_cores")  # the order of ops.lookahead's map
+LOOKAHEAD_KERNELS = ("auto", "row_loop", "tensor_cores")
 EXECUTION_FIELDS = ("kernel_impl", "routing_schedule", "lookahead_group", "lookahead_kernels", "fused_writes")
 """MHARConfig fields that choose how routing runs, not what it computes: a checkpoint or a
 converted model may be loaded with other values."""

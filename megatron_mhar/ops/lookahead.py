@@ -267,7 +267,8 @@ TORCH_LOOKAHEAD = LookaheadBackend(
 
 
 # mhar.lookahead_kernels -> the ``tensor_cores`` argument of the Triton phase-1 functions.
-_TENSOR_CORES = dict(zip(LOOKAHEAD_KERNELS, (None, False, True)))
+_TENSOR_CORES = {"auto": None, "row_loop": False, "tensor_cores": True}
+assert set(_TENSOR_CORES) == set(LOOKAHEAD_KERNELS), "every mhar.lookahead_kernels value needs a kernel family"
 
 
 def get_lookahead_backend(impl: str, device: torch.device, kernels: str = "auto") -> LookaheadBackend:
