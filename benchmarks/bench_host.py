@@ -85,9 +85,13 @@ class StubBackends:
                            grad_sources, site_range=None):  # fmt: skip
             self.calls["group_backward"] += 1
             lo, hi = site_range or (0, queries.shape[0])
-            return torch.empty(hi - lo, queries.shape[1]), torch.empty(hi - lo, queries.shape[1])
+            # Nothing deferred: the rows' gradients are the row loop's, added in place.
+            return torch.empty(hi - lo, queries.shape[1]), torch.empty(hi - lo, queries.shape[1]), ()
 
-        return LookaheadBackend(group_forward, merge_forward, merge_backward, group_backward)
+        def add_row_grads(deferred, sources, grad_sources, start):
+            self.calls["add_row_grads"] += 1
+
+        return LookaheadBackend(group_forward, merge_forward, merge_backward, group_backward, add_row_grads)
 
 
 class CountOps(TorchDispatchMode):

@@ -109,6 +109,12 @@ class SourceHistory:
         self._allocate_grad()
         return self._grad_flat[:, start:stop]
 
+    def due_grads(self, stop: int, start: int = 0) -> torch.Tensor:
+        """fp32 gradients ``[s, b, stop - start, h]`` of rows ``[start, stop)`` once every
+        read of them has added its share: the backward of their write (or load) takes them.
+        A history whose reads defer part of their gradients adds it here."""
+        return self.grad_buffer[:, :, start:stop]
+
     def release(self) -> None:
         """Drop the last token once the forward pass is done.
 
@@ -184,7 +190,7 @@ class _WriteRow(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _grad_token):
-        grad_source = ctx.history.grad_buffer[:, :, ctx.row].to(ctx.dtype)
+        grad_source = ctx.history.due_grads(ctx.row + 1, ctx.row)[:, :, 0].to(ctx.dtype)
         return None, None, grad_source, None
 
 
@@ -269,8 +275,9 @@ class _WriteRoute(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_token):
         history, row = ctx.history, ctx.num_rows
         if grad_out is None:  # the routed output was not used: only later reads contribute
-            grad_source = history.grad_buffer[:, :, row].to(ctx.dtype)
+            grad_source = history.due_grads(row + 1, row)[:, :, 0].to(ctx.dtype)
             return None, None, grad_source, None, None, None
+        history.due_grads(row + 1, row)  # the kernel reads the later reads' share of the row
         query, norm_weight = ctx.saved_tensors
         grad_source, grad_query, grad_norm = _route_backward(
             ctx, grad_out, query, norm_weight, None, True
@@ -308,6 +315,6 @@ class _LoadRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _grad_token):
         s, b, h = ctx.history.shape
-        grad = ctx.history.grad_buffer[:, :, : ctx.num_rows]
+        grad = ctx.history.due_grads(ctx.num_rows)
         return None, None, grad.reshape(s, b, ctx.num_rows * h).to(ctx.dtype)
 

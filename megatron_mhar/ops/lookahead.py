@@ -88,7 +88,8 @@ def _online(sources, w, m, l, acc, eps, logit_scale):
 
 
 def _source_grads(sources, w, grad_outs, lse, delta, eps, logit_scale, grad_sources):
-    """Add one site's gradient to each row of ``sources`` into ``grad_sources``; return dw [1, H, D/H].
+    """Add one site's gradient to each row of ``sources`` into ``grad_sources`` (None: skip
+    them); return dw [1, H, D/H].
 
     w [1, H, D/H], grad_outs [1, T, H, D/H], lse and delta [1, T, H], in the compute dtype.
     """
@@ -101,12 +102,13 @@ def _source_grads(sources, w, grad_outs, lse, delta, eps, logit_scale, grad_sour
         p = torch.exp(s - lse)
         dp = (grad_outs * v.unsqueeze(0)).sum(-1)
         ds = p * (dp - delta)
-        c = (ds * dots).sum(-1) * (inv_rms * inv_rms / d)  # [G, T]
         rs = (inv_rms * logit_scale)[None, :, None, None]
-        dv = p.unsqueeze(-1) * grad_outs + rs * (
-            ds.unsqueeze(-1) * w.unsqueeze(1) - c[..., None, None] * v.unsqueeze(0)
-        )
-        grad_sources[:, i] += dv.sum(0).flatten(-2).to(grad_sources.dtype)
+        if grad_sources is not None:
+            c = (ds * dots).sum(-1) * (inv_rms * inv_rms / d)  # [G, T]
+            dv = p.unsqueeze(-1) * grad_outs + rs * (
+                ds.unsqueeze(-1) * w.unsqueeze(1) - c[..., None, None] * v.unsqueeze(0)
+            )
+            grad_sources[:, i] += dv.sum(0).flatten(-2).to(grad_sources.dtype)
         dw += (rs * ds.unsqueeze(-1) * v.unsqueeze(0)).sum(1)
     return dw
 
@@ -210,6 +212,20 @@ def torch_merge_backward(
     return delta.float(), dq[0], dg[0]
 
 
+class SiteFactors(NamedTuple):
+    """What the reference's deferred phase-1 backward keeps for the rows' gradients: per
+    site of the range, in the order they are added (last site first), the folded query
+    w [k, H, D/H], output gradient [k, T, H, D/H], lse and delta [k, T, H] in the compute
+    dtype."""
+
+    w: torch.Tensor
+    grad_outs: torch.Tensor
+    lse: torch.Tensor
+    delta: torch.Tensor
+    eps: float
+    logit_scale: float
+
+
 def torch_group_backward(
     grad_outs: torch.Tensor,
     sources: torch.Tensor,
@@ -234,35 +250,72 @@ def torch_group_backward(
     Returns:
         (dquery, dnorm_weight) fp32 [hi - lo, D]: the old rows' share.
     """
+    dq, dg, deferred = torch_group_backward_deferred(
+        grad_outs, sources, queries, norm_weights, lse, delta, num_heads, eps, logit_scale,
+        grad_sources, site_range,
+    )  # fmt: skip
+    torch_add_row_grads([(deferred, sources.shape[1])], sources, grad_sources, 0)
+    return dq, dg
+
+
+def torch_group_backward_deferred(
+    grad_outs, sources, queries, norm_weights, lse, delta, num_heads, eps, logit_scale, grad_sources,
+    site_range=None,
+) -> Tuple[torch.Tensor, torch.Tensor, Tuple[SiteFactors, ...]]:  # fmt: skip
+    """:func:`torch_group_backward`'s parameter gradients now, the rows' gradients left for
+    :func:`torch_add_row_grads` (``grad_sources`` is not touched; the kernels' row loop
+    adds into it, their tensor-core path defers as this does)."""
     lo, hi = site_range if site_range is not None else (0, queries.shape[0])
     grad_outs, queries, norm_weights = grad_outs[lo:hi], queries[lo:hi], norm_weights[lo:hi]
-    lse, delta = lse[lo:hi], delta[lo:hi]
     w = _folded(queries, norm_weights, sources.dtype, num_heads)
     compute = w.dtype
     do = grad_outs.to(compute).unflatten(-1, (num_heads, -1))
-    lse, delta = lse.to(compute), delta.to(compute)
+    lse, delta = lse[lo:hi].to(compute), delta[lo:hi].to(compute)
     dw = torch.empty_like(w)
+    for k in range(w.shape[0]):
+        dw[k] = _source_grads(
+            sources, w[k : k + 1], do[k : k + 1], lse[k : k + 1], delta[k : k + 1], eps, logit_scale, None
+        )[0]  # fmt: skip
     # Site by site, last first: each row's gradient receives the sites' contributions in
     # the same order whether or not a checkpointed chunk split the group's backward.
-    for k in reversed(range(w.shape[0])):
-        dw[k] = _source_grads(
-            sources, w[k : k + 1], do[k : k + 1], lse[k : k + 1], delta[k : k + 1],
-            eps, logit_scale, grad_sources,
-        )[0]  # fmt: skip
-    return _weight_grads(dw, queries, norm_weights, sources.dtype)
+    last_first = (w.flip(0), do.flip(0), lse.flip(0), delta.flip(0))
+    return (*_weight_grads(dw, queries, norm_weights, sources.dtype), (SiteFactors(*last_first, eps, logit_scale),))
+
+
+def torch_add_row_grads(
+    deferred: Sequence[Tuple[Sequence[SiteFactors], int]],
+    sources: torch.Tensor,
+    grad_sources: torch.Tensor,
+    start: int,
+) -> None:
+    """Add deferred phase-1 gradients (``(factors, owed)`` pairs, in order) to the rows
+    ``[start, owed)`` of ``sources`` / ``grad_sources`` [T, R, D] (the rows from row 0)."""
+    for factors, owed in deferred:
+        for f in factors if owed > start else ():
+            rows, grads = sources[:, start:owed], grad_sources[:, start:owed]
+            for k in range(f.w.shape[0]):
+                _source_grads(
+                    rows, f.w[k : k + 1], f.grad_outs[k : k + 1], f.lse[k : k + 1], f.delta[k : k + 1],
+                    f.eps, f.logit_scale, grads,
+                )  # fmt: skip
 
 
 class LookaheadBackend(NamedTuple):
-    """The four functions of the two-phase schedule (reference or fused)."""
+    """The functions of the two-phase schedule (reference or fused). The history runs
+    phase 1's backward deferred: ``group_backward_deferred`` returns the parameters'
+    gradients and leaves the old rows' to ``add_row_grads``, which the history calls when
+    a row's gradient is due, for every group owing it at once."""
 
     group_forward: object
     merge_forward: object
     merge_backward: object
-    group_backward: object
+    group_backward_deferred: object
+    add_row_grads: object
 
 
 TORCH_LOOKAHEAD = LookaheadBackend(
-    torch_group_forward, torch_merge_forward, torch_merge_backward, torch_group_backward
+    torch_group_forward, torch_merge_forward, torch_merge_backward, torch_group_backward_deferred,
+    torch_add_row_grads,
 )
 
 
@@ -285,7 +338,8 @@ def get_lookahead_backend(impl: str, device: torch.device, kernels: str = "auto"
         functools.partial(fused.group_forward, tensor_cores=tensor_cores),
         fused.merge_forward,
         fused.merge_backward,
-        functools.partial(fused.group_backward, tensor_cores=tensor_cores),
+        functools.partial(fused.group_backward_deferred, tensor_cores=tensor_cores),
+        fused.add_row_grads,
     )
 
 
@@ -399,6 +453,10 @@ class LookaheadHistory(SourceHistory):
         self.lookahead = lookahead
         self.group: Optional[RoutingGroup] = None
         self.group_token: Optional[torch.Tensor] = None
+        # The old-row counts of every group run (its first row that phase 1 does not read).
+        self.group_starts = {0}
+        # [deferred, owed]: a phase-1 backward's rows' gradients not yet added, to rows [0, owed).
+        self.owed: List[list] = []
 
     @property
     def num_tokens(self) -> int:
@@ -414,6 +472,29 @@ class LookaheadHistory(SourceHistory):
     def release(self) -> None:
         super().release()
         self.end_group()
+
+    def defer(self, deferred, old_rows: int) -> None:
+        """Keep a phase-1 backward's deferred gradients of rows ``[0, old_rows)``."""
+        if deferred:
+            self.owed.append([deferred, old_rows])
+
+    def due_grads(self, stop: int, start: int = 0) -> torch.Tensor:
+        """Add what the groups owe the rows from the nearest group start at or below
+        ``start`` up, then the gradients. Every group reading row ``start`` as an old row
+        consumed a later token than its write, so its backward has run and deferred; and no
+        group starts between that start and ``start``, so the groups owing the rows above it
+        are all in. One kernel adds them all: each row's fp32 gradient is read and written
+        once for the groups behind, not once per group."""
+        if any(owed > start for _, owed in self.owed):
+            block = max(n for n in self.group_starts if n <= start)
+            cap = self.capacity
+            self.lookahead.add_row_grads(
+                [(deferred, owed) for deferred, owed in self.owed], self.rows(cap), self.grad_rows(cap), block
+            )  # fmt: skip
+            for entry in self.owed:
+                entry[1] = min(entry[1], block)
+            self.owed = [entry for entry in self.owed if entry[1] > 0]
+        return super().due_grads(stop, start)
 
     def route_group(self, sites: Sequence[GroupSite], index: int) -> torch.Tensor:
         """Route site ``sites[index]`` of a group (``sites`` in order, all on this stage)."""
@@ -433,6 +514,7 @@ class LookaheadHistory(SourceHistory):
         ):
             self.end_group()
             group = self.group = RoutingGroup(sites, self)
+            self.group_starts.add(group.old_rows)
             params = [s.query for s in sites] + [s.norm_weight for s in sites]
             self.group_token = _GroupPartials.apply(self, group, self.token, *params)
         out = _MergeSite.apply(
@@ -470,11 +552,12 @@ class _GroupPartials(torch.autograd.Function):
         if group.deposited:
             # The sites merged in this graph; the others' grad_outs and deltas are zeros.
             lo, hi = min(group.deposited), max(group.deposited) + 1
-            dq, dg = history.lookahead.group_backward(
+            dq, dg, deferred = history.lookahead.group_backward_deferred(
                 group.grad_outs, history.rows(group.old_rows), queries, norms, group.lse,
                 group.deltas, history.num_heads, history.eps, history.logit_scale,
                 history.grad_rows(group.old_rows), (lo, hi),
             )  # fmt: skip
+            history.defer(deferred, group.old_rows)
             # Each site's gradient from its new rows (the merge) and from the old rows, added
             # in fp32 and cast once per kind (the stacks carry the parameters' dtypes).
             merge_dq, merge_dg = group.merge_grads_stacked(lo, hi)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_mhar.ops.depth_route import torch_route_backward, torch_route_forward
-from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD
+from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, torch_group_backward
 from mhar_kernels import lookahead as fused
 
 CUDA = torch.cuda.is_available()
@@ -36,13 +36,16 @@ def _phase1_kernels(tensor_cores: bool) -> types.SimpleNamespace:
         merge_forward=fused.merge_forward,
         merge_backward=fused.merge_backward,
         group_backward=functools.partial(fused.group_backward, tensor_cores=tensor_cores),
+        group_backward_deferred=functools.partial(fused.group_backward_deferred, tensor_cores=tensor_cores),
+        add_row_grads=fused.add_row_grads,
     )
 
 
 BACKENDS = {
     "triton-row-loop": _phase1_kernels(False),
     "triton-tensor-cores": _phase1_kernels(True),
-    "torch": TORCH_LOOKAHEAD,
+    # The history's backend, plus the one-call backward the group tests run.
+    "torch": types.SimpleNamespace(**TORCH_LOOKAHEAD._asdict(), group_backward=torch_group_backward),
 }
 
 CASES = [
@@ -198,6 +201,48 @@ def test_split_group_backward(backend):
                 assert torch.equal(got, ref)
             else:
                 torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("d,heads", [(512, 8), pytest.param(1280, 8, id="1B-width")], ids=["512", "1280"])
+def test_deferred_row_grads(backend, d, heads):
+    """Two groups' phase-1 backwards as the history runs them: the later group (old rows
+    [0, 5), G = 3) defers its rows' gradients, rows [3, 5) get them when due, then the
+    earlier group (rows [0, 3), G = 2, over fp32 gradients its merges already touched)
+    defers too and rows [0, 3) get both groups' in one call. Same gradients as adding
+    each group's at once: bitwise where the additions keep their order (the reference, the
+    row loop), to rounding where the dots sum both groups' in one accumulator."""
+    t = _tokens(3)
+    torch.manual_seed(d)
+    buffer, queries, norms, grad_outs = _inputs(t, 5, 3, d, heads, 1.0, torch.float32)
+    groups = [(5, queries, norms, grad_outs), (3, queries[:2] * 1.5, norms[:2], grad_outs[:2] * -0.5)]
+    b = BACKENDS[backend]
+    stats = []
+    for n0, q, w, do in groups:
+        m, l, _ = b.group_forward(buffer[:, :n0], q, w, heads, EPS, 1.0)
+        stats.append(((m + l.log()).contiguous(), torch.randn(m.shape, device=DEVICE)))
+    start = 0.01 * torch.randn(buffer.shape, device=DEVICE)  # earlier reads' share
+    at_once, deferred_rows = start.clone(), start.clone()
+    param_grads, owed = [], []
+    for (n0, q, w, do), (lse, delta) in zip(groups, stats):
+        args = (do, buffer[:, :n0], q, w, lse, delta, heads, EPS, 1.0)
+        param_grads.append(b.group_backward(*args, at_once[:, :n0]))
+        untouched = deferred_rows.clone()
+        *grads, deferred = b.group_backward_deferred(*args, deferred_rows[:, :n0])
+        deferred_is_empty = backend == "triton-row-loop"
+        assert (len(deferred) == 0) == deferred_is_empty
+        assert torch.equal(deferred_rows, untouched) != deferred_is_empty  # the row loop adds at once
+        for got, ref in zip(grads, param_grads[-1]):
+            assert torch.equal(got, ref)
+        owed.append([deferred, n0])
+        b.add_row_grads(owed, buffer, deferred_rows, 3 if n0 == 5 else 0)
+        for entry in owed:
+            entry[1] = min(entry[1], 3 if n0 == 5 else 0)
+    if backend == "triton-tensor-cores":
+        torch.testing.assert_close(deferred_rows, at_once, rtol=1e-6, atol=1e-6 * at_once.abs().max().item())
+        assert not torch.equal(deferred_rows, start)
+    else:
+        assert torch.equal(deferred_rows, at_once)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

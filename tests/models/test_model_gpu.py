@@ -69,7 +69,7 @@ VARIANTS = [
     pytest.param(MHARConfig(variant="block", num_heads=8, block_size=3), id="block3"),
     pytest.param(MHARConfig(variant="delta", num_heads=8, delta_block_layers=1), id="delta1"),
     # Two-phase routing in groups of 2 (5 groups over the 9 sites), phase 1 on each kernel
-    # family.
+    # family: the tensor-core backward defers the old rows' gradients to their writes.
     pytest.param(MHARConfig(variant="full", num_heads=8, routing_schedule="lookahead", lookahead_group=2,
                             lookahead_kernels="tensor_cores"), id="full-lookahead-dots"),
     pytest.param(MHARConfig(variant="full", num_heads=8, routing_schedule="lookahead", lookahead_group=2,
