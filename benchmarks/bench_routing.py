@@ -50,7 +50,7 @@ from megatron_mhar.ops.depth_route import (  # noqa: E402
 )
 from benchmarks.routing_bytes import lookahead as lookahead_bytes  # noqa: E402
 from benchmarks.routing_bytes import per_site as per_site_bytes  # noqa: E402
-from megatron_mhar.ops.lookahead import auto_group_size  # noqa: E402
+from megatron_mhar.ops.lookahead import auto_group_size, group_ranges  # noqa: E402
 from mhar_kernels import depth_route as K  # noqa: E402
 from mhar_kernels import lookahead as LA  # noqa: E402
 
@@ -247,9 +247,10 @@ def lookahead_step(buf, gbuf, queries, norms, grad_out, tau, group):
     LookaheadHistory runs it: per group, phase 1 then the merges; backward in reverse."""
     sites = len(queries)
     plan = []
-    for s0 in range(1, sites + 1, group):
-        idx = list(range(s0 - 1, min(s0 - 1 + group, sites)))
-        plan.append((s0, torch.stack([queries[i] for i in idx]), torch.stack([norms[i] for i in idx])))
+    for sites_of_group in group_ranges(1, sites, group):
+        idx = [j - 1 for j in sites_of_group]
+        plan.append((sites_of_group.start, torch.stack([queries[i] for i in idx]),
+                     torch.stack([norms[i] for i in idx])))  # fmt: skip
     t, _, d = buf.shape
 
     def step():

@@ -9,7 +9,7 @@ Per-site (mhar_kernels.depth_route history interface):
   forward   every site reads all its rows once, writes its output;
   backward  two passes over the rows (pass 1 for delta, pass 2 for the gradients), one
             read-modify-write of each row's fp32 gradient, grad_out read once.
-Lookahead (mhar_kernels.lookahead), groups of G consecutive sites starting at site 1:
+Lookahead (mhar_kernels.lookahead), groups of G consecutive sites, the remainder first:
   forward   phase 1 reads the group's old rows [0, s0) once and writes the G fp32
             partials (acc [T, D], m and l [T, H]); each site reads its partial, its new
             rows [s0, j) and writes its output and log-sum-exp;
@@ -30,7 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_mhar.ops.lookahead import auto_group_size  # noqa: E402
+from megatron_mhar.ops.lookahead import auto_group_size, group_ranges  # noqa: E402
 
 MODELS = [
     # name, decoder layers, width, tokens per micro-batch (micro-batch x sequence)
@@ -59,8 +59,9 @@ def per_site(sites: int, t: int, d: int, h: int) -> dict:
 
 
 def groups(sites: int, group: int):
-    """(first site, number of sites) of each group; site j reads rows [0, j)."""
-    return [(s0, min(group, sites - s0 + 1)) for s0 in range(1, sites + 1, group)]
+    """(first site, number of sites) of each group, as the model forms them (remainder
+    first); site j reads rows [0, j)."""
+    return [(g.start, len(g)) for g in group_ranges(1, sites, group)]
 
 
 def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:

@@ -34,6 +34,7 @@ from megatron_mhar.ops.lookahead import (
     LookaheadHistory,
     auto_group_size,
     get_lookahead_backend,
+    group_ranges,
 )
 
 
@@ -124,8 +125,8 @@ class DepthStream:
     Created by the block for each forward call and passed down to every layer.
     ``routers`` maps each routing site of this chunk of layers to its router; the
     lookahead schedule (``mhar.routing_schedule``) needs it to read the queries of a
-    group's later sites, and starts a group at the chunk's first site every
-    ``mhar.lookahead_group`` sites, so no group spans a pipeline stage.
+    group's later sites, and splits the chunk's sites into groups of
+    ``mhar.lookahead_group`` (``group_ranges``), so no group spans a pipeline stage.
     """
 
     def __init__(
@@ -145,7 +146,8 @@ class DepthStream:
                 raise ValueError("routing_schedule='lookahead' needs the chunk's routers by site")
             self.routers = routers
             self.first_site, self.last_site = min(routers), max(routers)
-            self.group_size = mhar.lookahead_group or auto_group_size(layout.final_site)
+            group_size = mhar.lookahead_group or auto_group_size(layout.final_site)
+            self.groups = {j: g for g in group_ranges(self.first_site, self.last_site, group_size) for j in g}
             self.history = LookaheadHistory(
                 capacity=layout.capacity,
                 like=like,
@@ -164,13 +166,12 @@ class DepthStream:
 
     def group_of(self, site: int):
         """(the sites of ``site``'s lookahead group, ``site``'s index in it)."""
-        start = self.first_site + (site - self.first_site) // self.group_size * self.group_size
-        stop = min(start + self.group_size, self.last_site + 1)
+        group = self.groups[site]
         sites = []
-        for j in range(start, stop):
+        for j in group:
             router = self.routers[j]
             sites.append(GroupSite(j, self.layout.rows_read(j), router.query, router.norm_weight))
-        return sites, site - start
+        return sites, site - group.start
 
     def read(self, site: int, router: DepthRouter) -> torch.Tensor:
         """The routed input ``x_site`` [s, b, h]."""

@@ -349,6 +349,20 @@ def auto_group_size(num_sites: int) -> int:
     return 2 ** max(0, round(math.log2(math.sqrt(max(1, num_sites)))))
 
 
+def group_ranges(first_site: int, last_site: int, group_size: int) -> List[range]:
+    """The lookahead groups of sites ``first_site..last_site``: consecutive runs of
+    ``group_size`` sites, the remainder (if any) first. A group's phase 1 reads every row
+    written before its first site, so the short group goes where there are fewest rows: at
+    the 1B shape the 73 sites are 1 + 9 x 8 and the one-site group reads one row, where as
+    the last group it read 72 rows on the row-loop kernels (it has too few sites for the
+    dots)."""
+    if group_size < 1 or last_site < first_site:
+        raise ValueError(f"no groups of {group_size} over sites {first_site}..{last_site}")
+    remainder = (last_site - first_site + 1) % group_size
+    starts = ([first_site] if remainder else []) + list(range(first_site + remainder, last_site + 1, group_size))
+    return [range(a, b) for a, b in zip(starts, starts[1:] + [last_site + 1])]
+
+
 # ---------------------------------------------------------------------------------------
 # Groups and the history
 # ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_mhar.config import MHARConfig
+from megatron_mhar.ops.lookahead import group_ranges
 from tests.models.test_mhar_model import _batch, _build, _model_config, _randomize_routers
 
 
@@ -41,9 +42,9 @@ def _loss_and_grads(model, seeds):
     [
         # Groups of one: every site is its own phase 1 (no merge rows).
         pytest.param(1, (0,), 1.0, id="G1"),
-        # Groups of 3 over 7 sites: ragged last group, merges of 0-2 rows.
+        # Groups of 3 over 7 sites: a ragged first group (one site), merges of 0-2 rows.
         pytest.param(3, (0,), 4.0, id="G3-tauH"),
-        # One group holding every site but the last ones: phase 1 reads only the embedding.
+        # Sites 1 | 2-7: a one-site group over the embedding, then one group of six.
         pytest.param(6, (0,), 1.0, id="G6"),
         # Auto size; two micro-batches in flight before one backward.
         pytest.param(0, (0, 1), 1.0, id="auto-two-microbatches"),
@@ -104,3 +105,18 @@ def test_lookahead_history_is_freed(megatron_world1):
 def test_lookahead_config_errors(fields, message):
     with pytest.raises(ValueError, match=message):
         MHARConfig(**fields)
+
+
+@pytest.mark.parametrize("first,last,size", [(1, 73, 8), (1, 25, 4), (1, 16, 8), (5, 5, 8), (3, 9, 1), (1, 3, 8)])
+def test_group_ranges_cover_the_sites_remainder_first(first, last, size):
+    groups = group_ranges(first, last, size)
+    assert [j for g in groups for j in g] == list(range(first, last + 1))
+    sizes = [len(g) for g in groups]
+    assert all(n == size for n in sizes[1:]) and 1 <= sizes[0] <= size
+    assert sizes[0] == ((last - first + 1) % size or size)
+
+
+@pytest.mark.parametrize("first,last,size", [(1, 8, 0), (5, 4, 8)])
+def test_group_ranges_errors(first, last, size):
+    with pytest.raises(ValueError, match="no groups"):
+        group_ranges(first, last, size)
