@@ -266,9 +266,8 @@ def lookahead_step(buf, gbuf, queries, norms, grad_out, tau, group):
             grad_outs = torch.empty((len(qs), t, d), dtype=buf.dtype, device=buf.device)
             deltas = torch.empty((len(qs), t, HEADS), device=buf.device)
             for k in reversed(range(len(qs))):
-                deltas[k] = LA.merge_backward(grad_out, outs[k], buf[:, n0 : n0 + k], qs[k], ws[k], lse[k],
-                                              HEADS, EPS, tau, gbuf[:, n0 : n0 + k])[0]  # fmt: skip
-                grad_outs[k].copy_(grad_out)
+                LA.merge_backward(grad_out, outs[k], buf[:, n0 : n0 + k], qs[k], ws[k], lse[k],
+                                  HEADS, EPS, tau, gbuf[:, n0 : n0 + k], deltas[k], grad_outs[k])  # fmt: skip
             LA.group_backward(grad_outs, buf[:, :n0], qs, ws, lse, deltas, HEADS, EPS, tau, gbuf[:, :n0])
 
     return step

@@ -189,6 +189,7 @@ def _merge_bwd_kernel(
     DELTA_ptr,  # [T, H] fp32 out: delta[h] = sum over head h of do * out
     DV_ptr,  # [T, N, D] fp32 gradients of the new rows (+=), strides (stride_dvt, stride_dvn, 1)
     DW_ptr,  # [P, 1, D] fp32 per-program partial dL/dw, P = number of programs
+    DOC_ptr,  # [T, D] contiguous out (COPY_DO): a copy of the output gradient
     T,
     N,
     num_tiles,
@@ -207,6 +208,7 @@ def _merge_bwd_kernel(
     BH: tl.constexpr,
     BHD: tl.constexpr,
     STAGES: tl.constexpr,
+    COPY_DO: tl.constexpr,
 ):
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -225,7 +227,10 @@ def _merge_bwd_kernel(
         m_v = m_t[:, None, None] & m_d[None, :, :]
         m_th = m_t[:, None] & (o_h[None, :] < H)
         o_t64 = o_t.to(tl.int64)
-        b_do = tl.load(DO_ptr + o_t64[:, None, None] * stride_dot + o_d[None, :, :], mask=m_v, other=0.0).to(tl.float32)
+        b_do = tl.load(DO_ptr + o_t64[:, None, None] * stride_dot + o_d[None, :, :], mask=m_v, other=0.0)
+        if COPY_DO:  # the group's workspace, read by its phase-1 backward
+            tl.store(DOC_ptr + o_t64[:, None, None] * D + o_d[None, :, :], b_do, mask=m_v)
+        b_do = b_do.to(tl.float32)
         b_o = tl.load(O_ptr + o_t64[:, None, None] * stride_ot + o_d[None, :, :], mask=m_v, other=0.0).to(tl.float32)
         b_delta = tl.sum(b_do * b_o, axis=2)
         p_th = o_t64[:, None] * H + o_h[None, :]
@@ -879,13 +884,17 @@ def _merge_bwd_config(padded_d: int) -> LoopConfig:
 
 
 def _reduce_dw(dw, sources, queries, norm_weights):
+    """Sum the [P, G, D] partials in a fixed order. Narrow column blocks and tall row blocks:
+    a merge has P = 4 x SMs partials (528 on the H200) and one site, so a program walks
+    5 row blocks of 128 (it walked 17 of 32 over 20 column blocks of 64 at D = 1280, and
+    the 1B step's 1,328 reductions took 8.7 us each)."""
     num_programs, g, d = dw.shape
     grad_query = torch.empty((g, d), dtype=torch.float32, device=dw.device)
     grad_norm = torch.empty((g, d), dtype=torch.float32, device=dw.device)
-    block_d = min(64, triton.next_power_of_2(d))
+    block_d = min(16, triton.next_power_of_2(d))
     _dw_reduce_kernel[(triton.cdiv(d, block_d), g)](
         dw, sources, queries, norm_weights, grad_query, grad_norm, num_programs, g,
-        D=d, BP=32, BD=block_d, num_warps=4,
+        D=d, BP=128, BD=block_d, num_warps=4,
     )  # fmt: skip
     return grad_query, grad_norm
 
@@ -1034,14 +1043,19 @@ def merge_backward(
     eps: float,
     logit_scale: float,
     grad_sources: torch.Tensor,
+    delta_out: Optional[torch.Tensor] = None,
+    grad_out_copy: Optional[torch.Tensor] = None,
     **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`merge_forward` in one pass over the new rows; adds their
-    gradients into the fp32 view ``grad_sources`` [T, n, D]. ``loop``: :class:`LoopConfig`
-    fields overriding the default launch (benchmarks).
+    gradients into the fp32 view ``grad_sources`` [T, n, D]. ``delta_out`` (fp32 [T, H])
+    receives delta and ``grad_out_copy`` (contiguous [T, D], grad_out's dtype) a copy of
+    ``grad_out``, from the same kernel (the group's workspaces, no copy kernels). ``loop``:
+    :class:`LoopConfig` fields overriding the default launch (benchmarks).
 
     Returns:
-        (delta [T, H] fp32, grad_query fp32 [D], grad_norm_weight fp32 [D]) of the new rows.
+        (delta [T, H] fp32 (``delta_out`` if given), grad_query fp32 [D],
+        grad_norm_weight fp32 [D]) of the new rows.
     """
     _check_sources(sources, None, num_heads)
     t, n, d = sources.shape
@@ -1050,7 +1064,15 @@ def merge_backward(
     device = sources.device
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
-    delta = torch.empty((t, num_heads), dtype=torch.float32, device=device)
+    delta = torch.empty((t, num_heads), dtype=torch.float32, device=device) if delta_out is None else delta_out
+    if delta.shape != (t, num_heads) or delta.dtype != torch.float32 or not delta.is_contiguous():
+        raise ValueError(f"delta_out must be a contiguous fp32 [{t}, {num_heads}] tensor, got "
+                         f"{tuple(delta.shape)} {delta.dtype}")  # fmt: skip
+    copy_do = grad_out_copy is not None
+    if copy_do and (grad_out_copy.shape != (t, d) or grad_out_copy.dtype != grad_out.dtype
+                    or not grad_out_copy.is_contiguous()):  # fmt: skip
+        raise ValueError(f"grad_out_copy must be a contiguous {grad_out.dtype} [{t}, {d}] tensor, got "
+                         f"{tuple(grad_out_copy.shape)} {grad_out_copy.dtype}")  # fmt: skip
     num_tiles = triton.cdiv(t, block_t)
     num_programs = _backward_programs(num_tiles, device, programs_per_sm)
     dw = torch.empty((num_programs, 1, d), dtype=torch.float32, device=device)
@@ -1058,11 +1080,11 @@ def merge_backward(
         src, gsrc = (sources, grad_sources) if n > 0 else (out, dw)
         _merge_bwd_kernel[(num_programs,)](
             src, query, norm_weight, grad_out, out, lse, delta, gsrc, dw,
-            t, n, num_tiles,
+            grad_out_copy if copy_do else grad_out, t, n, num_tiles,
             src.stride(0), src.stride(1) if n > 0 else 0, grad_out.stride(0), out.stride(0),
             gsrc.stride(0) if n > 0 else 0, gsrc.stride(1) if n > 0 else 0,
             eps, float(logit_scale),
-            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages,
+            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages, COPY_DO=copy_do,
             num_warps=num_warps,
         )  # fmt: skip
     else:

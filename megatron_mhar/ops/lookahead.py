@@ -189,8 +189,11 @@ def torch_merge_backward(
     eps: float,
     logit_scale: float,
     grad_sources: torch.Tensor,
+    delta_out: Optional[torch.Tensor] = None,
+    grad_out_copy: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of the merge: gradients of the new rows (added into ``grad_sources``).
+    """Backward of the merge: gradients of the new rows (added into ``grad_sources``);
+    ``delta_out`` receives delta and ``grad_out_copy`` a copy of ``grad_out`` if given.
 
     Args:
         grad_out, out: [T, D] gradient and value of the site's routed output.
@@ -209,6 +212,10 @@ def torch_merge_backward(
         sources, w, do[None], lse.to(compute)[None], delta[None], eps, logit_scale, grad_sources
     )
     dq, dg = _weight_grads(dw, query[None], norm_weight[None], sources.dtype)
+    if grad_out_copy is not None:
+        grad_out_copy.copy_(grad_out)
+    if delta_out is not None:
+        return delta_out.copy_(delta), dq[0], dg[0]
     return delta.float(), dq[0], dg[0]
 
 
@@ -409,16 +416,20 @@ class RoutingGroup:
     def first_site(self) -> int:
         return self.sites[0].site
 
-    def deposit(self, index: int, grad_out, delta, grad_query, grad_norm) -> None:
-        """Keep site ``index``'s output gradient, delta and merge gradients (of its new
-        rows) for the phase-1 backward, which returns each site's parameter gradients."""
+    def workspace(self, index: int, grad_out: torch.Tensor, num_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(output gradient [T, D], delta fp32 [T, H]) slots of site ``index`` in the group's
+        backward workspaces, which site ``index``'s merge backward fills; zeros for the
+        sites whose output was not used."""
         if self.grad_outs is None:
-            g, (t, heads) = len(self.sites), delta.shape
-            self.grad_outs = grad_out.new_zeros((g, t, grad_out.shape[-1]))
-            self.deltas = delta.new_zeros((g, t, heads))
+            g, (t, d) = len(self.sites), grad_out.shape
+            self.grad_outs = grad_out.new_zeros((g, t, d))
+            self.deltas = grad_out.new_zeros((g, t, num_heads), dtype=torch.float32)
             self._slices = (self.grad_outs.unbind(), self.deltas.unbind())
-        for slices, value in zip(self._slices, (grad_out, delta)):
-            slices[index].copy_(value)
+        return self._slices[0][index], self._slices[1][index]
+
+    def deposit(self, index: int, grad_query, grad_norm) -> None:
+        """Keep site ``index``'s merge gradients (of its new rows) for the phase-1 backward,
+        which returns each site's parameter gradients; its workspace slots are filled."""
         self.merge_grads[index] = (grad_query, grad_norm)
         self.deposited.append(index)
 
@@ -608,13 +619,14 @@ class _MergeSite(torch.autograd.Function):
         s, b, h = history.shape
         rows = group.sites[index].num_rows
         flat_grad = grad_out.reshape(s * b, h)
-        delta, grad_query, grad_norm = history.lookahead.merge_backward(
+        grad_out_slot, delta_slot = group.workspace(index, flat_grad, history.num_heads)
+        _, grad_query, grad_norm = history.lookahead.merge_backward(
             flat_grad, out.reshape(s * b, h), history.rows(rows, group.old_rows),
             query, norm_weight, group.site_lse[index],
             history.num_heads, history.eps, history.logit_scale,
-            history.grad_rows(rows, group.old_rows),
+            history.grad_rows(rows, group.old_rows), delta_slot, grad_out_slot,
         )  # fmt: skip
         # The parameters' gradients go out once, summed with the old rows' part, from the
         # group's backward (which runs after every merge of the group: they consume its token).
-        group.deposit(index, flat_grad, delta, grad_query, grad_norm)
+        group.deposit(index, grad_query, grad_norm)
         return (None,) * 7

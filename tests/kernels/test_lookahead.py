@@ -106,11 +106,12 @@ def _grouped(backend, buffer, queries, norms, grad_outs, n0, heads, tau, site_ra
     dq = torch.zeros((g, d), device=DEVICE)
     dg = torch.zeros((g, d), device=DEVICE)
     for k in reversed(range(lo, hi)):
-        deltas[k], dq[k], dg[k] = backend.merge_backward(
+        # As the history calls it: delta and the output gradient land in the group's workspaces.
+        delta, dq[k], dg[k] = backend.merge_backward(
             grad_outs[k], outs[k], buffer[:, n0 : n0 + k], queries[k], norms[k], lse[k],
-            heads, EPS, tau, grad_rows[:, n0 : n0 + k],
+            heads, EPS, tau, grad_rows[:, n0 : n0 + k], deltas[k], used[k],
         )  # fmt: skip
-        used[k] = grad_outs[k]
+        assert torch.equal(delta, deltas[k]) and torch.equal(used[k], grad_outs[k])
     old_q, old_g = backend.group_backward(
         used, buffer[:, :n0], queries, norms, lse, deltas, heads, EPS, tau, grad_rows[:, :n0], (lo, hi)
     )
