@@ -430,7 +430,8 @@ def run_sweep(copy_gbps):
     return rows
 
 
-LOOKAHEAD_SWEEP_MODES = ("group_fwd", "group_bwd", "merge_fwd", "merge_bwd")
+LOOKAHEAD_SWEEP_MODES = ("group_fwd", "group_bwd", "merge_fwd", "merge_bwd", "row_grads")
+ROW_GRADS_ENTRIES = 5  # groups owing a block of rows in the middle of the 1B stack
 
 
 def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
@@ -495,6 +496,7 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
         variants += [("group_bwd", bwd_bytes, o, lambda o=o: LA.group_backward(
             grad_outs, buf, qs, ws, lse, deltas, HEADS, EPS, 1.0, gbuf, **o)) for o in bwd_variants]  # fmt: skip
         variants += merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, bh * bhd, group)
+        variants += row_grads_sweep_variants(case, buf, gbuf, qs, ws, lse, deltas, grad_outs, group)
         for mode, nbytes, cfg, launch in variants:
             if mode not in modes:
                 continue
@@ -504,6 +506,27 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
                          **t, "bytes": nbytes, "frac_copy": frac})  # fmt: skip
             print(f"  la-sweep {case.name:5s} {mode:9s} {cfg} {t['ms']:8.3f} ms {frac:5.2f}", flush=True)
     return rows
+
+
+def row_grads_sweep_variants(case, buf, gbuf, qs, ws, lse, deltas, grad_outs, group):
+    """The deferred phase-1 backward's row-gradient kernel (``add_row_grads``) adding
+    ROW_GRADS_ENTRIES groups' factors (the deepest group's, repeated) to the top block of
+    ``group`` rows, around its launch config, where the tensor-core backward runs."""
+    n0, es = buf.shape[1], buf.element_size()
+    _, _, deferred = LA.group_backward_deferred(grad_outs, buf, qs, ws, lse, deltas, HEADS, EPS, 1.0, gbuf,
+                                                tensor_cores=None)  # fmt: skip
+    if not deferred:
+        return []
+    owed = [(deferred, n0)] * ROW_GRADS_ENTRIES
+    start = n0 - group
+    # Per entry: its factors of the block's rows and its sites' output gradients; the rows
+    # once and their fp32 gradient read and written once.
+    factor_cols = deferred[0].z.shape[-1]  # 2 x SLOTS per head
+    nbytes = (ROW_GRADS_ENTRIES * len(deferred) * case.t * (group * (HEADS * factor_cols + 1) * 4 + group * case.d * es)
+              + group * case.t * case.d * (es + 8))  # fmt: skip
+    configs = [dict(num_warps=w, stages=s) for s in (2, 1, 3) for w in (4, 8, 2)]
+    return [("row_grads", nbytes, cfg, lambda cfg=cfg: LA.add_row_grads(owed, buf, gbuf, start, **cfg))
+            for cfg in configs]
 
 
 def merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, padded_d, group):

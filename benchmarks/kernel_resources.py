@@ -1,4 +1,5 @@
-"""Shared memory of the tensor-core phase-1 kernels, compiled for sm_90 on any machine.
+"""Shared memory of the tensor-core phase-1 kernels and the deferred backward's row-gradient
+kernel, compiled for sm_90 on any machine.
 
     python benchmarks/kernel_resources.py [--out FILE]
 
@@ -12,6 +13,7 @@ checks every row against the H200's limit.
 """
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -39,13 +41,38 @@ LAUNCHES = {
 }
 
 
-def shared_bytes(kernel, sizes, constexprs, rows_dtype, num_warps):
+# The row-gradient kernel's per-entry tuples: (element type, the launch size each element takes).
+ENTRY_TUPLES = {"Z": ("*fp32", None), "KV": ("*fp32", None), "W": ("*fp32", None), "DO": ("rows", None),
+                "N": ("i32", "N"), "OWED": ("i32", "N"), "CHUNK_LO": ("i32", "chunk_lo"),
+                "CHUNK_HI": ("i32", "chunk_hi")}  # fmt: skip
+
+
+def shared_bytes(kernel, sizes, constexprs, rows_dtype, num_warps, num_stages=None):
     """Compile ``kernel`` for sm_90 as launched with the integer arguments ``sizes`` (other
-    integers: strides, divisible by 16); the shared memory it needs, in bytes."""
+    integers: strides, divisible by 16); the shared memory it needs, in bytes. A tuple
+    argument of ENTRY_TUPLES has ``constexprs["J"]`` elements, each specialised as the JIT
+    specialises tuple elements (all of them: ``do_not_specialize`` does not reach into
+    tuples)."""
     names = kernel.arg_names
     signature, attrs, values = {}, {}, dict(constexprs)
+    tuple_constexprs = {}
     for i, (name, param) in enumerate(zip(names, kernel.params)):
-        if name in constexprs:
+        if "J" in constexprs and name in ENTRY_TUPLES:
+            kind, size = ENTRY_TUPLES[name]
+            elements = []
+            for j in range(constexprs["J"]):
+                if kind != "i32":
+                    elements.append("*" + (rows_dtype if kind == "rows" else kind.lstrip("*")))
+                    attrs[(i, j)] = [["tt.divisibility", 16]]
+                elif sizes[size] == 1:
+                    elements.append("constexpr")
+                    tuple_constexprs[(i, j)] = 1
+                else:
+                    elements.append("i32")
+                    if sizes[size] % 16 == 0:
+                        attrs[(i, j)] = [["tt.divisibility", 16]]
+            signature[name] = tuple(elements)
+        elif name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
             signature[name] = "*" + (rows_dtype if name in ROWS else "fp32")
@@ -62,9 +89,10 @@ def shared_bytes(kernel, sizes, constexprs, rows_dtype, num_warps):
                     attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(
         fn=kernel, signature=signature, attrs=attrs,
-        constexprs={(names.index(k),): v for k, v in values.items()},
+        constexprs={**{(names.index(k),): v for k, v in values.items()}, **tuple_constexprs},
     )  # fmt: skip
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages else {})}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     return compiled.metadata.shared
 
 
@@ -82,9 +110,16 @@ def shape_rows(d, heads, dtype, launch, sizes):
         (fused._group_bwd_rows_kernel, dict(chunks, STAGES=rows.stages), rows.num_warps),
         (fused._group_bwd_heads_kernel, dict(head_tile, STAGES=per_head.stages), per_head.num_warps),
     ]
-    for kernel, constexprs, warps in kernels:
+    kernels = [(kernel, constexprs, warps, None) for kernel, constexprs, warps in kernels]
+    # The row-gradient kernel with a launch's most entries, at add_row_grads' defaults.
+    defaults = inspect.signature(fused.add_row_grads).parameters
+    kernels.append((fused._group_bwd_row_grads_kernel,
+                    dict(D=d, H=heads, HD=head_dim, BR=16, KA=ka, KB=kb, J=fused._ROW_GRADS_ENTRIES),
+                    defaults["num_warps"].default, defaults["stages"].default))  # fmt: skip
+    for kernel, constexprs, warps, stages in kernels:
         yield {"width": d, "heads": heads, "dtype": dtype, "launch": launch, "kernel": kernel.fn.__name__,
-               "num_warps": warps, "shared_bytes": shared_bytes(kernel, sizes, constexprs, dtype, warps),
+               "num_warps": warps, "num_stages": stages,
+               "shared_bytes": shared_bytes(kernel, sizes, constexprs, dtype, warps, stages),
                "limit_bytes": H200_SHARED_BYTES}  # fmt: skip
 
 

@@ -444,19 +444,32 @@ def _site_columns(W_ptr, DO_ptr, t, T, o_h, k0, BH: tl.constexpr, K: tl.constexp
 
 
 @triton.jit
-def _head_site_rows(W_ptr, DO_ptr, t, T, i_h, BHD: tl.constexpr, HD: tl.constexpr, D: tl.constexpr,
+def _head_site_rows(W_ptr, DO_ptr, t, T, i_h, k0, K: tl.constexpr, HD: tl.constexpr, D: tl.constexpr,
                     chunk_lo, chunk_hi, BF16: tl.constexpr):  # fmt: skip
-    """Y^T [2 * SLOTS, BHD] of token t over head i_h, _split: row 2j is w of slot j (site
-    chunk_hi - 1 - j), row 2j + 1 its output gradient; slots below chunk_lo are zero."""
+    """Y^T [2 * SLOTS, K] of token t over the channels [k0, k0 + K) of head i_h, _split:
+    row 2j is w of slot j (site chunk_hi - 1 - j), row 2j + 1 its output gradient; slots
+    below chunk_lo are zero."""
     o_c = tl.arange(0, 2 * SLOTS)
     site = chunk_hi - 1 - o_c // 2
-    o_k = tl.arange(0, BHD)
+    o_k = k0 + tl.arange(0, K)
     m_s = (site >= chunk_lo)[:, None] & (o_k < HD)[None, :]
     is_do = (o_c % 2 == 1)[:, None]
     o_d = i_h * HD + o_k[None, :]
     b_w = tl.load(W_ptr + site[:, None] * D + o_d, mask=m_s & ~is_do, other=0.0)
     p_do = DO_ptr + (site[:, None].to(tl.int64) * T + t) * D + o_d
     return _split(b_w + tl.load(p_do, mask=m_s & is_do, other=0.0).to(tl.float32), BF16)
+
+
+@triton.jit
+def _add_row_grads(p_v, p_dv, rows, stop, stride_vn, stride_dvn, b_kv, b_acc, k0, K: tl.constexpr,
+                   HD: tl.constexpr):  # fmt: skip
+    """dv += acc - kv v over the channels [k0, k0 + K) of a block of rows (one read-modify-write)."""
+    o_k = k0 + tl.arange(0, K)
+    m_x = (rows < stop)[:, None] & (o_k < HD)[None, :]
+    b_x = tl.load(p_v + rows[:, None] * stride_vn + o_k[None, :], mask=m_x, other=0.0)
+    p_dv = p_dv + rows[:, None] * stride_dvn + o_k[None, :]
+    b_dv = tl.load(p_dv, mask=m_x, other=0.0) - b_kv[:, None] * b_x.to(tl.float32)
+    tl.store(p_dv, b_dv + b_acc, mask=m_x)
 
 
 @triton.jit
@@ -701,8 +714,8 @@ def _group_bwd_row_grads_kernel(
     # sites' output gradients [NG_j, T, D]
     N, OWED, CHUNK_LO, CHUNK_HI,  # J-tuples of ints: N_j, the entry adds to rows [start, OWED_j), its sites
     T, start, stop, stride_vt, stride_vn, stride_dvt, stride_dvn,
-    D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BR: tl.constexpr, BHD: tl.constexpr,
-    J: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BR: tl.constexpr, KA: tl.constexpr,
+    KB: tl.constexpr, J: tl.constexpr,
 ):  # fmt: skip
     """The rows' gradients of J phase-1 backwards at once: for a block of BR rows in
     [start, stop) of one token (program axis 0) and head (axis 1), dv += sum_j (Z_j @ Y_j^T
@@ -712,21 +725,23 @@ def _group_bwd_row_grads_kernel(
     flight instead of a chain of small ones per slot. Measured in the 1B training step on
     the H200: 0.45 ms per launch (64.5 ms per step), against 0.63 ms for per-slot fp32
     outer products; about 0.1 ms would be its bytes at copy bandwidth. Launched unpipelined
-    at 4 warps: 128 registers and 16 KB of shared memory per program at the 1B width
-    (sm_90 compile), where two stages took 174 registers."""
+    at 4 warps over the head padded to 256 columns: 128 registers and 16 KB of shared
+    memory per program at the 1B width (sm_90 compile), where two stages took 174
+    registers; the head's two chunks (below) need 135 at two stages."""
     BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
     t = tl.program_id(0)
     i_h = tl.program_id(1)
     t64 = tl.cast(t, tl.int64)
     o_r = tl.arange(0, BR)
-    o_k = tl.arange(0, BHD)
     o_c = tl.arange(0, 2 * SLOTS)
-    m_k = o_k < HD
     p_t = V_ptr + t64 * stride_vt + i_h * HD
     p_dt = DV_ptr + t64 * stride_dvt + i_h * HD
     for i0 in range(start, stop, BR):
         rows = i0 + o_r
-        b_acc = tl.zeros([BR, BHD], dtype=tl.float32)
+        # The head's channels as a chunk of KA plus one of KB where the width is not a power
+        # of two (160 = 128 + 32): no dot column and no register on padding.
+        b_acca = tl.zeros([BR, KA], dtype=tl.float32)
+        b_accb = tl.zeros([BR, KB if KB > 0 else 16], dtype=tl.float32)
         b_kv = tl.zeros([BR], dtype=tl.float32)
         # A runtime loop over the entries: unrolled, every entry's dot operands took their
         # own shared memory (35 KB each at the 1B width, sm_90 compile).
@@ -744,13 +759,14 @@ def _group_bwd_row_grads_kernel(
             b_kv += tl.load(p_kv + o_tr, mask=m_j, other=0.0)
             p_zt = p_z + (o_tr[:, None] * H + i_h) * (2 * SLOTS) + o_c[None, :]
             b_zh, b_zl = _split(tl.load(p_zt, mask=m_j[:, None], other=0.0), BF16)
-            b_yh, b_yl = _head_site_rows(p_w, p_do, t, T, i_h, BHD, HD, D, lo, hi, BF16)
-            b_acc = _dot_split(b_zh, b_zl, b_yh, b_yl, b_acc, False, False, BF16)
-        m_x = (rows < stop)[:, None] & m_k[None, :]
-        p_dv = p_dt + rows[:, None] * stride_dvn + o_k[None, :]
-        b_x = tl.load(p_t + rows[:, None] * stride_vn + o_k[None, :], mask=m_x, other=0.0)
-        b_dv = tl.load(p_dv, mask=m_x, other=0.0) - b_kv[:, None] * b_x.to(tl.float32)
-        tl.store(p_dv, b_dv + b_acc, mask=m_x)
+            b_yh, b_yl = _head_site_rows(p_w, p_do, t, T, i_h, 0, KA, HD, D, lo, hi, BF16)
+            b_acca = _dot_split(b_zh, b_zl, b_yh, b_yl, b_acca, False, False, BF16)
+            if KB > 0:
+                b_yh, b_yl = _head_site_rows(p_w, p_do, t, T, i_h, KA, KB, HD, D, lo, hi, BF16)
+                b_accb = _dot_split(b_zh, b_zl, b_yh, b_yl, b_accb, False, False, BF16)
+        _add_row_grads(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_acca, 0, KA, HD)
+        if KB > 0:
+            _add_row_grads(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_accb, KA, KB, HD)
 
 
 @triton.jit
@@ -1277,6 +1293,8 @@ def add_row_grads(
     sources: torch.Tensor,
     grad_sources: torch.Tensor,
     start: int,
+    num_warps: int = 4,
+    stages: int = 2,
 ) -> None:
     """Add deferred phase-1 gradients to rows ``[start, owed)`` of the history.
 
@@ -1284,13 +1302,17 @@ def add_row_grads(
         deferred: (factors of one :func:`group_backward_deferred`, owed) pairs, added in
             order; each adds to the rows ``[start, owed)`` (owed at most its N).
         sources, grad_sources: [T, R, D] the rows from row 0 and their fp32 gradients.
+        num_warps, stages: the launch (benchmarks). Two stages overlap an entry's loads
+            with the previous entry's dots; at 4 warps and the 1B width (head chunks of
+            128 + 32) the sm_90 compile takes 135 registers, 3 programs per SM.
     """
     entries = [(f, owed) for factors, owed in deferred for f in factors if owed > start]
     if not entries or sources.shape[0] == 0:
         return
     t, _, d = sources.shape
     num_heads = entries[0][0].z.shape[2]
-    head_dim, _, bhd = _tile(d, num_heads)
+    head_dim = d // num_heads
+    ka, kb = _head_chunks(head_dim)
     stop = max(owed for _, owed in entries)
     block_rows = 16  # the dots' smallest M; a block between group starts has G rows
     for i in range(0, len(entries), _ROW_GRADS_ENTRIES):
@@ -1300,5 +1322,5 @@ def add_row_grads(
             sources, grad_sources, z, kv, folded, grad_outs,
             tuple(f.z.shape[1] for f, _ in batch), tuple(owed for _, owed in batch), chunk_lo, chunk_hi,
             t, start, stop, sources.stride(0), sources.stride(1), grad_sources.stride(0), grad_sources.stride(1),
-            D=d, H=num_heads, HD=head_dim, BR=block_rows, BHD=bhd, J=len(batch), num_warps=4, num_stages=1,
+            D=d, H=num_heads, HD=head_dim, BR=block_rows, KA=ka, KB=kb, J=len(batch), num_warps=num_warps, num_stages=stages,
         )  # fmt: skip
