@@ -723,11 +723,12 @@ def _group_bwd_row_grads_kernel(
     operands are whole tiles (Z [BR, 2 * SLOTS], Y [2 * SLOTS, head width]) loaded at
     once and multiplied as one dot, so a program has a few independent loads per entry in
     flight instead of a chain of small ones per slot. Measured in the 1B training step on
-    the H200: 0.45 ms per launch (64.5 ms per step), against 0.63 ms for per-slot fp32
-    outer products; about 0.1 ms would be its bytes at copy bandwidth. Launched unpipelined
-    at 4 warps over the head padded to 256 columns: 128 registers and 16 KB of shared
-    memory per program at the 1B width (sm_90 compile), where two stages took 174
-    registers; the head's two chunks (below) need 135 at two stages."""
+    the H200: 59.5 ms per step (160 launches), against 64.5 ms for the same kernel over the
+    head padded to 256 columns and unpipelined, and 91.1 ms for per-slot fp32 outer
+    products. Five entries over a block of 8 rows at the 1B shape: 0.281 ms, 0.39 of copy
+    bandwidth on its bytes (benchmarks/results/routing_h200_row_grads_sweep.json; 2 warps
+    unpipelined tie, 8 warps lose 1.5-3x). At 4 warps and two stages the sm_90 compile takes
+    135 registers and 16 KB of shared memory per program at the 1B width."""
     BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
     t = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -1303,8 +1304,7 @@ def add_row_grads(
             order; each adds to the rows ``[start, owed)`` (owed at most its N).
         sources, grad_sources: [T, R, D] the rows from row 0 and their fp32 gradients.
         num_warps, stages: the launch (benchmarks). Two stages overlap an entry's loads
-            with the previous entry's dots; at 4 warps and the 1B width (head chunks of
-            128 + 32) the sm_90 compile takes 135 registers, 3 programs per SM.
+            with the previous entry's dots (the sweep in the kernel's docstring).
     """
     entries = [(f, owed) for factors, owed in deferred for f in factors if owed > start]
     if not entries or sources.shape[0] == 0:
