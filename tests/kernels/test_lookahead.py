@@ -246,6 +246,36 @@ def test_deferred_row_grads(backend, d, heads):
         assert torch.equal(deferred_rows, at_once)
 
 
+def test_add_row_grads_spanning_blocks_and_owed_rows():
+    """One flush over 40 rows (more than one 16-row block, as a pipeline stage's loaded rows
+    are flushed) from three groups owing different rows ([0, 40), [0, 25), [0, 9)), one of
+    them split in two chunks by its site range: the tensor-core factors against the
+    reference's, every row to rounding, rows no group owes untouched."""
+    t, d, heads = _tokens(2), 1280, 8
+    torch.manual_seed(3)
+    buffer, queries, norms, grad_outs = _inputs(t, 42, 3, d, heads, 1.0, torch.float32)
+    start = 0.01 * torch.randn(buffer.shape, device=DEVICE)
+    groups = ((40, 1.0, None), (25, -0.7, (1, 3)), (9, 1.3, None))
+    deltas = [torch.randn((3, t, heads), device=DEVICE) for _ in groups]
+    results = []
+    for backend in (BACKENDS["triton-tensor-cores"], BACKENDS["torch"]):
+        rows, owed = start.clone(), []
+        for (n0, scale, site_range), delta in zip(groups, deltas):
+            m, l, _ = backend.group_forward(buffer[:, :n0], queries * scale, norms, heads, EPS, 1.0)
+            lse = (m + l.log()).contiguous()
+            *_, deferred = backend.group_backward_deferred(
+                grad_outs, buffer[:, :n0], queries * scale, norms, lse, delta, heads, EPS, 1.0,
+                rows[:, :n0], site_range,
+            )  # fmt: skip
+            assert deferred and torch.equal(rows, start)  # nothing added before the flush
+            owed.append([deferred, n0])
+        backend.add_row_grads(owed, buffer, rows, 0)
+        results.append(rows)
+    got, ref = results
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert torch.equal(got[:, 40:], start[:, 40:]) and not torch.equal(got[:, 30], start[:, 30])
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize(
     "t,n0,g,d",
