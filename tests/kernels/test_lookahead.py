@@ -276,6 +276,30 @@ def test_add_row_grads_spanning_blocks_and_owed_rows():
     assert torch.equal(got[:, 40:], start[:, 40:]) and not torch.equal(got[:, 30], start[:, 30])
 
 
+def test_add_row_grads_more_entries_than_one_launch():
+    """More owing entries than one launch takes (fused._ROW_GRADS_ENTRIES): the further
+    launches add the rest, in order, to the same rows (one-site groups over 3 rows)."""
+    t, d, heads, entries = _tokens(2), 512, 8, fused._ROW_GRADS_ENTRIES + 2
+    torch.manual_seed(5)
+    buffer, queries, norms, grad_outs = _inputs(t, 3, 1, d, heads, 1.0, torch.float32)
+    scales = torch.linspace(-1.5, 1.5, entries).tolist()
+    deltas = [torch.randn((1, t, heads), device=DEVICE) for _ in scales]
+    results = []
+    for backend in (BACKENDS["triton-tensor-cores"], BACKENDS["torch"]):
+        rows, owed = torch.zeros(buffer.shape, device=DEVICE), []
+        for scale, delta in zip(scales, deltas):
+            m, l, _ = backend.group_forward(buffer, queries * scale, norms, heads, EPS, 1.0)
+            *_, deferred = backend.group_backward_deferred(
+                grad_outs * scale, buffer, queries * scale, norms, (m + l.log()).contiguous(), delta,
+                heads, EPS, 1.0, rows,
+            )  # fmt: skip
+            owed.append([deferred, 3])
+        backend.add_row_grads(owed, buffer, rows, 0)
+        results.append(rows)
+    got, ref = results
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize(
     "t,n0,g,d",
