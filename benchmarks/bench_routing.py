@@ -244,7 +244,10 @@ def run_site(case, tau, impls, copy_gbps):
 
 def lookahead_step(buf, gbuf, queries, norms, grad_out, tau, group):
     """One step of the two-phase schedule over sites j = 1..S reading rows [0, j), as
-    LookaheadHistory runs it: per group, phase 1 then the merges; backward in reverse."""
+    LookaheadHistory runs it: per group, phase 1 then the merges; backward in reverse. Each
+    group's backward adds its old rows' gradients before the next (``group_backward``):
+    where the tensor-core backward runs, the history instead defers them and adds every
+    owing group's at once when the rows fall due."""
     sites = len(queries)
     plan = []
     for sites_of_group in group_ranges(1, sites, group):

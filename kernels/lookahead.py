@@ -427,41 +427,44 @@ def _dot_split(a_hi, a_lo, b_hi, b_lo, acc, A_EXACT: tl.constexpr, B_EXACT: tl.c
 
 
 @triton.jit
+def _slot_operand(W_ptr, DO_ptr, t, T, o_c, o_d, mask, D: tl.constexpr, chunk_lo, chunk_hi,
+                  BF16: tl.constexpr):  # fmt: skip
+    """The backward's Y operand of token t, _split, at broadcastable slot columns ``o_c``
+    and channel offsets ``o_d``: column 2j is w of slot j (site chunk_hi - 1 - j), column
+    2j + 1 its output gradient; slots below chunk_lo and ``mask``ed channels are zero."""
+    site = chunk_hi - 1 - o_c // 2
+    mask = mask & (site >= chunk_lo)
+    is_do = o_c % 2 == 1
+    b_w = tl.load(W_ptr + site * D + o_d, mask=mask & ~is_do, other=0.0)
+    p_do = DO_ptr + (site.to(tl.int64) * T + t) * D + o_d
+    return _split(b_w + tl.load(p_do, mask=mask & is_do, other=0.0).to(tl.float32), BF16)
+
+
+@triton.jit
 def _site_columns(W_ptr, DO_ptr, t, T, o_h, k0, BH: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
                   HD: tl.constexpr, D: tl.constexpr, chunk_lo, chunk_hi, BF16: tl.constexpr):  # fmt: skip
-    """Y [BH, K, 16] of token t over the heads o_h and their channels [k0, k0 + K), _split:
-    column 2j is w of slot j (site chunk_hi - 1 - j), column 2j + 1 its output gradient;
-    slots below chunk_lo are zero."""
-    o_c = tl.arange(0, 2 * SLOTS)
-    site = chunk_hi - 1 - o_c // 2
+    """Y [BH, K, 16] of token t over the heads o_h and their channels [k0, k0 + K)
+    (_slot_operand's columns last)."""
     o_k = k0 + tl.arange(0, K)
-    mask = (o_h < H)[:, None, None] & (o_k < HD)[None, :, None] & (site >= chunk_lo)[None, None, :]
-    is_do = (o_c % 2 == 1)[None, None, :]
+    mask = (o_h < H)[:, None, None] & (o_k < HD)[None, :, None]
     o_d = o_h[:, None, None] * HD + o_k[None, :, None]
-    b_w = tl.load(W_ptr + site[None, None, :] * D + o_d, mask=mask & ~is_do, other=0.0)
-    p_do = DO_ptr + (site[None, None, :].to(tl.int64) * T + t) * D + o_d
-    return _split(b_w + tl.load(p_do, mask=mask & is_do, other=0.0).to(tl.float32), BF16)
+    o_c = tl.arange(0, 2 * SLOTS)[None, None, :]
+    return _slot_operand(W_ptr, DO_ptr, t, T, o_c, o_d, mask, D, chunk_lo, chunk_hi, BF16)
 
 
 @triton.jit
 def _head_site_rows(W_ptr, DO_ptr, t, T, i_h, k0, K: tl.constexpr, HD: tl.constexpr, D: tl.constexpr,
                     chunk_lo, chunk_hi, BF16: tl.constexpr):  # fmt: skip
-    """Y^T [2 * SLOTS, K] of token t over the channels [k0, k0 + K) of head i_h, _split:
-    row 2j is w of slot j (site chunk_hi - 1 - j), row 2j + 1 its output gradient; slots
-    below chunk_lo are zero."""
-    o_c = tl.arange(0, 2 * SLOTS)
-    site = chunk_hi - 1 - o_c // 2
+    """Y^T [2 * SLOTS, K] of token t over the channels [k0, k0 + K) of head i_h
+    (_slot_operand's columns as rows)."""
     o_k = k0 + tl.arange(0, K)
-    m_s = (site >= chunk_lo)[:, None] & (o_k < HD)[None, :]
-    is_do = (o_c % 2 == 1)[:, None]
-    o_d = i_h * HD + o_k[None, :]
-    b_w = tl.load(W_ptr + site[:, None] * D + o_d, mask=m_s & ~is_do, other=0.0)
-    p_do = DO_ptr + (site[:, None].to(tl.int64) * T + t) * D + o_d
-    return _split(b_w + tl.load(p_do, mask=m_s & is_do, other=0.0).to(tl.float32), BF16)
+    o_c = tl.arange(0, 2 * SLOTS)[:, None]
+    return _slot_operand(W_ptr, DO_ptr, t, T, o_c, i_h * HD + o_k[None, :], (o_k < HD)[None, :], D,
+                         chunk_lo, chunk_hi, BF16)  # fmt: skip
 
 
 @triton.jit
-def _add_row_grads(p_v, p_dv, rows, stop, stride_vn, stride_dvn, b_kv, b_acc, k0, K: tl.constexpr,
+def _update_row_block(p_v, p_dv, rows, stop, stride_vn, stride_dvn, b_kv, b_acc, k0, K: tl.constexpr,
                    HD: tl.constexpr):  # fmt: skip
     """dv += acc - kv v over the channels [k0, k0 + K) of a block of rows (one read-modify-write)."""
     o_k = k0 + tl.arange(0, K)
@@ -765,9 +768,9 @@ def _group_bwd_row_grads_kernel(
             if KB > 0:
                 b_yh, b_yl = _head_site_rows(p_w, p_do, t, T, i_h, KA, KB, HD, D, lo, hi, BF16)
                 b_accb = _dot_split(b_zh, b_zl, b_yh, b_yl, b_accb, False, False, BF16)
-        _add_row_grads(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_acca, 0, KA, HD)
+        _update_row_block(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_acca, 0, KA, HD)
         if KB > 0:
-            _add_row_grads(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_accb, KA, KB, HD)
+            _update_row_block(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_accb, KA, KB, HD)
 
 
 @triton.jit

@@ -513,9 +513,7 @@ class LookaheadHistory(SourceHistory):
         if any(owed > start for _, owed in self.owed):
             block = max(n for n in self.group_starts if n <= start)
             cap = self.capacity
-            self.lookahead.add_row_grads(
-                [(deferred, owed) for deferred, owed in self.owed], self.rows(cap), self.grad_rows(cap), block
-            )  # fmt: skip
+            self.lookahead.add_row_grads(self.owed, self.rows(cap), self.grad_rows(cap), block)
             for entry in self.owed:
                 entry[1] = min(entry[1], block)
             self.owed = [entry for entry in self.owed if entry[1] > 0]
