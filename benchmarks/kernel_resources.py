@@ -31,9 +31,9 @@ from mhar_kernels import lookahead as fused  # noqa: E402
 H200_SHARED_BYTES = 232448  # the most shared memory one program may use on sm_90 (227 KiB)
 ROWS = ("V_ptr", "DO_ptr", "Q_ptr", "G_ptr")  # pointers to tensors in the rows' dtype
 
-# (width, heads, rows dtype): the 1B and 350M widths in bf16, and in fp32 (twice the tiles)
-# the 1B width and the kernel tests' width.
-SHAPES = [(1280, 8, "bf16"), (1024, 8, "bf16"), (1280, 8, "fp32"), (768, 8, "fp32")]
+# (width, heads, rows dtype): the 1B and 350M widths in bf16, one head at the 1B width (as
+# eight dot heads), and in fp32 (twice the tiles) the 1B width and the kernel tests' width.
+SHAPES = [(1280, 8, "bf16"), (1024, 8, "bf16"), (1280, 1, "bf16"), (1280, 8, "fp32"), (768, 8, "fp32")]
 LAUNCHES = {
     "first-group": dict(T=2048, N=1, NG=8, chunk_lo=0, chunk_hi=8),  # one old row, a full group
     "one-site": dict(T=2051, N=1, NG=1, chunk_lo=0, chunk_hi=1),  # a group of one site over one row
@@ -96,12 +96,11 @@ def shared_bytes(kernel, sizes, constexprs, rows_dtype, num_warps, num_stages=No
     return compiled.metadata.shared
 
 
-def shape_rows(d, heads, dtype, launch, sizes):
+def shape_rows(d, model_heads, dtype, launch, sizes):
     """One row per tensor-core kernel of a shape and launch, with its launch config."""
-    head_dim = d // heads
-    padded_heads = triton.next_power_of_2(heads)
+    split, heads, head_dim, padded_heads = fused._dot_heads(d, model_heads)
     ka, kb = fused._head_chunks(head_dim)
-    chunks = dict(D=d, H=heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16)
+    chunks = dict(D=d, H=heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, GH=split)
     head_tile = dict(D=d, H=heads, HD=head_dim, BR=16, BHD=triton.next_power_of_2(head_dim))
     forward = fused._group_fwd_dots_config(padded_heads, head_dim)
     rows, per_head = fused._group_bwd_dots_config(padded_heads, head_dim)
@@ -117,8 +116,8 @@ def shape_rows(d, heads, dtype, launch, sizes):
                     dict(D=d, H=heads, HD=head_dim, BR=16, KA=ka, KB=kb, J=fused._ROW_GRADS_ENTRIES),
                     defaults["num_warps"].default, defaults["stages"].default))  # fmt: skip
     for kernel, constexprs, warps, stages in kernels:
-        yield {"width": d, "heads": heads, "dtype": dtype, "launch": launch, "kernel": kernel.fn.__name__,
-               "num_warps": warps, "num_stages": stages,
+        yield {"width": d, "heads": model_heads, "dot_heads": heads, "dtype": dtype, "launch": launch,
+               "kernel": kernel.fn.__name__, "num_warps": warps, "num_stages": stages,
                "shared_bytes": shared_bytes(kernel, sizes, constexprs, dtype, warps, stages),
                "limit_bytes": H200_SHARED_BYTES}  # fmt: skip
 

@@ -513,6 +513,16 @@ def _row_pair_sum(x, A: tl.constexpr, S: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
+def _head_sums(x, BH: tl.constexpr, GH: tl.constexpr, B: tl.constexpr, S: tl.constexpr):
+    """[BH, B, S] dots per dot head -> each model head's sum over its GH dot heads,
+    repeated on each of them (x itself where GH = 1: a model head is one dot head)."""
+    if GH > 1:
+        sums = tl.sum(tl.reshape(x, [BH // GH, GH, B, S]), axis=1)
+        x = tl.reshape(tl.broadcast_to(tl.expand_dims(sums, 1), [BH // GH, GH, B, S]), [BH, B, S])
+    return x
+
+
+@triton.jit
 def _query_columns(Q_ptr, G_ptr, site, m_s, o_h, k0, BH: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
                    HD: tl.constexpr, D: tl.constexpr, dtype: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
     """[BH, K, 2 * SLOTS] columns of the folded queries w = q * g^ (g^ rounded to ``dtype``)
@@ -553,14 +563,16 @@ def _group_fwd_dots_kernel(
     M_ptr, L_ptr, A_ptr,  # as in _group_fwd_kernel: fp32 partials [NG, T, H], [NG, T, H], [NG, T, D]
     T, N, NG, stride_vt, stride_vn, eps, scale,
     D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BH: tl.constexpr, KA: tl.constexpr,
-    KB: tl.constexpr, BR: tl.constexpr, STAGES: tl.constexpr,
+    KB: tl.constexpr, BR: tl.constexpr, GH: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Phase 1 as dots per token and head (README.md, "Tensor-core phase 1"): for
     a block X [BR, head width] of the token's rows, X @ [w_j] gives the head dots of SLOTS
     sites (program axis 1 picks the sites), and P^T @ X adds the block to the sites'
     accumulators after the online-softmax rescale, one rescale per block of rows. The head
     width is a chunk of KA channels plus, if it is not a power of two, one of KB (160 =
-    128 + 32). Tokens in a grid-stride loop over program axis 0."""
+    128 + 32). Tokens in a grid-stride loop over program axis 0. H and HD are the dot
+    heads (``_dot_heads``): a model head of GH > 1 of them sums their dots, and m and l
+    ([NG, T, H // GH]) are stored per model head."""
     BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
     o_h = tl.arange(0, BH)
     o_r = tl.arange(0, BR)
@@ -587,6 +599,7 @@ def _group_fwd_dots_kernel(
             b_s = _dot(b_xa, b_wa, tl.zeros([BH, BR, 2 * SLOTS], dtype=tl.float32), BF16)
             if KB > 0:
                 b_s = _dot(b_xb, b_wb, b_s, BF16)
+            b_s = _head_sums(b_s, BH, GH, BR, 2 * SLOTS)
             b_rs = tl.rsqrt(b_sq / D + eps) * scale
             b_z = _pair_sum(b_s, BH, BR, SLOTS) * b_rs[None, :, None]
             b_z = tl.where(m_r[None, :, None], b_z, float("-inf"))
@@ -601,8 +614,8 @@ def _group_fwd_dots_kernel(
                 b_accb = _dot(b_pt, b_xb, b_accb * b_scale, BF16)
             b_m = b_mn
         o_st = site64 * T + t  # row of the [NG, T, .] outputs
-        p_ml = o_st[None, :] * H + o_h[:, None]
-        m_ml = (o_h < H)[:, None] & m_s[None, :]
+        p_ml = o_st[None, :] * (H // GH) + (o_h // GH)[:, None]
+        m_ml = ((o_h < H) & (o_h % GH == 0))[:, None] & m_s[None, :]  # one dot head per model head
         tl.store(M_ptr + p_ml, b_m, mask=m_ml)
         tl.store(L_ptr + p_ml, b_l, mask=m_ml)
         p_a = A_ptr + o_st[None, :, None] * D + o_h[:, None, None] * HD
@@ -627,12 +640,14 @@ def _group_bwd_rows_kernel(
     KV_ptr,  # [T, N] fp32 out: tau r^3 / D * sum over the slots of c
     T, N, chunk_lo, chunk_hi, stride_vt, stride_vn, eps, scale,
     D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BH: tl.constexpr, KA: tl.constexpr,
-    KB: tl.constexpr, BR: tl.constexpr, STAGES: tl.constexpr,
+    KB: tl.constexpr, BR: tl.constexpr, GH: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """The per-row factors of the head kernel below: one program per token (grid-stride),
     rows in blocks of BR, every head at once as one batched dot X @ Y per channel chunk
     (KA, and KB where the head width is not a power of two), so the RMS and c, which span
-    the heads, need no second pass."""
+    the heads, need no second pass. H and HD are the dot heads, as in the forward: lse
+    and delta are per model head ([NG, T, H // GH]), Z is per dot head (a model head's
+    repeated on each of its GH)."""
     BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
     o_h = tl.arange(0, BH)
     o_r = tl.arange(0, BR)
@@ -643,7 +658,7 @@ def _group_bwd_rows_kernel(
         b_yah, b_yal = _site_columns(W_ptr, DO_ptr, t, T, o_h, 0, BH, KA, H, HD, D, chunk_lo, chunk_hi, BF16)
         if KB > 0:
             b_ybh, b_ybl = _site_columns(W_ptr, DO_ptr, t, T, o_h, KA, BH, KB, H, HD, D, chunk_lo, chunk_hi, BF16)
-        p_th = (site[None, :] * T + t) * H + o_h[:, None]  # [BH, SLOTS]; empty slots: weight 0
+        p_th = (site[None, :] * T + t) * (H // GH) + (o_h // GH)[:, None]  # [BH, SLOTS]; empty slots: weight 0
         b_lse = tl.load(LSE_ptr + p_th, mask=m_th, other=float("inf"))
         b_delta = tl.load(DELTA_ptr + p_th, mask=m_th, other=0.0)
         p_t = V_ptr + tl.cast(t, tl.int64) * stride_vt
@@ -655,12 +670,13 @@ def _group_bwd_rows_kernel(
             b_ad = _dot_split(b_xa, b_xa, b_yah, b_yal, b_ad, BF16, False, BF16)
             if KB > 0:
                 b_ad = _dot_split(b_xb, b_xb, b_ybh, b_ybl, b_ad, BF16, False, BF16)
+            b_ad = _head_sums(b_ad, BH, GH, BR, 2 * SLOTS)
             b_r = tl.rsqrt(b_sq / D + eps)
             b_rs = (b_r * scale)[None, :, None]
             b_a, b_dp = tl.split(tl.reshape(b_ad, [BH, BR, SLOTS, 2]))
             b_p = tl.where(m_r[None, :, None], tl.exp(b_a * b_rs - b_lse[:, None, :]), 0.0)
             b_ds = b_p * (b_dp - b_delta[:, None, :])
-            b_c = tl.sum(tl.sum(b_ds * b_a, axis=2), axis=0)
+            b_c = tl.sum(tl.sum(b_ds * b_a, axis=2), axis=0) / GH  # each model head counted GH times
             o_tr = tl.cast(t, tl.int64) * N + rows
             tl.store(KV_ptr + o_tr, b_r * scale * (b_r * b_r / D) * b_c, mask=m_r)
             p_z = Z_ptr + ((o_tr[None, :, None] * H + o_h[:, None, None]) * (2 * SLOTS) + o_c[None, None, :])
@@ -824,8 +840,8 @@ def _use_tensor_cores(tensor_cores: Optional[bool], sites: int, head_dim: int, b
     them where the H200 measured them faster (README.md, "Tensor-core phase 1"): groups of
     more than SLOTS / 2 sites (with fewer, half of every dot is idle; the 100M shape's
     groups of 4 ran faster on the row loops), heads of at most 256 padded columns (one
-    1024-wide head, AttnRes at 350M, took 112 ms per training step in the dot forward) and,
-    backward, heads wider than 128 (at 350M's 128 the two dot kernels took 46 ms per
+    1024-wide head took 112 ms per 350M training step in the dot forward; ``head_dim`` is
+    the dot heads' width, ``_dot_heads``) and, backward, heads wider than 128 (at 350M's 128 the two dot kernels took 46 ms per
     training step against 44 for the row loop; at 1B's 160 the deepest group took 1.28
     against 2.63 ms). Decided by the group's size, never a split's: a recomputed chunk
     runs the kernels of the whole group."""
@@ -833,6 +849,26 @@ def _use_tensor_cores(tensor_cores: Optional[bool], sites: int, head_dim: int, b
         return tensor_cores
     narrow = triton.next_power_of_2(head_dim) <= 256 and (head_dim > 128 or not backward)
     return sites > SLOTS // 2 and narrow
+
+
+# The dot kernels tile a row as at least this many heads: a model with fewer (Attention
+# Residuals: one) runs each head as DOT_HEADS // H dot heads whose dots are summed, so
+# its tiles, launches and measured choices are those of eight heads (issue: the heads
+# must be free). One 1024-wide head took 112 ms per 350M training step in the dot forward
+# as one head, against 8.9 ms for eight.
+DOT_HEADS = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _dot_heads(d: int, num_heads: int) -> Tuple[int, int, int, int]:
+    """(dot heads per model head GH, dot heads, their width, dot heads padded to a power of
+    two) of the tensor-core kernels at width ``d``: GH = DOT_HEADS // num_heads where
+    num_heads divides DOT_HEADS and d divides into DOT_HEADS heads, otherwise 1."""
+    split = 1
+    if num_heads < DOT_HEADS and DOT_HEADS % num_heads == 0 and d % DOT_HEADS == 0:
+        split = DOT_HEADS // num_heads
+    heads = num_heads * split
+    return split, heads, d // heads, triton.next_power_of_2(heads)
 
 
 @functools.lru_cache(maxsize=None)
@@ -964,12 +1000,13 @@ def group_forward(
         raise ValueError("group_forward needs at least one old row")
     _check_sites_per_program(sites_per_program)
     queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
-    head_dim, bh, bhd = _tile(d, num_heads)
-    use_dots = _use_tensor_cores(tensor_cores, g, head_dim, backward=False)
-    dots = _group_fwd_dots_config(bh, head_dim) if use_dots else None
+    _, _, dot_dim, dot_bh = _dot_heads(d, num_heads)
+    use_dots = _use_tensor_cores(tensor_cores, g, dot_dim, backward=False)
+    dots = _group_fwd_dots_config(dot_bh, dot_dim) if use_dots else None
     if dots is not None:
-        return _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, head_dim, bh,
-                                           eps, logit_scale, dots.override(**loop), sites_per_program)  # fmt: skip
+        return _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, logit_scale,
+                                           dots.override(**loop), sites_per_program)  # fmt: skip
+    head_dim, bh, bhd = _tile(d, num_heads)
     default_sites, config = _group_fwd_config(bh * bhd, g)
     bg = min(g, sites_per_program or default_sites)
     if sites_per_program:  # keep the tile's size: fewer sites, more tokens
@@ -994,10 +1031,11 @@ def _empty_partials(g: int, t: int, d: int, num_heads: int, device: torch.device
     return torch.empty(stats, **kw), torch.empty(stats, **kw), torch.empty((g, t, d), **kw)
 
 
-def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, head_dim, padded_heads, eps,
-                                logit_scale, config, sites_per_program):  # fmt: skip
+def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, logit_scale, config,
+                                sites_per_program):  # fmt: skip
     """group_forward through _group_fwd_dots_kernel: SLOTS sites per program (program axis
-    1), tokens striding over ``config.programs_per_sm`` programs per SM (axis 0)."""
+    1), tokens striding over ``config.programs_per_sm`` programs per SM (axis 0), the
+    heads as ``_dot_heads``."""
     if sites_per_program or config.block_t != 1 or config.prefetch or config.l2_reuse:
         raise ValueError(
             "tensor_cores=True takes num_warps, stages and programs_per_sm as launch overrides; "
@@ -1008,12 +1046,13 @@ def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, head_
     m, l, acc = _empty_partials(g, t, d, num_heads, sources.device)
     if t == 0:
         return m, l, acc
+    split, heads, head_dim, padded_heads = _dot_heads(d, num_heads)
     ka, kb = _head_chunks(head_dim)
     programs = _backward_programs(t, sources.device, config.programs_per_sm)
     _group_fwd_dots_kernel[(programs, triton.cdiv(g, SLOTS))](
         sources, queries, norm_weights, m, l, acc,
         t, n, g, sources.stride(0), sources.stride(1), eps, float(logit_scale),
-        D=d, H=num_heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, STAGES=config.stages,
+        D=d, H=heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, GH=split, STAGES=config.stages,
         num_warps=config.num_warps,
     )  # fmt: skip
     return m, l, acc
@@ -1115,7 +1154,7 @@ def merge_backward(
 
 class RowFactors(NamedTuple):
     """The rows' gradients one chunk of a tensor-core phase-1 backward leaves to
-    :func:`add_row_grads`: its rows kernel's factors ``z`` [T, N, H, 2 * SLOTS] and
+    :func:`add_row_grads`: its rows kernel's factors ``z`` [T, N, H, 2 * SLOTS] (H the dot heads) and
     ``kv`` [T, N] fp32 (transient workspace: 69 MB at the 1B shape's deepest group), the
     sites' folded queries [NG, D] fp32 and output gradients [NG, T, D], and the chunk's
     sites ``[chunk_lo, chunk_hi)``."""
@@ -1214,9 +1253,9 @@ def group_backward_deferred(
     grad_outs, lse, delta = grad_outs.contiguous(), lse.contiguous(), delta.contiguous()
     # w = q * g^ in fp32, g^ rounded to the activation dtype: the product the kernels form.
     folded = queries.float() * norm_weights.to(sources.dtype).float()
-    head_dim, bh, bhd = _tile(d, num_heads)
+    _, _, dot_dim, _ = _dot_heads(d, num_heads)
     # A wider head's tiles outgrow registers and shared memory.
-    if _use_tensor_cores(tensor_cores, g, head_dim, backward=True) and bhd <= 256:
+    if _use_tensor_cores(tensor_cores, g, dot_dim, backward=True) and triton.next_power_of_2(dot_dim) <= 256:
         unused = sorted(set(loop) - {"num_warps"}) + (["sites_per_program"] if sites_per_program else [])
         if unused:
             raise ValueError(
@@ -1224,9 +1263,10 @@ def group_backward_deferred(
                 f"drop them or use tensor_cores=False"
             )
         return _group_backward_tensor_cores(
-            grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, head_dim,
-            bh, bhd, eps, logit_scale, lo, hi, loop.get("num_warps"),
+            grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, eps, logit_scale,
+            lo, hi, loop.get("num_warps"),
         )  # fmt: skip
+    head_dim, bh, bhd = _tile(d, num_heads)
     default_sites, config = _group_bwd_config(bh * bhd, g)
     sg = min(g, sites_per_program or default_sites)
     block_t, num_warps, _, stages, _, programs_per_sm = config.override(**loop)
@@ -1250,16 +1290,19 @@ def group_backward_deferred(
 
 
 def _group_backward_tensor_cores(
-    grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, head_dim, padded_heads, bhd,
-    eps, logit_scale, lo, hi, num_warps=None,
+    grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, eps, logit_scale, lo, hi,
+    num_warps=None,
 ):  # fmt: skip
     """group_backward_deferred through _group_bwd_rows_kernel (per token, every head at
     once) and _group_bwd_heads_kernel (dL/dw per head), SLOTS sites per launch, last chunk
-    first; each chunk's factors are kept for add_row_grads."""
+    first, the heads as ``_dot_heads``; each chunk's factors are kept for add_row_grads
+    (per dot head)."""
     t, n, d = sources.shape
     g = queries.shape[0]
     device = sources.device
-    token_programs = _head_programs(t, num_heads, device)
+    split, heads, head_dim, padded_heads = _dot_heads(d, num_heads)
+    bhd = triton.next_power_of_2(head_dim)
+    token_programs = _head_programs(t, heads, device)
     dw = torch.empty((token_programs, g, d), dtype=torch.float32, device=device)
     if t == 0:
         dw.zero_()
@@ -1269,17 +1312,17 @@ def _group_backward_tensor_cores(
     deferred = []
     for chunk_hi in range(hi, lo, -SLOTS) if t > 0 else ():
         chunk_lo = max(lo, chunk_hi - SLOTS)
-        factors = torch.empty((t, n, num_heads, 2 * SLOTS), dtype=torch.float32, device=device)
+        factors = torch.empty((t, n, heads, 2 * SLOTS), dtype=torch.float32, device=device)
         rms_term = torch.empty((t, n), dtype=torch.float32, device=device)
         _group_bwd_rows_kernel[(rows_programs,)](
             sources, folded, grad_outs, lse, delta, factors, rms_term, t, n, chunk_lo, chunk_hi,
             sources.stride(0), sources.stride(1), eps, float(logit_scale),
-            D=d, H=num_heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, STAGES=rows_config.stages,
-            num_warps=rows_config.num_warps,
+            D=d, H=heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, GH=split,
+            STAGES=rows_config.stages, num_warps=rows_config.num_warps,
         )  # fmt: skip
-        _group_bwd_heads_kernel[(token_programs, num_heads)](
+        _group_bwd_heads_kernel[(token_programs, heads)](
             sources, factors, dw, t, n, g, chunk_lo, chunk_hi, sources.stride(0), sources.stride(1),
-            D=d, H=num_heads, HD=head_dim, BR=16, BHD=bhd, STAGES=heads_config.stages,
+            D=d, H=heads, HD=head_dim, BR=16, BHD=bhd, STAGES=heads_config.stages,
             num_warps=num_warps or heads_config.num_warps,
         )  # fmt: skip
         deferred.append(RowFactors(factors, rms_term, folded, grad_outs, chunk_lo, chunk_hi))

@@ -64,6 +64,8 @@ CASES = [
     pytest.param(3, 9, 8, 1280, 8, 1.0, id="D1280-n9-G8", marks=GPU_ONLY),
     # 1B width, G = 5 (site axis padded 5 -> 8), H = 1, tau = 8.
     pytest.param(3, 6, 5, 1280, 1, 8.0, id="D1280-G5-H1"),
+    # H = 2: each head as four dot heads of the tensor-core kernels (two model heads).
+    pytest.param(4, 4, 5, 512, 2, 1.0, id="D512-G5-H2"),
 ]
 
 
@@ -327,8 +329,12 @@ def test_deterministic(t, n0, g, d, backend):
         pytest.param(1024, 8, 5, True, False, id="350M-width"),
         # A group of 4 fills half a dot: row loops.
         pytest.param(512, 8, 4, False, False, id="group-of-4"),
-        # One head of 768 (1024 padded columns): row loops.
-        pytest.param(768, 1, 5, False, False, id="one-head"),
+        # One head runs as eight dot heads: of 96 columns at 768 (dot forward, row-loop
+        # backward), of 160 at the 1B width (dots both ways), as eight heads would.
+        pytest.param(768, 1, 5, True, False, id="one-head"),
+        pytest.param(1280, 1, 5, True, True, id="one-head-1B-width"),
+        # Three heads do not divide eight and stay three dot heads, of 256 columns.
+        pytest.param(768, 3, 5, True, True, id="three-heads"),
     ],
 )
 def test_tensor_cores_auto(d, heads, g, forward_dots, backward_dots):
