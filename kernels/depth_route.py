@@ -99,6 +99,13 @@ def _route_logits(b_v, b_w, eps, scale, D: tl.constexpr, C: tl.constexpr):
 def _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D: tl.constexpr, C: tl.constexpr):
     """Merge one source tile into the running (max, denominator, weighted sum)."""
     _, _, b_s = _route_logits(b_v, b_w, eps, scale, D, C)
+    return _softmax_step(b_v, b_s, b_m, b_l, b_acc, C)
+
+
+@triton.jit
+def _softmax_step(b_v, b_s, b_m, b_l, b_acc, C: tl.constexpr):
+    """Merge one source tile with logits ``b_s`` [BT, BH] into the running (max,
+    denominator, weighted sum)."""
     b_m_new = tl.maximum(b_m, b_s)
     b_alpha = tl.exp(b_m - b_m_new)
     b_p = tl.exp(b_s - b_m_new)

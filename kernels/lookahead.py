@@ -44,6 +44,7 @@ from .depth_route import (
     _num_sms,
     _route_fwd_step,
     _route_logits,
+    _softmax_step,
     _tile,
 )
 
@@ -104,8 +105,10 @@ def _group_fwd_kernel(
     p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
     for _ in tl.range(0, N, num_stages=STAGES):
         b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+        b_rs = (_inv_rms((b_v,), eps, D, 1) * scale)[:, None]
+        b_dots = _head_dots(b_v, b_ws, BG)
         for j in tl.static_range(BG):
-            b_m, b_l, b_acc = _route_fwd_step((b_v,), (b_ws[j],), b_ms[j], b_ls[j], (b_accs[j],), eps, scale, D, 1)
+            b_m, b_l, b_acc = _softmax_step((b_v,), b_dots[j] * b_rs, b_ms[j], b_ls[j], (b_accs[j],), 1)
             b_ms = b_ms[:j] + (b_m,) + b_ms[j + 1 :]
             b_ls = b_ls[:j] + (b_l,) + b_ls[j + 1 :]
             b_accs = b_accs[:j] + b_acc + b_accs[j + 1 :]
@@ -279,6 +282,23 @@ def _sums_over_heads(b_xs, SG: tl.constexpr):
 
 
 @triton.jit
+def _head_dots(b_v, b_xs, SG: tl.constexpr):
+    """Head dots [BT, BH] of the row tile b_v [BT, BH, BHD] with each of the SG tiles in
+    b_xs (broadcast against it), four per reduction. Where a head spans warps (one head
+    at D >= 512), each reduction is a round trip through shared memory with its barriers
+    whatever its operand count, so four dots share one; where it does not, the sums
+    stay inside a warp either way."""
+    b_dots = ()
+    for i in tl.static_range(0, SG, 4):
+        b_zero = tl.zeros_like(b_v)
+        b_x1 = b_v * b_xs[i + 1] if i + 1 < SG else b_zero
+        b_x2 = b_v * b_xs[i + 2] if i + 2 < SG else b_zero
+        b_x3 = b_v * b_xs[i + 3] if i + 3 < SG else b_zero
+        b_dots = b_dots + tl.reduce((b_v * b_xs[i], b_x1, b_x2, b_x3), 2, _add4)
+    return b_dots
+
+
+@triton.jit
 def _group_bwd_kernel(
     V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
     W_ptr,  # [NG, D] fp32 folded queries w = q * g^ of the sites, contiguous
@@ -334,6 +354,7 @@ def _group_bwd_kernel(
         m_v = m_t[:, None, None] & m_d[None, :, :]
         o_t64 = o_t.to(tl.int64)
         b_dos = ()
+        b_wdos = ()  # (w_0, do_0, w_1, do_1, ...): the row's dots with both, batched
         b_lses = ()
         b_deltas = ()
         for j in tl.static_range(SG):
@@ -342,6 +363,7 @@ def _group_bwd_kernel(
             p_do = DO_ptr + o_gt[:, None, None] * D + o_d[None, :, :]
             b_do = tl.load(p_do, mask=m_s[:, None, None] & m_d[None, :, :], other=0.0)
             b_dos = b_dos + (b_do.to(tl.float32),)
+            b_wdos = b_wdos + (b_ws[j], b_dos[j])
             p_th = o_gt[:, None] * H + o_h[None, :]
             m_th = m_s[:, None] & (o_h < H)[None, :]
             b_lses = b_lses + (tl.load(LSE_ptr + p_th, mask=m_th, other=float("inf")),)
@@ -356,10 +378,11 @@ def _group_bwd_kernel(
             b_ps = ()
             b_dss = ()
             b_cs = ()
+            b_dots = _head_dots(b_v, b_wdos, 2 * SG)  # slot j: v . w_j at 2j, v . do_j at 2j + 1
             for j in tl.static_range(SG):
-                b_dot = tl.sum(b_v * b_ws[j], axis=2)
+                b_dot = b_dots[2 * j]
                 b_p = tl.exp(b_dot * b_rs[:, None] - b_lses[j])
-                b_ds = b_p * (tl.sum(b_dos[j] * b_v, axis=2) - b_deltas[j])
+                b_ds = b_p * (b_dots[2 * j + 1] - b_deltas[j])
                 b_ps = b_ps + (b_p,)
                 b_dss = b_dss + (b_ds,)
                 b_cs = b_cs + (b_ds * b_dot,)
