@@ -527,8 +527,7 @@ def row_grads_sweep_variants(case, buf, gbuf, qs, ws, lse, deltas, grad_outs, gr
     factor_cols = deferred[0].z.shape[-1]  # 2 x SLOTS per head
     nbytes = (ROW_GRADS_ENTRIES * len(deferred) * case.t * (group * (HEADS * factor_cols + 1) * 4 + group * case.d * es)
               + group * case.t * case.d * (es + 8))  # fmt: skip
-    configs = [dict(num_warps=w, stages=s, tokens_per_program=k) for k in (2, 1, 4) for s in (2, 1)
-               for w in (4, 8)]  # fmt: skip
+    configs = [dict(num_warps=w, stages=s) for s in (2, 1, 3) for w in (4, 8, 2)]
     return [("row_grads", nbytes, cfg, lambda cfg=cfg: LA.add_row_grads(owed, buf, gbuf, start, **cfg))
             for cfg in configs]
 

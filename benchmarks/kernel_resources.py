@@ -111,12 +111,10 @@ def shape_rows(d, model_heads, dtype, launch, sizes):
     ]
     kernels = [(kernel, constexprs, warps, None) for kernel, constexprs, warps in kernels]
     # The row-gradient kernel with a launch's most entries, at add_row_grads' defaults.
-    defaults = {k: v.default for k, v in inspect.signature(fused.add_row_grads).parameters.items()}
-    tokens = defaults["tokens_per_program"]
+    defaults = inspect.signature(fused.add_row_grads).parameters
     kernels.append((fused._group_bwd_row_grads_kernel,
-                    dict(D=d, H=heads, HD=head_dim, BR=16 // tokens, TP=tokens, KA=ka, KB=kb,
-                         J=fused._ROW_GRADS_ENTRIES),
-                    defaults["num_warps"], defaults["stages"]))  # fmt: skip
+                    dict(D=d, H=heads, HD=head_dim, BR=16, KA=ka, KB=kb, J=fused._ROW_GRADS_ENTRIES),
+                    defaults["num_warps"].default, defaults["stages"].default))  # fmt: skip
     for kernel, constexprs, warps, stages in kernels:
         yield {"width": d, "heads": model_heads, "dot_heads": heads, "dtype": dtype, "launch": launch,
                "kernel": kernel.fn.__name__, "num_warps": warps, "num_stages": stages,

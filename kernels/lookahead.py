@@ -479,28 +479,23 @@ def _site_columns(W_ptr, DO_ptr, t, T, o_h, k0, BH: tl.constexpr, K: tl.constexp
 
 @triton.jit
 def _head_site_rows(W_ptr, DO_ptr, t, T, i_h, k0, K: tl.constexpr, HD: tl.constexpr, D: tl.constexpr,
-                    chunk_lo, chunk_hi, BF16: tl.constexpr, TP: tl.constexpr):  # fmt: skip
-    """Y^T [TP * 2 * SLOTS, K] of the tokens [t, t + TP) over the channels [k0, k0 + K) of
-    head i_h: token t + i's _slot_operand columns as rows [i * 2 * SLOTS, (i + 1) * 2 * SLOTS)
-    (zero past the last token)."""
+                    chunk_lo, chunk_hi, BF16: tl.constexpr):  # fmt: skip
+    """Y^T [2 * SLOTS, K] of token t over the channels [k0, k0 + K) of head i_h
+    (_slot_operand's columns as rows)."""
     o_k = k0 + tl.arange(0, K)
-    o_c = tl.arange(0, TP * 2 * SLOTS)[:, None]
-    t_c = t + o_c // (2 * SLOTS)
-    mask = (o_k < HD)[None, :] & (t_c < T)
-    return _slot_operand(W_ptr, DO_ptr, t_c, T, o_c % (2 * SLOTS), i_h * HD + o_k[None, :], mask, D,
+    o_c = tl.arange(0, 2 * SLOTS)[:, None]
+    return _slot_operand(W_ptr, DO_ptr, t, T, o_c, i_h * HD + o_k[None, :], (o_k < HD)[None, :], D,
                          chunk_lo, chunk_hi, BF16)  # fmt: skip
 
 
 @triton.jit
-def _update_row_block(p_v, p_dv, rows, m_rows, stride_vn, stride_dvn, b_kv, b_acc, k0, K: tl.constexpr,
-                      HD: tl.constexpr):  # fmt: skip
-    """dv += acc - kv v over the channels [k0, k0 + K) of a block of rows (one
-    read-modify-write): row i is ``rows[i]`` of the token whose head starts at ``p_v[i]``
-    (``p_dv[i]`` in the gradient)."""
+def _update_row_block(p_v, p_dv, rows, stop, stride_vn, stride_dvn, b_kv, b_acc, k0, K: tl.constexpr,
+                   HD: tl.constexpr):  # fmt: skip
+    """dv += acc - kv v over the channels [k0, k0 + K) of a block of rows (one read-modify-write)."""
     o_k = k0 + tl.arange(0, K)
-    m_x = m_rows[:, None] & (o_k < HD)[None, :]
-    b_x = tl.load(p_v[:, None] + rows[:, None] * stride_vn + o_k[None, :], mask=m_x, other=0.0)
-    p_dv = p_dv[:, None] + rows[:, None] * stride_dvn + o_k[None, :]
+    m_x = (rows < stop)[:, None] & (o_k < HD)[None, :]
+    b_x = tl.load(p_v + rows[:, None] * stride_vn + o_k[None, :], mask=m_x, other=0.0)
+    p_dv = p_dv + rows[:, None] * stride_dvn + o_k[None, :]
     b_dv = tl.load(p_dv, mask=m_x, other=0.0) - b_kv[:, None] * b_x.to(tl.float32)
     tl.store(p_dv, b_dv + b_acc, mask=m_x)
 
@@ -763,37 +758,36 @@ def _group_bwd_row_grads_kernel(
     # sites' output gradients [NG_j, T, D]
     N, OWED, CHUNK_LO, CHUNK_HI,  # J-tuples of ints: N_j, the entry adds to rows [start, OWED_j), its sites
     T, start, stop, stride_vt, stride_vn, stride_dvt, stride_dvn,
-    D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BR: tl.constexpr, TP: tl.constexpr,
-    KA: tl.constexpr, KB: tl.constexpr, J: tl.constexpr,
+    D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BR: tl.constexpr, KA: tl.constexpr,
+    KB: tl.constexpr, J: tl.constexpr,
 ):  # fmt: skip
-    """The rows' gradients of J phase-1 backwards at once: for blocks of BR rows in
-    [start, stop) of TP tokens (program axis 0) and one head (axis 1), dv += sum_j (Z_j @
-    Y_j^T - kv_j v), one read-modify-write of the fp32 gradient for all entries. Each
-    entry is one dot per head chunk over TP * BR rows: token i's Z fills columns
-    [i * 2 * SLOTS, (i + 1) * 2 * SLOTS) of its rows (zero elsewhere) and its Y^T those rows
-    of the right operand, so the tokens' products stay apart in one product. With TP = 2
-    and BR = 8 a block between group starts (G = 8 rows) fills the dot's 16 rows, which
-    one token's block of 16 left half empty. Every entry's operands are whole tiles loaded
-    at once, so a program has a few independent loads per entry in flight instead of a
-    chain of small ones per slot (README.md, "Deferred row gradients", for the measured
-    forms)."""
+    """The rows' gradients of J phase-1 backwards at once: for a block of BR rows in
+    [start, stop) of one token (program axis 0) and head (axis 1), dv += sum_j (Z_j @ Y_j^T
+    - kv_j v), one read-modify-write of the fp32 gradient for all entries. Every entry's
+    operands are whole tiles (Z [BR, 2 * SLOTS], Y [2 * SLOTS, head width]) loaded at
+    once and multiplied as one dot, so a program has a few independent loads per entry in
+    flight instead of a chain of small ones per slot. Measured in the 1B training step on
+    the H200: 59.5 ms per step (160 launches), against 64.5 ms for the same kernel over the
+    head padded to 256 columns and unpipelined, and 91.1 ms for per-slot fp32 outer
+    products. Five entries over a block of 8 rows at the 1B shape: 0.281 ms, 0.39 of copy
+    bandwidth on its bytes (benchmarks/results/routing_h200_row_grads_sweep.json; 2 warps
+    unpipelined tie, 8 warps lose 1.5-3x). At 4 warps and two stages the sm_90 compile takes
+    135 registers and 16 KB of shared memory per program at the 1B width."""
     BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
-    t0 = tl.program_id(0) * TP
+    t = tl.program_id(0)
     i_h = tl.program_id(1)
-    o_m = tl.arange(0, TP * BR)  # dot row m: row m % BR of token t0 + m // BR
-    t_m = (t0 + o_m // BR).to(tl.int64)
-    m_t = t_m < T
-    o_c = tl.arange(0, TP * 2 * SLOTS)  # dot column: token t0 + c // (2 SLOTS), slot column c % (2 SLOTS)
-    own = (o_m // BR)[:, None] == (o_c // (2 * SLOTS))[None, :]
-    p_t = V_ptr + t_m * stride_vt + i_h * HD
-    p_dt = DV_ptr + t_m * stride_dvt + i_h * HD
+    t64 = tl.cast(t, tl.int64)
+    o_r = tl.arange(0, BR)
+    o_c = tl.arange(0, 2 * SLOTS)
+    p_t = V_ptr + t64 * stride_vt + i_h * HD
+    p_dt = DV_ptr + t64 * stride_dvt + i_h * HD
     for i0 in range(start, stop, BR):
-        rows = i0 + o_m % BR
+        rows = i0 + o_r
         # The head's channels as a chunk of KA plus one of KB where the width is not a power
         # of two (160 = 128 + 32): no dot column and no register on padding.
-        b_acca = tl.zeros([TP * BR, KA], dtype=tl.float32)
-        b_accb = tl.zeros([TP * BR, KB if KB > 0 else 16], dtype=tl.float32)
-        b_kv = tl.zeros([TP * BR], dtype=tl.float32)
+        b_acca = tl.zeros([BR, KA], dtype=tl.float32)
+        b_accb = tl.zeros([BR, KB if KB > 0 else 16], dtype=tl.float32)
+        b_kv = tl.zeros([BR], dtype=tl.float32)
         # A runtime loop over the entries: unrolled, every entry's dot operands took their
         # own shared memory (35 KB each at the 1B width, sm_90 compile).
         for j in range(J):
@@ -805,20 +799,19 @@ def _group_bwd_row_grads_kernel(
                                         tl.where(pick, W[e], p_w), tl.where(pick, DO[e], p_do))  # fmt: skip
                 n, owed = tl.where(pick, N[e], n), tl.where(pick, OWED[e], owed)
                 lo, hi = tl.where(pick, CHUNK_LO[e], lo), tl.where(pick, CHUNK_HI[e], hi)
-            m_j = (rows < owed) & m_t
-            o_tr = t_m * n + rows
+            m_j = rows < owed
+            o_tr = t64 * n + rows
             b_kv += tl.load(p_kv + o_tr, mask=m_j, other=0.0)
-            p_zt = p_z + (o_tr[:, None] * H + i_h) * (2 * SLOTS) + (o_c % (2 * SLOTS))[None, :]
-            b_zh, b_zl = _split(tl.load(p_zt, mask=m_j[:, None] & own, other=0.0), BF16)
-            b_yh, b_yl = _head_site_rows(p_w, p_do, t0, T, i_h, 0, KA, HD, D, lo, hi, BF16, TP)
+            p_zt = p_z + (o_tr[:, None] * H + i_h) * (2 * SLOTS) + o_c[None, :]
+            b_zh, b_zl = _split(tl.load(p_zt, mask=m_j[:, None], other=0.0), BF16)
+            b_yh, b_yl = _head_site_rows(p_w, p_do, t, T, i_h, 0, KA, HD, D, lo, hi, BF16)
             b_acca = _dot_split(b_zh, b_zl, b_yh, b_yl, b_acca, False, False, BF16)
             if KB > 0:
-                b_yh, b_yl = _head_site_rows(p_w, p_do, t0, T, i_h, KA, KB, HD, D, lo, hi, BF16, TP)
+                b_yh, b_yl = _head_site_rows(p_w, p_do, t, T, i_h, KA, KB, HD, D, lo, hi, BF16)
                 b_accb = _dot_split(b_zh, b_zl, b_yh, b_yl, b_accb, False, False, BF16)
-        m_rows = (rows < stop) & m_t
-        _update_row_block(p_t, p_dt, rows, m_rows, stride_vn, stride_dvn, b_kv, b_acca, 0, KA, HD)
+        _update_row_block(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_acca, 0, KA, HD)
         if KB > 0:
-            _update_row_block(p_t, p_dt, rows, m_rows, stride_vn, stride_dvn, b_kv, b_accb, KA, KB, HD)
+            _update_row_block(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_accb, KA, KB, HD)
 
 
 @triton.jit
@@ -1375,7 +1368,6 @@ def add_row_grads(
     start: int,
     num_warps: int = 4,
     stages: int = 2,
-    tokens_per_program: int = 2,
 ) -> None:
     """Add deferred phase-1 gradients to rows ``[start, owed)`` of the history.
 
@@ -1384,12 +1376,8 @@ def add_row_grads(
             order; each adds to the rows ``[start, owed)`` (owed at most its N).
         sources, grad_sources: [T, R, D] the rows from row 0 and their fp32 gradients.
         num_warps, stages: the launch (benchmarks). Two stages overlap an entry's loads
-            with the previous entry's dots (README.md, "Deferred row gradients").
-        tokens_per_program: 1, 2 or 4 tokens per program, in blocks of 16 / that many rows
-            (benchmarks; 2 fills the dots with the 8 rows of a group).
+            with the previous entry's dots (the sweep in the kernel's docstring).
     """
-    if tokens_per_program not in (1, 2, 4):
-        raise ValueError(f"tokens_per_program must be 1, 2 or 4, got {tokens_per_program}")
     entries = [(f, owed) for factors, owed in deferred for f in factors if owed > start]
     if not entries or sources.shape[0] == 0:
         return
@@ -1398,14 +1386,13 @@ def add_row_grads(
     head_dim = d // num_heads
     ka, kb = _head_chunks(head_dim)
     stop = max(owed for _, owed in entries)
-    block_rows = 16 // tokens_per_program  # the dots' smallest M is 16 rows over the tokens
+    block_rows = 16  # the dots' smallest M; a block between group starts has G rows
     for i in range(0, len(entries), _ROW_GRADS_ENTRIES):
         batch = entries[i : i + _ROW_GRADS_ENTRIES]
         z, kv, folded, grad_outs, chunk_lo, chunk_hi = [tuple(x) for x in zip(*(f for f, _ in batch))]
-        _group_bwd_row_grads_kernel[(triton.cdiv(t, tokens_per_program), num_heads)](
+        _group_bwd_row_grads_kernel[(t, num_heads)](
             sources, grad_sources, z, kv, folded, grad_outs,
             tuple(f.z.shape[1] for f, _ in batch), tuple(owed for _, owed in batch), chunk_lo, chunk_hi,
             t, start, stop, sources.stride(0), sources.stride(1), grad_sources.stride(0), grad_sources.stride(1),
-            D=d, H=num_heads, HD=head_dim, BR=block_rows, TP=tokens_per_program, KA=ka, KB=kb, J=len(batch),
-            num_warps=num_warps, num_stages=stages,
+            D=d, H=num_heads, HD=head_dim, BR=block_rows, KA=ka, KB=kb, J=len(batch), num_warps=num_warps, num_stages=stages,
         )  # fmt: skip

@@ -249,13 +249,11 @@ def test_deferred_row_grads(backend, d, heads):
         assert torch.equal(deferred_rows, at_once)
 
 
-@pytest.mark.parametrize("tokens_per_program", [1, 2, 4])
-def test_add_row_grads_spanning_blocks_and_owed_rows(tokens_per_program):
-    """One flush over 40 rows (several row blocks, as a pipeline stage's loaded rows are
-    flushed) from three groups owing different rows ([0, 40), [0, 25), [0, 9)), one of
+def test_add_row_grads_spanning_blocks_and_owed_rows():
+    """One flush over 40 rows (more than one 16-row block, as a pipeline stage's loaded rows
+    are flushed) from three groups owing different rows ([0, 40), [0, 25), [0, 9)), one of
     them split in two chunks by its site range: the tensor-core factors against the
-    reference's, every row to rounding, rows no group owes untouched; with 1, 2 and 4
-    tokens per program (the token count is not a multiple of 4)."""
+    reference's, every row to rounding, rows no group owes untouched."""
     t, d, heads = _tokens(2), 1280, 8
     torch.manual_seed(3)
     buffer, queries, norms, grad_outs = _inputs(t, 42, 3, d, heads, 1.0, torch.float32)
@@ -274,10 +272,7 @@ def test_add_row_grads_spanning_blocks_and_owed_rows(tokens_per_program):
             )  # fmt: skip
             assert deferred and torch.equal(rows, start)  # nothing added before the flush
             owed.append([deferred, n0])
-        if backend is BACKENDS["torch"]:
-            backend.add_row_grads(owed, buffer, rows, 0)
-        else:
-            backend.add_row_grads(owed, buffer, rows, 0, tokens_per_program=tokens_per_program)
+        backend.add_row_grads(owed, buffer, rows, 0)
         results.append(rows)
     got, ref = results
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
