@@ -44,7 +44,6 @@ from .depth_route import (
     _inv_rms,
     _num_sms,
     _route_fwd_step,
-    _route_logits,
     _softmax_step,
     _tile,
 )
@@ -865,11 +864,11 @@ def _use_tensor_cores(tensor_cores: Optional[bool], sites: int, head_dim: int, b
     them where the H200 measured them faster (README.md, "Tensor-core phase 1"): groups of
     more than SLOTS / 2 sites (with fewer, half of every dot is idle; the 100M shape's
     groups of 4 ran faster on the row loops), heads of at most 256 padded columns (one
-    1024-wide head took 112 ms per 350M training step in the dot forward; ``head_dim`` is
-    the dot heads' width, ``_dot_heads``) and, backward, heads wider than 128 (at 350M's 128 the two dot kernels took 46 ms per
-    training step against 44 for the row loop; at 1B's 160 the deepest group took 1.28
-    against 2.63 ms). Decided by the group's size, never a split's: a recomputed chunk
-    runs the kernels of the whole group."""
+    1024-wide head took 112 ms per 350M training step in the dot forward) and, backward,
+    heads wider than 128 (at 350M's 128 the two dot kernels took 46 ms per training step
+    against 44 for the row loop; at 1B's 160 the deepest group took 1.28 against 2.63 ms).
+    ``head_dim`` is the dot heads' width (``_dot_heads``). Decided by the group's size,
+    never a split's: a recomputed chunk runs the kernels of the whole group."""
     if tensor_cores is not None:
         return tensor_cores
     narrow = triton.next_power_of_2(head_dim) <= 256 and (head_dim > 128 or not backward)
@@ -878,9 +877,8 @@ def _use_tensor_cores(tensor_cores: Optional[bool], sites: int, head_dim: int, b
 
 # The dot kernels tile a row as at least this many heads: a model with fewer (Attention
 # Residuals: one) runs each head as DOT_HEADS // H dot heads whose dots are summed, so
-# its tiles, launches and measured choices are those of eight heads (issue: the heads
-# must be free). One 1024-wide head took 112 ms per 350M training step in the dot forward
-# as one head, against 8.9 ms for eight.
+# its tiles, launches and measured choices are those of eight heads and its heads cost
+# what eight do (README.md, "Dot heads").
 DOT_HEADS = 8
 
 
@@ -1180,10 +1178,10 @@ def merge_backward(
 
 class RowFactors(NamedTuple):
     """The rows' gradients one chunk of a tensor-core phase-1 backward leaves to
-    :func:`add_row_grads`: its rows kernel's factors ``z`` [T, N, H, 2 * SLOTS] (H the dot heads) and
-    ``kv`` [T, N] fp32 (transient workspace: 69 MB at the 1B shape's deepest group), the
-    sites' folded queries [NG, D] fp32 and output gradients [NG, T, D], and the chunk's
-    sites ``[chunk_lo, chunk_hi)``."""
+    :func:`add_row_grads`: its rows kernel's factors ``z`` [T, N, H, 2 * SLOTS] (H the
+    dot heads) and ``kv`` [T, N] fp32 (transient workspace: 69 MB at the 1B shape's
+    deepest group), the sites' folded queries [NG, D] fp32 and output gradients
+    [NG, T, D], and the chunk's sites ``[chunk_lo, chunk_hi)``."""
 
     z: torch.Tensor
     kv: torch.Tensor
@@ -1253,8 +1251,8 @@ def group_backward_deferred(
         queries, norm_weights: [G, D]; lse, delta: [G, T, H] fp32 contiguous.
         sites_per_program: sites per launch of the row-loop kernels (default: as
             registers allow); the launches run over the rows last chunk first.
-        tensor_cores: the dot-product kernels where the head is at most 256 columns
-            wide (padded), instead of the row-loop kernel (the default), which holds the
+        tensor_cores: the dot-product kernels where the dot heads (``_dot_heads``) are
+            at most 256 columns wide (padded), instead of the row-loop kernel (the default), which holds the
             sites in registers and adds them one by one; None: where the H200 measured
             them faster (``_use_tensor_cores``; README.md, "Tensor-core phase 1").
         loop: :class:`LoopConfig` fields overriding the default launch (benchmarks).
