@@ -188,7 +188,7 @@ def routing_kernel_phases():
     return phases
 
 
-def _profile_step(trainer, case):
+def _profile_step(trainer, case, top_other: int = 40):
     """CUDA time of one step (ms): routing kernels forward and backward, everything else,
     and the step's wall time (CUDA busy time / wall time < 1 means the host is the bound).
     Launched eagerly under graphs too: the kernels are the same, and each is profiled."""
@@ -203,21 +203,27 @@ def _profile_step(trainer, case):
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     totals = {"fwd": 0.0, "bwd": 0.0, "other": 0.0}
-    per_kernel = {}
+    per_kernel, other_kernels = {}, {}
     for event in prof.key_averages():
         total = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
         if total <= 0 or event.key.startswith("ProfilerStep"):
             continue
         phase = phases.get(event.key, "other")
         totals[phase] += total / 1e3
-        if phase != "other":
-            per_kernel[event.key] = {"ms": total / 1e3, "launches": event.count}
+        (per_kernel if phase != "other" else other_kernels)[event.key] = {"ms": total / 1e3,
+                                                                          "launches": event.count}
     routing = totals["fwd"] + totals["bwd"]
     cuda = routing + totals["other"]
     return {"routing_fwd_ms": totals["fwd"], "routing_bwd_ms": totals["bwd"], "routing_ms": routing,
             "other_ms": totals["other"], "cuda_ms": cuda, "wall_ms": wall * 1e3,
             "routing_fraction": routing / max(cuda, 1e-9), "cuda_busy_fraction": cuda / (wall * 1e3),
-            "routing_kernels": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]["ms"]))}
+            "routing_kernels": _by_time(per_kernel),
+            # The rest's costliest kernels: what a model adds outside routing shows against the baseline's.
+            "other_kernels": _by_time(other_kernels, top_other)}
+
+
+def _by_time(kernels, top=None):
+    return dict(sorted(kernels.items(), key=lambda kv: -kv[1]["ms"])[:top])
 
 
 def _host_split(trainer, device: str, repeats: int = 3):

@@ -29,8 +29,14 @@ import torch
 from megatron_mhar.ops.depth_route import resolve_impl, torch_route_backward, torch_route_forward
 
 
+def torch_copy_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for two ``[T, D]`` views (a history row and a sublayer's tensor)."""
+    dst.copy_(src)
+
+
 class RoutingBackend(NamedTuple):
-    """Forward/backward pair routing over a [T, N, D] view of the history buffer.
+    """Forward/backward pair routing over a [T, N, D] view of the history buffer, and the
+    copy of a ``[T, D]`` row between the buffers and the sublayers (``copy_rows``).
 
     The backward returns every gradient in the dtype of its input (extra, query, norm
     weight), so the autograd functions below hand them on without casts.
@@ -38,6 +44,7 @@ class RoutingBackend(NamedTuple):
 
     forward: Callable
     backward: Callable
+    copy_rows: Callable = torch_copy_rows
 
 
 TORCH_BACKEND = RoutingBackend(torch_route_forward, torch_route_backward)
@@ -48,8 +55,9 @@ def get_backend(impl: str, device: torch.device) -> RoutingBackend:
     if resolve_impl(impl, device) == "torch":
         return TORCH_BACKEND
     from mhar_kernels import depth_route as fused
+    from mhar_kernels import rows
 
-    return RoutingBackend(fused.route_forward, fused.route_backward)
+    return RoutingBackend(fused.route_forward, fused.route_backward, rows.copy_rows)
 
 
 class SourceHistory:
@@ -114,6 +122,21 @@ class SourceHistory:
         read of them has added its share: the backward of their write (or load) takes them.
         A history whose reads defer part of their gradients adds it here."""
         return self.grad_buffer[:, :, start:stop]
+
+    def store_row(self, row: int, source: torch.Tensor) -> None:
+        """Copy ``source`` [s, b, h] into row ``row`` of the buffer."""
+        s, b, h = self.shape
+        flat = source.reshape(s * b, h)
+        self.backend.copy_rows(flat if flat.stride(1) == 1 else flat.contiguous(), self._flat[:, row])
+
+    def due_row_grad(self, row: int, dtype: torch.dtype) -> torch.Tensor:
+        """Row ``row``'s due gradient (:meth:`due_grads`) as a new [s, b, h] tensor in ``dtype``,
+        for the sublayer that wrote the row."""
+        s, b, h = self.shape
+        grad = self.due_grads(row + 1, row)[:, :, 0].reshape(s * b, h)  # a view: s, b merge
+        out = torch.empty((s, b, h), dtype=dtype, device=grad.device)
+        self.backend.copy_rows(grad, out.view(s * b, h))
+        return out
 
     def release(self) -> None:
         """Drop the last token once the forward pass is done.
@@ -183,15 +206,14 @@ def _new_token(reference: torch.Tensor) -> torch.Tensor:
 class _WriteRow(torch.autograd.Function):
     @staticmethod
     def forward(ctx, history, row, source, token):
-        history.buffer[:, :, row].copy_(source)
+        history.store_row(row, source)
         ctx.set_materialize_grads(False)
         ctx.history, ctx.row, ctx.dtype = history, row, source.dtype
         return _new_token(source)
 
     @staticmethod
     def backward(ctx, _grad_token):
-        grad_source = ctx.history.due_grads(ctx.row + 1, ctx.row)[:, :, 0].to(ctx.dtype)
-        return None, None, grad_source, None
+        return None, None, ctx.history.due_row_grad(ctx.row, ctx.dtype), None
 
 
 def _route_forward(ctx, history, num_rows, query, norm_weight, extra, store_extra):
@@ -275,8 +297,7 @@ class _WriteRoute(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_token):
         history, row = ctx.history, ctx.num_rows
         if grad_out is None:  # the routed output was not used: only later reads contribute
-            grad_source = history.due_grads(row + 1, row)[:, :, 0].to(ctx.dtype)
-            return None, None, grad_source, None, None, None
+            return None, None, history.due_row_grad(row, ctx.dtype), None, None, None
         history.due_grads(row + 1, row)  # the kernel reads the later reads' share of the row
         query, norm_weight = ctx.saved_tensors
         grad_source, grad_query, grad_norm = _route_backward(

@@ -418,14 +418,25 @@ class RoutingGroup:
 
     def workspace(self, index: int, grad_out: torch.Tensor, num_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(output gradient [T, D], delta fp32 [T, H]) slots of site ``index`` in the group's
-        backward workspaces, which site ``index``'s merge backward fills; zeros for the
-        sites whose output was not used."""
+        backward workspaces, which site ``index``'s merge backward fills (uninitialised
+        until then: :meth:`backward_range` zeroes the slots no merge filled)."""
         if self.grad_outs is None:
             g, (t, d) = len(self.sites), grad_out.shape
-            self.grad_outs = grad_out.new_zeros((g, t, d))
-            self.deltas = grad_out.new_zeros((g, t, num_heads), dtype=torch.float32)
+            self.grad_outs = grad_out.new_empty((g, t, d))
+            self.deltas = grad_out.new_empty((g, t, num_heads), dtype=torch.float32)
             self._slices = (self.grad_outs.unbind(), self.deltas.unbind())
         return self._slices[0][index], self._slices[1][index]
+
+    def backward_range(self) -> Tuple[int, int]:
+        """(lo, hi): the sites the phase-1 backward covers, from the first to the last that
+        deposited; a site between them whose output was not used gets zero workspace slots
+        (its terms vanish). Zeroing only those, not whole workspaces up front, saves a fill
+        of [G, T, D] per group (at 100M 67 MB, 7 per micro-batch)."""
+        lo, hi = min(self.deposited), max(self.deposited) + 1
+        for index in sorted(set(range(lo, hi)) - set(self.deposited)):
+            self._slices[0][index].zero_()
+            self._slices[1][index].zero_()
+        return lo, hi
 
     def deposit(self, index: int, grad_query, grad_norm) -> None:
         """Keep site ``index``'s merge gradients (of its new rows) for the phase-1 backward,
@@ -573,8 +584,7 @@ class _GroupPartials(torch.autograd.Function):
         g = len(group.sites)
         grads: List[Optional[torch.Tensor]] = [None] * (2 * g)
         if group.deposited:
-            # The sites merged in this graph; the others' grad_outs and deltas are zeros.
-            lo, hi = min(group.deposited), max(group.deposited) + 1
+            lo, hi = group.backward_range()  # the sites merged in this graph
             dq, dg, deferred = history.lookahead.group_backward_deferred(
                 group.grad_outs, history.rows(group.old_rows), queries, norms, group.lse,
                 group.deltas, history.num_heads, history.eps, history.logit_scale,

@@ -13,5 +13,6 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    if "mhar_kernels.depth_route" in sys.modules:
-        importlib.reload(sys.modules["mhar_kernels.depth_route"])
+    for name in ("mhar_kernels.depth_route", "mhar_kernels.rows"):
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])

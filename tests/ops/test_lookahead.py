@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_mhar.config import MHARConfig
-from megatron_mhar.ops.lookahead import group_ranges
+from megatron_mhar.ops.history import TORCH_BACKEND, SourceHistory
+from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, GroupSite, LookaheadHistory, group_ranges
 from tests.models.test_mhar_model import _batch, _build, _model_config, _randomize_routers
 
 
@@ -88,6 +89,51 @@ def test_lookahead_history_is_freed(megatron_world1):
         lookahead_module.LookaheadHistory.__init__ = original_init
     gc.collect()
     assert len(created) == 2 and all(ref() is None for ref in created)
+
+
+def test_group_site_with_unused_output(megatron_world1):
+    """A group whose middle site's routed output is not used: the phase-1 backward still
+    covers it (it lies between sites that are), with zero workspace slots. Under
+    deterministic mode uninitialised memory is NaN, so a slot left unzeroed shows."""
+    s, b, d, heads = 3, 2, 16, 4
+    generator = torch.Generator().manual_seed(0)
+    embedding = torch.randn(s, b, d, generator=generator, requires_grad=True)
+    weights = [(0.3 * torch.randn(d, d, generator=generator)).requires_grad_(True) for _ in range(2)]
+    routers = [((0.5 * torch.randn(d, generator=generator)).requires_grad_(True),
+                (1 + 0.2 * torch.randn(d, generator=generator)).requires_grad_(True)) for _ in range(3)]  # fmt: skip
+    grad_out = torch.randn(s, b, d, generator=generator)
+
+    def run(lookahead):
+        kw = dict(num_heads=heads, eps=1e-6, logit_scale=1.3)
+        if lookahead:
+            history = LookaheadHistory(3, embedding, TORCH_BACKEND, TORCH_LOOKAHEAD, **kw)
+            sites = [GroupSite(j + 1, j + 1, q, g) for j, (q, g) in enumerate(routers)]
+
+            def route(j):
+                return history.route_group(sites, j)
+        else:
+            history = SourceHistory(3, embedding, TORCH_BACKEND, **kw)
+
+            def route(j):
+                return history.route(j + 1, *routers[j])
+        history.write(0, embedding)
+        row1 = torch.tanh(route(0) @ weights[0])
+        history.write(1, row1)
+        route(1)  # not used
+        history.write(2, torch.tanh(row1 @ weights[1]))
+        out = route(2)
+        leaves = [embedding, *weights, *[x for r in routers for x in r]]
+        grads = torch.autograd.grad((out * grad_out).sum(), leaves, allow_unused=True)
+        return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        expected, actual = run(False), run(True)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    for got, want in zip(actual, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
