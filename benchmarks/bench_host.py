@@ -76,7 +76,7 @@ class StubBackends:
             return sources.new_empty(sources.shape[0], sources.shape[2])
 
         def merge_backward(grad_out, out, sources, query, norm_weight, lse, heads, eps, tau,
-                           grad_sources, delta_out=None, grad_out_copy=None):  # fmt: skip
+                           row_factors, delta_out=None, grad_out_copy=None):  # fmt: skip
             self.calls["merge_backward"] += 1
             kw = dict(dtype=torch.float32, device=grad_out.device)
             return torch.empty(grad_out.shape[0], heads, **kw), torch.empty(query.shape, **kw), torch.empty(query.shape, **kw)
@@ -91,7 +91,11 @@ class StubBackends:
         def add_row_grads(deferred, sources, grad_sources, start):
             self.calls["add_row_grads"] += 1
 
-        return LookaheadBackend(group_forward, merge_forward, merge_backward, group_backward, add_row_grads)
+        def merge_row_grad(row, row_grad, out, *factors):
+            self.calls["merge_row_grad"] += 1
+
+        return LookaheadBackend(group_forward, merge_forward, merge_backward, group_backward, add_row_grads,
+                                merge_row_grad)  # fmt: skip
 
 
 class CountOps(TorchDispatchMode):

@@ -190,7 +190,8 @@ def _merge_bwd_kernel(
     O_ptr,  # [T, D] the routed output, strides (stride_ot, 1)
     LSE_ptr,  # [T, H] fp32 log-sum-exp saved by the merge
     DELTA_ptr,  # [T, H] fp32 out: delta[h] = sum over head h of do * out
-    DV_ptr,  # [T, N, D] fp32 gradients of the new rows (+=), strides (stride_dvt, stride_dvn, 1)
+    F_ptr,  # [T, N, H, 2] fp32 out: per new row and head (p, tau r ds), strides (stride_ft, stride_fn, 2, 1)
+    KV_ptr,  # [T, N] fp32 out: per new row tau r c, strides (stride_kt, 1)
     DW_ptr,  # [P, 1, D] fp32 per-program partial dL/dw, P = number of programs
     DOC_ptr,  # [T, D] contiguous out (COPY_DO): a copy of the output gradient
     T,
@@ -200,8 +201,9 @@ def _merge_bwd_kernel(
     stride_vn,
     stride_dot,
     stride_ot,
-    stride_dvt,
-    stride_dvn,
+    stride_ft,
+    stride_fn,
+    stride_kt,
     eps,
     scale,
     D: tl.constexpr,
@@ -241,24 +243,80 @@ def _merge_bwd_kernel(
         tl.store(DELTA_ptr + p_th, b_delta, mask=m_th)
         b_lse = tl.load(LSE_ptr + p_th, mask=m_th, other=0.0)
         p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
-        p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
+        p_f = F_ptr + o_t64[:, None] * stride_ft + o_h[None, :] * 2
+        p_kv = KV_ptr + o_t64 * stride_kt
         for _ in tl.range(0, N, num_stages=STAGES):
             b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
             b_r, b_dot, b_s, b_dp = _bwd_head_sums((b_v,), (b_w,), (b_do,), eps, scale, D, 1, ONE_REDUCE)
             b_p = tl.exp(b_s - b_lse)
             b_ds = b_p * (b_dp - b_delta)
-            # Not _grad_factors' one-FMA-per-term form: here, with the gradient loaded
-            # first, the whole 1B step ran 24.2 against 22.7 ms on the H200 (same run).
-            b_c = tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
-            b_rs = (b_r * scale)[:, None, None]
-            b_dv = b_p[:, :, None] * b_do + b_rs * (b_ds[:, :, None] * b_w[None, :, :] - b_c[:, None, None] * b_v)
-            b_dw += b_rs * b_ds[:, :, None] * b_v
-            b_dv += tl.load(p_dv, mask=m_v, other=0.0)
-            tl.store(p_dv, b_dv, mask=m_v)
+            b_rs = b_r * scale
+            b_rds = b_rs[:, None] * b_ds
+            # The row's gradient p do + tau r ds w - tau r c v as its factors, added when the
+            # row is due (merge_row_grad): no read-modify-write of its fp32 gradient here.
+            tl.store(p_f, b_p, mask=m_th)
+            tl.store(p_f + 1, b_rds, mask=m_th)
+            tl.store(p_kv, b_rs * tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D), mask=m_t)
+            b_dw += b_rds[:, :, None] * b_v
             p_v += stride_vn
-            p_dv += stride_dvn
+            p_f += stride_fn
+            p_kv += 1
 
     tl.store(DW_ptr + i_p * D + o_d, tl.sum(b_dw, axis=0), mask=m_d)
+
+
+# Indices and sizes are not specialised: each value of 1 would be its own compile.
+@triton.jit(do_not_specialize=["T", "R", "index", "site_lo", "site_hi"])
+def _merge_row_grad_kernel(
+    V_ptr,  # [T, D] the row, strides (stride_vt, 1)
+    G_ptr,  # [T, D] fp32 its gradient from every other read, strides (stride_gt, 1)
+    O_ptr,  # [T, D] out (may be G_ptr), strides (stride_ot, 1)
+    DO_ptr,  # [NG, T, D] the group's output gradients, contiguous
+    Q_ptr,  # [NG, D] queries, contiguous
+    N_ptr,  # [NG, D] norm weights, contiguous
+    F_ptr,  # [NG, T, R, H, 2] fp32 the merges' factors (p, tau r ds), contiguous
+    KV_ptr,  # [NG, T, R] fp32 tau r c, contiguous
+    T,
+    R,
+    index,
+    site_lo,
+    site_hi,
+    stride_vt,
+    stride_gt,
+    stride_ot,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    HD: tl.constexpr,
+    BT: tl.constexpr,
+    BH: tl.constexpr,
+    BHD: tl.constexpr,
+):
+    """out = g + sum over the sites [site_lo, site_hi), last first, of p do + tau r ds w
+    - tau r c v: one row's gradient from its factors, one token tile per program."""
+    o_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    o_h = tl.arange(0, BH)
+    o_k = tl.arange(0, BHD)
+    o_d = o_h[:, None] * HD + o_k[None, :]
+    m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
+    m_t = o_t < T
+    m_v = m_t[:, None, None] & m_d[None, :, :]
+    m_th = m_t[:, None] & (o_h[None, :] < H)
+    o_t64 = o_t.to(tl.int64)
+    p_td = o_t64[:, None, None] * D + o_d[None, :, :]
+    b_v = tl.load(V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :], mask=m_v, other=0.0)
+    b_acc = tl.load(G_ptr + o_t64[:, None, None] * stride_gt + o_d[None, :, :], mask=m_v, other=0.0)
+    b_v = b_v.to(tl.float32)
+    for k in range(site_hi - site_lo):
+        j = site_hi - 1 - k
+        b_w = _folded_query(Q_ptr + j * D, N_ptr + j * D, o_d, m_d, V_ptr.dtype.element_ty, BHD, 1)[0]
+        b_do = tl.load(DO_ptr + j * T * D + p_td, mask=m_v, other=0.0).to(tl.float32)
+        o_tr = (j * T + o_t64) * R + index
+        p_f = F_ptr + (o_tr[:, None] * H + o_h[None, :]) * 2
+        b_p = tl.load(p_f, mask=m_th, other=0.0)
+        b_rds = tl.load(p_f + 1, mask=m_th, other=0.0)
+        b_kv = tl.load(KV_ptr + o_tr, mask=m_t, other=0.0)
+        b_acc += b_p[:, :, None] * b_do + b_rds[:, :, None] * b_w[None, :, :] - b_kv[:, None, None] * b_v
+    tl.store(O_ptr + o_t64[:, None, None] * stride_ot + o_d[None, :, :], b_acc.to(O_ptr.dtype.element_ty), mask=m_v)
 
 
 @triton.jit
@@ -1124,16 +1182,18 @@ def merge_backward(
     num_heads: int,
     eps: float,
     logit_scale: float,
-    grad_sources: torch.Tensor,
+    row_factors: Tuple[torch.Tensor, torch.Tensor],
     delta_out: Optional[torch.Tensor] = None,
     grad_out_copy: Optional[torch.Tensor] = None,
     **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of :func:`merge_forward` in one pass over the new rows; adds their
-    gradients into the fp32 view ``grad_sources`` [T, n, D]. ``delta_out`` (fp32 [T, H])
-    receives delta and ``grad_out_copy`` (contiguous [T, D], grad_out's dtype) a copy of
-    ``grad_out``, from the same kernel (the group's workspaces, no copy kernels). ``loop``:
-    :class:`LoopConfig` fields overriding the default launch (benchmarks).
+    """Backward of :func:`merge_forward` in one pass over the new rows, whose gradients it
+    leaves as factors in ``row_factors`` (fp32 views factors [T, n, H, 2] with unit stride
+    over the last two dims, kv [T, n] with unit stride over n) for :func:`merge_row_grad`.
+    ``delta_out`` (fp32 [T, H]) receives delta and ``grad_out_copy`` (contiguous [T, D],
+    grad_out's dtype) a copy of ``grad_out``, from the same kernel (the group's workspaces,
+    no copy kernels). ``loop``: :class:`LoopConfig` fields overriding the default launch
+    (benchmarks).
 
     Returns:
         (delta [T, H] fp32 (``delta_out`` if given), grad_query fp32 [D],
@@ -1155,16 +1215,22 @@ def merge_backward(
                     or not grad_out_copy.is_contiguous()):  # fmt: skip
         raise ValueError(f"grad_out_copy must be a contiguous {grad_out.dtype} [{t}, {d}] tensor, got "
                          f"{tuple(grad_out_copy.shape)} {grad_out_copy.dtype}")  # fmt: skip
+    factors, kv = row_factors
+    if (factors.shape != (t, n, num_heads, 2) or kv.shape != (t, n) or factors.dtype != torch.float32
+            or kv.dtype != torch.float32 or (n > 0 and (factors.stride()[2:] != (2, 1) or kv.stride(1) != 1))):  # fmt: skip
+        raise ValueError(f"row_factors must be fp32 views [{t}, {n}, {num_heads}, 2] and [{t}, {n}] with unit "
+                         f"inner strides, got {tuple(factors.shape)} {factors.stride()} and "
+                         f"{tuple(kv.shape)} {kv.stride()}")  # fmt: skip
     num_tiles = triton.cdiv(t, block_t)
     num_programs = _backward_programs(num_tiles, device, programs_per_sm)
     dw = torch.empty((num_programs, 1, d), dtype=torch.float32, device=device)
     if t > 0:
-        src, gsrc = (sources, grad_sources) if n > 0 else (out, dw)
+        src, f, k = (sources, factors, kv) if n > 0 else (out, dw, dw)  # no row: nothing is stored
         _merge_bwd_kernel[(num_programs,)](
-            src, query, norm_weight, grad_out, out, lse, delta, gsrc, dw,
+            src, query, norm_weight, grad_out, out, lse, delta, f, k, dw,
             grad_out_copy if copy_do else grad_out, t, n, num_tiles,
             src.stride(0), src.stride(1) if n > 0 else 0, grad_out.stride(0), out.stride(0),
-            gsrc.stride(0) if n > 0 else 0, gsrc.stride(1) if n > 0 else 0,
+            f.stride(0) if n > 0 else 0, f.stride(1) if n > 0 else 0, k.stride(0) if n > 0 else 0,
             eps, float(logit_scale),
             D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages, COPY_DO=copy_do,
             ONE_REDUCE=num_heads == 1,
@@ -1174,6 +1240,47 @@ def merge_backward(
         dw.zero_()
     dq, dg = _reduce_dw(dw, sources if n > 0 else out, query.view(1, d), norm_weight.view(1, d))
     return delta, dq[0], dg[0]
+
+
+def merge_row_grad(
+    row: torch.Tensor,
+    row_grad: torch.Tensor,
+    out: torch.Tensor,
+    grad_outs: torch.Tensor,
+    queries: torch.Tensor,
+    norm_weights: torch.Tensor,
+    factors: torch.Tensor,
+    kv: torch.Tensor,
+    index: int,
+    site_range: Tuple[int, int],
+    num_heads: int,
+) -> None:
+    """A new row's gradient from the factors its group's merges left
+    (:func:`merge_backward`) and its fp32 gradient from every other read, written into
+    ``out`` in ``out``'s dtype (``out`` may be ``row_grad``): one read of the fp32
+    gradient and each site's output gradient, one write. Arguments as the reference's
+    (``megatron_mhar.ops.lookahead.torch_merge_row_grad``); ``row``, ``row_grad`` and
+    ``out`` [T, D] with unit stride over D, the group's tensors contiguous."""
+    t, d = row.shape
+    g, _, r, _, _ = factors.shape
+    lo, hi = site_range
+    if not (0 <= lo <= hi <= g and 0 <= index < max(r, 1)):
+        raise ValueError(f"site_range {site_range} / index {index} outside the group's {g} sites and {r} new rows")
+    for name, x in (("grad_outs", grad_outs), ("queries", queries), ("norm_weights", norm_weights),
+                    ("factors", factors), ("kv", kv)):  # fmt: skip
+        if not x.is_contiguous():
+            raise ValueError(f"merge_row_grad needs a contiguous {name}")
+    if any(x.stride(1) != 1 for x in (row, row_grad, out)):
+        raise ValueError("merge_row_grad needs row, row_grad and out with unit stride over D")
+    if t == 0:
+        return
+    head_dim, bh, bhd = _tile(d, num_heads)
+    block_t = max(1, 4096 // (bh * bhd))
+    _merge_row_grad_kernel[(triton.cdiv(t, block_t),)](
+        row, row_grad, out, grad_outs, queries, norm_weights, factors, kv,
+        t, r, index, lo, hi, row.stride(0), row_grad.stride(0), out.stride(0),
+        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, num_warps=4,
+    )  # fmt: skip
 
 
 class RowFactors(NamedTuple):

@@ -38,7 +38,7 @@ whose reads go through groups. The per-site path is untouched.
 
 import functools
 import math
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -87,9 +87,10 @@ def _online(sources, w, m, l, acc, eps, logit_scale):
     return m, l, acc
 
 
-def _source_grads(sources, w, grad_outs, lse, delta, eps, logit_scale, grad_sources):
+def _source_grads(sources, w, grad_outs, lse, delta, eps, logit_scale, grad_sources, row_factors=None):
     """Add one site's gradient to each row of ``sources`` into ``grad_sources`` (None: skip
-    them); return dw [1, H, D/H].
+    them) or write its factors into ``row_factors`` (see :func:`torch_merge_backward`);
+    return dw [1, H, D/H].
 
     w [1, H, D/H], grad_outs [1, T, H, D/H], lse and delta [1, T, H], in the compute dtype.
     """
@@ -103,12 +104,16 @@ def _source_grads(sources, w, grad_outs, lse, delta, eps, logit_scale, grad_sour
         dp = (grad_outs * v.unsqueeze(0)).sum(-1)
         ds = p * (dp - delta)
         rs = (inv_rms * logit_scale)[None, :, None, None]
+        c = (ds * dots).sum(-1) * (inv_rms * inv_rms / d)  # [G, T]
         if grad_sources is not None:
-            c = (ds * dots).sum(-1) * (inv_rms * inv_rms / d)  # [G, T]
             dv = p.unsqueeze(-1) * grad_outs + rs * (
                 ds.unsqueeze(-1) * w.unsqueeze(1) - c[..., None, None] * v.unsqueeze(0)
             )
             grad_sources[:, i] += dv.sum(0).flatten(-2).to(grad_sources.dtype)
+        if row_factors is not None:
+            factors, kv = row_factors
+            factors[:, i] = torch.stack((p[0], rs[0, :, :, 0] * ds[0]), -1)
+            kv[:, i] = rs[0, :, 0, 0] * c[0]
         dw += (rs * ds.unsqueeze(-1) * v.unsqueeze(0)).sum(1)
     return dw
 
@@ -188,17 +193,21 @@ def torch_merge_backward(
     num_heads: int,
     eps: float,
     logit_scale: float,
-    grad_sources: torch.Tensor,
+    row_factors: Tuple[torch.Tensor, torch.Tensor],
     delta_out: Optional[torch.Tensor] = None,
     grad_out_copy: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of the merge: gradients of the new rows (added into ``grad_sources``);
-    ``delta_out`` receives delta and ``grad_out_copy`` a copy of ``grad_out`` if given.
+    """Backward of the merge. The new rows' gradients are left as factors, which
+    :func:`torch_merge_row_grad` adds when a row is due; ``delta_out`` receives delta
+    and ``grad_out_copy`` a copy of ``grad_out`` if given.
 
     Args:
         grad_out, out: [T, D] gradient and value of the site's routed output.
-        sources: [T, n, D] new rows; grad_sources: fp32 [T, n, D] view receiving ``+=``.
+        sources: [T, n, D] new rows.
         lse: [T, H] saved by the merge.
+        row_factors: (factors [T, n, H, 2], kv [T, n]) fp32 views receiving, per new row
+            i, head h and token, ``(p, tau r ds)`` and ``tau r c`` (README.md beside the
+            kernels, "Backward"): row i's gradient is then ``p do + tau r ds w - tau r c v``.
 
     Returns:
         (delta [T, H] fp32 = sum over each head of grad_out * out, dquery fp32 [D] and
@@ -209,7 +218,7 @@ def torch_merge_backward(
     do = grad_out.to(compute).unflatten(-1, (num_heads, -1))
     delta = (do * out.to(compute).unflatten(-1, (num_heads, -1))).sum(-1)
     dw = _source_grads(
-        sources, w, do[None], lse.to(compute)[None], delta[None], eps, logit_scale, grad_sources
+        sources, w, do[None], lse.to(compute)[None], delta[None], eps, logit_scale, None, row_factors
     )
     dq, dg = _weight_grads(dw, query[None], norm_weight[None], sources.dtype)
     if grad_out_copy is not None:
@@ -217,6 +226,43 @@ def torch_merge_backward(
     if delta_out is not None:
         return delta_out.copy_(delta), dq[0], dg[0]
     return delta.float(), dq[0], dg[0]
+
+
+def torch_merge_row_grad(
+    row: torch.Tensor,
+    row_grad: torch.Tensor,
+    out: torch.Tensor,
+    grad_outs: torch.Tensor,
+    queries: torch.Tensor,
+    norm_weights: torch.Tensor,
+    factors: torch.Tensor,
+    kv: torch.Tensor,
+    index: int,
+    site_range: Tuple[int, int],
+    num_heads: int,
+) -> None:
+    """A new row's gradient from its fp32 gradient so far and the factors the merges of a
+    group's sites ``site_range`` left (:func:`torch_merge_backward`), written into ``out``.
+
+    Args:
+        row: [T, D] the row; row_grad: [T, D] fp32 its gradient from every other read;
+            out: [T, D] in any dtype (it may be ``row_grad`` itself).
+        grad_outs: [G, T, D] the group's output gradients; queries, norm_weights: [G, D].
+        factors: [G, T, R, H, 2] and kv: [G, T, R] fp32, site j's rows' factors at [j];
+            index: the row's index among them (R the group's new rows).
+        site_range: (lo, hi), the sites reading the row; added last site first, the order
+            the merges ran in.
+    """
+    lo, hi = site_range
+    w = _folded(queries[lo:hi], norm_weights[lo:hi], row.dtype, num_heads)
+    compute = w.dtype
+    v = row.to(compute).unflatten(-1, (num_heads, -1))
+    acc = row_grad.to(compute).unflatten(-1, (num_heads, -1))
+    for j in reversed(range(lo, hi)):
+        f = factors[j, :, index].to(compute)  # [T, H, 2]
+        do = grad_outs[j].to(compute).unflatten(-1, (num_heads, -1))
+        acc = acc + (f[..., :1] * do + f[..., 1:] * w[j - lo] - kv[j, :, index].to(compute)[:, None, None] * v)
+    out.copy_(acc.flatten(-2))
 
 
 class SiteFactors(NamedTuple):
@@ -311,18 +357,21 @@ class LookaheadBackend(NamedTuple):
     """The functions of the two-phase schedule (reference or fused). The history runs
     phase 1's backward deferred: ``group_backward_deferred`` returns the parameters'
     gradients and leaves the old rows' to ``add_row_grads``, which the history calls when
-    a row's gradient is due, for every group owing it at once."""
+    a row's gradient is due, for every group owing it at once; ``merge_backward`` leaves
+    the new rows' as factors for ``merge_row_grad``, which the history calls when each new
+    row is due."""
 
     group_forward: object
     merge_forward: object
     merge_backward: object
     group_backward_deferred: object
     add_row_grads: object
+    merge_row_grad: object
 
 
 TORCH_LOOKAHEAD = LookaheadBackend(
     torch_group_forward, torch_merge_forward, torch_merge_backward, torch_group_backward_deferred,
-    torch_add_row_grads,
+    torch_add_row_grads, torch_merge_row_grad,
 )
 
 
@@ -347,6 +396,7 @@ def get_lookahead_backend(impl: str, device: torch.device, kernels: str = "auto"
         fused.merge_backward,
         functools.partial(fused.group_backward_deferred, tensor_cores=tensor_cores),
         fused.add_row_grads,
+        fused.merge_row_grad,
     )
 
 
@@ -404,38 +454,61 @@ class RoutingGroup:
         self.lse = torch.empty((len(sites), t, heads), dtype=torch.float32, device=device)
         self.site_lse = self.lse.unbind()
         self.next_index = 0
-        # Backward workspaces, [G, ...] each with its per-site slices.
+        # The stacked queries and norm weights [G, D], set by the group's forward.
+        self.queries: Optional[torch.Tensor] = None
+        self.norms: Optional[torch.Tensor] = None
+        # Backward workspaces, [G, ...] each with its per-site slices: the output gradients
+        # and deltas, and the new rows' gradient factors (torch_merge_backward).
         self.grad_outs: Optional[torch.Tensor] = None
         self.deltas: Optional[torch.Tensor] = None
+        self.row_factors: Optional[torch.Tensor] = None  # [G, T, R, H, 2] fp32, R new rows
+        self.row_kv: Optional[torch.Tensor] = None  # [G, T, R] fp32
         # Per site: the merge's (dquery, dnorm) fp32, stacked once by the group's backward.
         self.merge_grads: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(sites)
         self._slices: Tuple[Tuple[torch.Tensor, ...], ...] = ()
         self.deposited: List[int] = []
+        self._zeroed: set = set()
 
     @property
     def first_site(self) -> int:
         return self.sites[0].site
 
-    def workspace(self, index: int, grad_out: torch.Tensor, num_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(output gradient [T, D], delta fp32 [T, H]) slots of site ``index`` in the group's
-        backward workspaces, which site ``index``'s merge backward fills (uninitialised
-        until then: :meth:`backward_range` zeroes the slots no merge filled)."""
+    @property
+    def new_rows(self) -> int:
+        """R: the rows written since the group started that its last site reads."""
+        return self.sites[-1].num_rows - self.old_rows
+
+    def workspace(self, index: int, grad_out: torch.Tensor, num_heads: int):
+        """(output gradient [T, D], delta fp32 [T, H], (factors [T, n, H, 2], kv [T, n]) of its
+        n new rows) slots of site ``index`` in the group's backward workspaces, which site
+        ``index``'s merge backward fills (uninitialised until then: :meth:`zero_unused`
+        zeroes the slots of the sites whose output was not used)."""
         if self.grad_outs is None:
             g, (t, d) = len(self.sites), grad_out.shape
             self.grad_outs = grad_out.new_empty((g, t, d))
             self.deltas = grad_out.new_empty((g, t, num_heads), dtype=torch.float32)
-            self._slices = (self.grad_outs.unbind(), self.deltas.unbind())
-        return self._slices[0][index], self._slices[1][index]
+            self.row_factors = self.deltas.new_empty((g, t, self.new_rows, num_heads, 2))
+            self.row_kv = self.deltas.new_empty((g, t, self.new_rows))
+            self._slices = tuple(x.unbind() for x in (self.grad_outs, self.deltas, self.row_factors, self.row_kv))
+        n = self.sites[index].num_rows - self.old_rows
+        grad_outs, deltas, factors, kv = self._slices
+        return grad_outs[index], deltas[index], (factors[index][:, :n], kv[index][:, :n])
+
+    def zero_unused(self, lo: int, hi: int) -> None:
+        """Zero the workspace slots of the sites in ``lo:hi`` that deposited nothing (their
+        output was not used): their terms in the phase-1 backward and in the new rows'
+        gradients then vanish. Zeroing only those, not whole workspaces up front, saves a
+        fill of [G, T, D] per group (at 100M 67 MB, 7 per micro-batch)."""
+        for index in sorted(set(range(lo, hi)) - set(self.deposited) - self._zeroed):
+            for slices in self._slices:
+                slices[index].zero_()
+            self._zeroed.add(index)
 
     def backward_range(self) -> Tuple[int, int]:
         """(lo, hi): the sites the phase-1 backward covers, from the first to the last that
-        deposited; a site between them whose output was not used gets zero workspace slots
-        (its terms vanish). Zeroing only those, not whole workspaces up front, saves a fill
-        of [G, T, D] per group (at 100M 67 MB, 7 per micro-batch)."""
+        deposited (:meth:`zero_unused` clears the ones between whose output was not used)."""
         lo, hi = min(self.deposited), max(self.deposited) + 1
-        for index in sorted(set(range(lo, hi)) - set(self.deposited)):
-            self._slices[0][index].zero_()
-            self._slices[1][index].zero_()
+        self.zero_unused(lo, hi)
         return lo, hi
 
     def deposit(self, index: int, grad_query, grad_norm) -> None:
@@ -454,7 +527,8 @@ class RoutingGroup:
         return torch.stack([x[0] for x in grads]), torch.stack([x[1] for x in grads])
 
     def release_backward(self) -> None:
-        self.grad_outs = self.deltas = self.lse = None
+        self.grad_outs = self.deltas = self.lse = self.row_factors = self.row_kv = None
+        self.queries = self.norms = None
         self.merge_grads = []
         self._slices = self.site_lse = ()
 
@@ -493,6 +567,9 @@ class LookaheadHistory(SourceHistory):
         self.group_starts = {0}
         # [deferred, owed]: a phase-1 backward's rows' gradients not yet added, to rows [0, owed).
         self.owed: List[list] = []
+        # Rows whose merges left their gradients as factors: row -> the group runs that did
+        # (more than one where a checkpointed chunk split the group's sites between runs).
+        self.pending: Dict[int, List[RoutingGroup]] = {}
 
     @property
     def num_tokens(self) -> int:
@@ -514,13 +591,13 @@ class LookaheadHistory(SourceHistory):
         if deferred:
             self.owed.append([deferred, old_rows])
 
-    def due_grads(self, stop: int, start: int = 0) -> torch.Tensor:
-        """Add what the groups owe the rows from the nearest group start at or below
-        ``start`` up, then the gradients. Every group reading row ``start`` as an old row
-        consumed a later token than its write, so its backward has run and deferred; and no
-        group starts between that start and ``start``, so the groups owing the rows above it
-        are all in. One kernel adds them all: each row's fp32 gradient is read and written
-        once for the groups behind, not once per group."""
+    def _add_owed(self, start: int) -> None:
+        """Add what the phase-1 backwards owe the rows from the nearest group start at or
+        below ``start`` up. Every group reading row ``start`` as an old row consumed a later
+        token than its write, so its backward has run and deferred; and no group starts
+        between that start and ``start``, so the groups owing the rows above it are all in.
+        One kernel adds them all: each row's fp32 gradient is read and written once for the
+        groups behind, not once per group."""
         if any(owed > start for _, owed in self.owed):
             block = max(n for n in self.group_starts if n <= start)
             cap = self.capacity
@@ -528,7 +605,53 @@ class LookaheadHistory(SourceHistory):
             for entry in self.owed:
                 entry[1] = min(entry[1], block)
             self.owed = [entry for entry in self.owed if entry[1] > 0]
+
+    def _finish_row(self, row: int, dtype: Optional[torch.dtype] = None, only=None) -> torch.Tensor:
+        """Add the merges' factors of pending row ``row`` (of every group run, or of the run
+        ``only``) to its fp32 gradient: in place (``dtype`` None) or, from the last run, into
+        a new [T, D] tensor of ``dtype``; returns the result. The sites reading the row are a
+        suffix of its group's; those whose merge did not run in a group run add zeros."""
+        runs = self.pending.pop(row)
+        if only is not None:
+            if len(runs) > 1:
+                self.pending[row] = [g for g in runs if g is not only]
+            runs = [only]
+        grad = self.grad_rows(row + 1, row)[:, 0]
+        for k, group in enumerate(runs):
+            lo = next(j for j, site in enumerate(group.sites) if site.num_rows > row)
+            hi = len(group.sites)
+            group.zero_unused(lo, hi)
+            last = k == len(runs) - 1
+            out = torch.empty(grad.shape, dtype=dtype, device=grad.device) if last and dtype else grad
+            self.lookahead.merge_row_grad(
+                self.rows(row + 1, row)[:, 0], grad, out, group.grad_outs, group.queries, group.norms,
+                group.row_factors, group.row_kv, row - group.old_rows, (lo, hi), self.num_heads,
+            )  # fmt: skip
+        return out
+
+    def finish_rows(self, group: RoutingGroup) -> None:
+        """Add the factors of ``group``'s rows still pending into their fp32 gradients, before
+        the group releases its workspaces (the rows of a run whose phase-1 backward comes
+        before they are due: the later sites' run of a group a checkpointed chunk split)."""
+        for row in [r for r, runs in self.pending.items() if any(g is group for g in runs)]:
+            self._finish_row(row, only=group)
+
+    def due_grads(self, stop: int, start: int = 0) -> torch.Tensor:
+        """The fp32 gradients of rows ``[start, stop)``, with what the phase-1 backwards owe
+        them and the factors the merges left for them added."""
+        self._add_owed(start)
+        for row in [r for r in self.pending if start <= r < stop]:
+            self._finish_row(row)
         return super().due_grads(stop, start)
+
+    def due_row_grad(self, row: int, dtype: torch.dtype) -> torch.Tensor:
+        """Row ``row``'s gradient in ``dtype``; a row the merges left factors for gets it from
+        one kernel that reads its fp32 gradient once and writes the sum in ``dtype``, instead
+        of a read-modify-write per merge and a cast."""
+        if row not in self.pending:
+            return super().due_row_grad(row, dtype)
+        self._add_owed(row)
+        return self._finish_row(row, dtype).view(self.shape)
 
     def route_group(self, sites: Sequence[GroupSite], index: int) -> torch.Tensor:
         """Route site ``sites[index]`` of a group (``sites`` in order, all on this stage)."""
@@ -570,6 +693,7 @@ class _GroupPartials(torch.autograd.Function):
             history.num_heads, history.eps, history.logit_scale,
         )  # fmt: skip
         group.partials = tuple(zip(*(x.unbind() for x in partials)))
+        group.queries, group.norms = queries, norms
         # Tokens carry ordering only: with materialize_grads off their gradients stay None
         # (no zero tensors, no kernels) and autograd still runs every producer.
         ctx.set_materialize_grads(False)
@@ -596,6 +720,7 @@ class _GroupPartials(torch.autograd.Function):
             merge_dq, merge_dg = group.merge_grads_stacked(lo, hi)
             grads[lo:hi] = (dq + merge_dq).to(queries.dtype).unbind()
             grads[g + lo : g + hi] = (dg + merge_dg).to(norms.dtype).unbind()
+        history.finish_rows(group)
         group.release_backward()
         return (None, None, None, *grads)
 
@@ -627,13 +752,18 @@ class _MergeSite(torch.autograd.Function):
         s, b, h = history.shape
         rows = group.sites[index].num_rows
         flat_grad = grad_out.reshape(s * b, h)
-        grad_out_slot, delta_slot = group.workspace(index, flat_grad, history.num_heads)
+        grad_out_slot, delta_slot, row_factors = group.workspace(index, flat_grad, history.num_heads)
         _, grad_query, grad_norm = history.lookahead.merge_backward(
             flat_grad, out.reshape(s * b, h), history.rows(rows, group.old_rows),
             query, norm_weight, group.site_lse[index],
             history.num_heads, history.eps, history.logit_scale,
-            history.grad_rows(rows, group.old_rows), delta_slot, grad_out_slot,
+            row_factors, delta_slot, grad_out_slot,
         )  # fmt: skip
+        # The new rows' gradients are added when each is due (LookaheadHistory.due_row_grad).
+        for row in range(group.old_rows, rows):
+            runs = history.pending.setdefault(row, [])
+            if not any(g is group for g in runs):
+                runs.append(group)
         # The parameters' gradients go out once, summed with the old rows' part, from the
         # group's backward (which runs after every merge of the group: they consume its token).
         group.deposit(index, grad_query, grad_norm)

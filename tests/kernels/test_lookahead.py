@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_mhar.ops.depth_route import torch_route_backward, torch_route_forward
-from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, torch_group_backward
+from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, torch_group_backward, torch_merge_row_grad
 from mhar_kernels import lookahead as fused
 
 CUDA = torch.cuda.is_available()
@@ -38,6 +38,7 @@ def _phase1_kernels(tensor_cores: bool) -> types.SimpleNamespace:
         group_backward=functools.partial(fused.group_backward, tensor_cores=tensor_cores),
         group_backward_deferred=functools.partial(fused.group_backward_deferred, tensor_cores=tensor_cores),
         add_row_grads=fused.add_row_grads,
+        merge_row_grad=fused.merge_row_grad,
     )
 
 
@@ -105,21 +106,36 @@ def _grouped(backend, buffer, queries, norms, grad_outs, n0, heads, tau, site_ra
         grad_rows = torch.zeros(buffer.shape, device=DEVICE)
     deltas = torch.zeros((g, t, heads), device=DEVICE)
     used = torch.zeros_like(grad_outs)
+    # The new rows' factors; a site that does not run leaves zeros, as the history's zeroed slots.
+    factors = torch.zeros((g, t, g - 1, heads, 2), device=DEVICE)
+    kv = torch.zeros((g, t, g - 1), device=DEVICE)
     dq = torch.zeros((g, d), device=DEVICE)
     dg = torch.zeros((g, d), device=DEVICE)
     for k in reversed(range(lo, hi)):
         # As the history calls it: delta and the output gradient land in the group's workspaces.
         delta, dq[k], dg[k] = backend.merge_backward(
             grad_outs[k], outs[k], buffer[:, n0 : n0 + k], queries[k], norms[k], lse[k],
-            heads, EPS, tau, grad_rows[:, n0 : n0 + k], deltas[k], used[k],
+            heads, EPS, tau, (factors[k, :, :k], kv[k, :, :k]), deltas[k], used[k],
         )  # fmt: skip
         assert torch.equal(delta, deltas[k]) and torch.equal(used[k], grad_outs[k])
+        if k > 0:  # row n0 + k - 1 is due: the sites from k on read it
+            _finish_row(backend, buffer, grad_rows, used, queries, norms, factors, kv, n0, k - 1, heads)
+    for i in range(max(lo - 1, 0)):  # rows these sites read that become due in an earlier range
+        _finish_row(backend, buffer, grad_rows, used, queries, norms, factors, kv, n0, i, heads)
     old_q, old_g = backend.group_backward(
         used, buffer[:, :n0], queries, norms, lse, deltas, heads, EPS, tau, grad_rows[:, :n0], (lo, hi)
     )
     dq[lo:hi] += old_q
     dg[lo:hi] += old_g
     return torch.stack(outs), grad_rows, dq, dg
+
+
+def _finish_row(backend, buffer, grad_rows, grad_outs, queries, norms, factors, kv, n0, i, heads):
+    """Add the merges' factors to new row i (history row n0 + i; the sites from i + 1 read
+    it) in place, as the history does when the row is due."""
+    row = n0 + i
+    backend.merge_row_grad(buffer[:, row], grad_rows[:, row], grad_rows[:, row], grad_outs, queries, norms,
+                           factors, kv, i, (i + 1, factors.shape[0]), heads)  # fmt: skip
 
 
 def _per_site(buffer, queries, norms, grad_outs, n0, heads, tau):
@@ -173,6 +189,42 @@ def test_group_matches_per_site(t, n0, g, d, heads, tau, dtype, backend):
         err_lp = (lp.float() - r).abs().max().item()
         atol = _atol(name, r, 2e-3, t)
         assert err <= 2 * err_lp + atol, f"{name}: lookahead err {err:.3e}, torch err {err_lp:.3e}"
+
+
+@pytest.mark.parametrize("d,heads", [(768, 8), (1280, 8), (1280, 1)], ids=["768", "1B-width", "1B-one-head"])
+def test_merge_row_grad_matches_reference(d, heads):
+    """A new row's gradient from given factors: the kernel against the reference, into the
+    fp32 gradient in place and into a new tensor of the rows' dtype (as the history hands
+    a due row to its sublayer); sites 1-3 of 4 read the row, index 1 of 3 new rows."""
+    t, g, r, index, sites = _tokens(5), 4, 3, 1, (1, 4)
+    torch.manual_seed(d + heads)
+    kw = dict(device=DEVICE)
+    for dtype in DTYPES:
+        buffer, queries, norms, grad_outs = _inputs(t, 2, g, d, heads, 1.0, dtype)
+        row, row_grad = buffer[:, 1], torch.randn(buffer.shape, **kw)[:, 1]
+        factors, kv = torch.randn(g, t, r, heads, 2, **kw), torch.randn(g, t, r, **kw)
+        args = (grad_outs, queries, norms, factors, kv, index, sites, heads)
+        want = torch.empty(t, d, **kw)
+        torch_merge_row_grad(row, row_grad, want, *args)
+        in_place = row_grad.clone()
+        fused.merge_row_grad(row, in_place, in_place, *args)
+        torch.testing.assert_close(in_place, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        cast = torch.empty(t, d, dtype=dtype, **kw)
+        fused.merge_row_grad(row, row_grad, cast, *args)
+        torch.testing.assert_close(cast, want.to(dtype), rtol=1e-5 if dtype == torch.float32 else 8e-3,
+                                   atol=1e-5 * want.abs().max().item())  # fmt: skip
+
+
+def test_merge_row_grad_errors():
+    g, t, d = 2, 3, 64
+    kw = dict(device=DEVICE)
+    row, grads, q = torch.zeros(t, d, **kw), torch.zeros(g, t, d, **kw), torch.zeros(g, d, **kw)
+    factors, kv = torch.zeros(g, t, 1, 8, 2, **kw), torch.zeros(g, t, 1, **kw)
+    with pytest.raises(ValueError, match="outside the group"):
+        fused.merge_row_grad(row, row, row, grads, q, q, factors, kv, 0, (1, 3), 8)
+    with pytest.raises(ValueError, match="contiguous factors"):
+        fused.merge_row_grad(row, row, row, grads, q, q, factors.transpose(0, 1).contiguous().transpose(0, 1),
+                             kv, 0, (1, 2), 8)  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
