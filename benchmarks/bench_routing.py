@@ -247,7 +247,9 @@ def lookahead_step(buf, gbuf, queries, norms, grad_out, tau, group):
     LookaheadHistory runs it: per group, phase 1 then the merges; backward in reverse. Each
     group's backward adds its old rows' gradients before the next (``group_backward``):
     where the tensor-core backward runs, the history instead defers them and adds every
-    owing group's at once when the rows fall due."""
+    owing group's at once when the rows fall due. The merges leave their new rows'
+    gradients as factors; each new row's is formed (``merge_row_grad``) after the last
+    merge reading it, in the rows' dtype, as the history hands it to its sublayer."""
     sites = len(queries)
     plan = []
     for sites_of_group in group_ranges(1, sites, group):
@@ -266,11 +268,18 @@ def lookahead_step(buf, gbuf, queries, norms, grad_out, tau, group):
             del m, l, acc
             saved.append((n0, qs, ws, lse, outs))
         for n0, qs, ws, lse, outs in reversed(saved):
-            grad_outs = torch.empty((len(qs), t, d), dtype=buf.dtype, device=buf.device)
-            deltas = torch.empty((len(qs), t, HEADS), device=buf.device)
-            for k in reversed(range(len(qs))):
-                LA.merge_backward(grad_out, outs[k], buf[:, n0 : n0 + k], qs[k], ws[k], lse[k],
-                                  HEADS, EPS, tau, gbuf[:, n0 : n0 + k], deltas[k], grad_outs[k])  # fmt: skip
+            g = len(qs)
+            grad_outs = torch.empty((g, t, d), dtype=buf.dtype, device=buf.device)
+            deltas = torch.empty((g, t, HEADS), device=buf.device)
+            factors = torch.empty((g, t, g - 1, HEADS, 2), device=buf.device)
+            kv = torch.empty((g, t, g - 1), device=buf.device)
+            for k in reversed(range(g)):
+                LA.merge_backward(grad_out, outs[k], buf[:, n0 : n0 + k], qs[k], ws[k], lse[k], HEADS, EPS, tau,
+                                  (factors[k, :, :k], kv[k, :, :k]), deltas[k], grad_outs[k])  # fmt: skip
+                if k > 0:
+                    row = n0 + k - 1
+                    LA.merge_row_grad(buf[:, row], gbuf[:, row], torch.empty_like(grad_out), grad_outs, qs, ws,
+                                      factors, kv, k - 1, (k, g), HEADS)  # fmt: skip
             LA.group_backward(grad_outs, buf[:, :n0], qs, ws, lse, deltas, HEADS, EPS, tau, gbuf[:, :n0])
 
     return step
@@ -433,7 +442,7 @@ def run_sweep(copy_gbps):
     return rows
 
 
-LOOKAHEAD_SWEEP_MODES = ("group_fwd", "group_bwd", "merge_fwd", "merge_bwd", "row_grads")
+LOOKAHEAD_SWEEP_MODES = ("group_fwd", "group_bwd", "merge_fwd", "merge_bwd", "merge_row_grad", "row_grads")
 ROW_GRADS_ENTRIES = 5  # groups owing a block of rows in the middle of the 1B stack
 
 
@@ -540,12 +549,19 @@ def merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, padded_d, grou
     t, d, es = case.t, case.d, buf.element_size()
     new = buf[:, : group - 1]
     gnew = torch.zeros(new.shape, device="cuda")
+    factors = torch.zeros((group, t, group - 1, HEADS, 2), device="cuda")
+    kv = torch.zeros((group, t, group - 1), device="cuda")
     lse = torch.empty((group, t, HEADS), device="cuda")
     outs = [LA.merge_forward(m[k], l[k], acc[k], new[:, :k], qs[k], ws[k], HEADS, EPS, 1.0, lse[k])
             for k in range(group)]  # fmt: skip
-    rows = sum(range(group))
+    rows = sum(range(group))  # (site, new row) pairs
     fwd_bytes = group * t * (4 * d + 8 * HEADS + es * d + 4 * HEADS) + rows * t * d * es
-    bwd_bytes = group * t * (2 * es * d + 8 * HEADS) + rows * t * d * (es + 8)
+    # A pair's factors: (p, tau r ds) per head and tau r c, fp32.
+    pair_factors = t * (8 * HEADS + 4)
+    bwd_bytes = group * t * (2 * es * d + 8 * HEADS) + rows * (t * d * es + pair_factors)
+    # Each new row: its fp32 gradient read, the row read and its gradient written in the
+    # rows' dtype; per pair the site's output gradient and the pair's factors.
+    row_grad_bytes = (group - 1) * t * d * (4 + 2 * es) + rows * (t * d * es + pair_factors)
 
     def tile(elements, warps, stages, **extra):
         return K.LoopConfig(max(1, elements // padded_d), warps, False, stages, **extra)
@@ -564,15 +580,26 @@ def merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, padded_d, grou
             LA.merge_forward(m[k], l[k], acc[k], new[:, :k], qs[k], ws[k], HEADS, EPS, 1.0, lse[k],
                              **loop._asdict())  # fmt: skip
 
+    mr = LA._merge_row_grad_config(padded_d)
+    row_grad_loops = [mr, mr.override(stages=2), mr.override(stages=3), tile(8192, 4, 2), tile(8192, 8, 2),
+                      tile(2048, 4, 2), tile(2048, 2, 2), tile(16384, 8, 2)]  # fmt: skip
+
     def merges_bwd(loop):
         for k in range(group):
             LA.merge_backward(grad_outs[k], outs[k], new[:, :k], qs[k], ws[k], lse[k], HEADS, EPS, 1.0,
-                              gnew[:, :k], **loop._asdict())  # fmt: skip
+                              (factors[k, :, :k], kv[k, :, :k]), **loop._asdict())  # fmt: skip
+
+    def row_grads(loop):
+        for i in reversed(range(group - 1)):
+            LA.merge_row_grad(new[:, i], gnew[:, i], gnew[:, i], grad_outs, qs, ws, factors, kv, i, (i + 1, group),
+                              HEADS, **loop._asdict())  # fmt: skip
 
     variants = [("merge_fwd", fwd_bytes, loop._asdict(), lambda loop=loop: merges_fwd(loop))
                 for loop in dict.fromkeys(fwd_loops)]  # fmt: skip
     variants += [("merge_bwd", bwd_bytes, loop._asdict(), lambda loop=loop: merges_bwd(loop))
                  for loop in dict.fromkeys(bwd_loops)]  # fmt: skip
+    variants += [("merge_row_grad", row_grad_bytes, loop._asdict(), lambda loop=loop: row_grads(loop))
+                 for loop in dict.fromkeys(row_grad_loops)]  # fmt: skip
     return variants
 
 

@@ -14,9 +14,13 @@ Lookahead (mhar_kernels.lookahead), groups of G consecutive sites, the remainder
             partials (acc [T, D], m and l [T, H]); each site reads its partial, its new
             rows [s0, j) and writes its output and log-sum-exp;
   backward  each site's merge reads grad_out and the output (delta), its new rows once,
-            read-modify-writes their fp32 gradients and copies grad_out into the group's
-            workspace; phase 1 reads the old rows once, read-modify-writes their fp32
-            gradients once per group, and reads the G grad_outs, lse and delta.
+            writes their gradients' factors (2H + 1 fp32 per token and row) and copies
+            grad_out into the group's workspace; each new row's gradient is then formed
+            once when due: its fp32 gradient read, per reading site that site's grad_out
+            and factors read, the result written in the rows' dtype (the sublayer's
+            gradient, no separate cast); phase 1 reads the old rows once,
+            read-modify-writes their fp32 gradients once per group, and reads the G
+            grad_outs, lse and delta.
 
 ``source_bytes`` counts the reads of history rows only (the quantity that is O(L^2) for
 per-site routing); ``moved_bytes`` adds every other read and write listed above.
@@ -74,8 +78,12 @@ def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:
         new += merged
         # phase 1 writes (acc, m, l) per site; each merge reads them, writes out and lse.
         fwd_other += g * (row * F32 + 2 * stat * F32) + g * (row * F32 + 2 * stat * F32 + row * ES + stat * F32)
-        # merges: grad_out + out read, delta written, grad_out copied; fp32 RMW of new rows.
-        bwd_other += g * (2 * row * ES + stat * F32 + 2 * row * ES + stat * F32) + merged * row * 2 * F32
+        # merges: grad_out + out read, delta written, grad_out copied, each pair's factors
+        # written; each new row: fp32 gradient read, per pair grad_out and factors read,
+        # the gradient written in the rows' dtype.
+        factors = (2 * stat + t) * F32
+        bwd_other += g * (2 * row * ES + stat * F32 + 2 * row * ES + stat * F32) + merged * factors
+        bwd_other += (g - 1) * row * (F32 + ES) + merged * (row * ES + factors)
         # phase 1: fp32 RMW of the old rows, the G grad_outs, lse and delta read.
         bwd_other += s0 * row * 2 * F32 + g * (row * ES + 2 * stat * F32)
     reads = old + new

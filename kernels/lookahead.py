@@ -290,6 +290,7 @@ def _merge_row_grad_kernel(
     BT: tl.constexpr,
     BH: tl.constexpr,
     BHD: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """out = g + sum over the sites [site_lo, site_hi), last first, of p do + tau r ds w
     - tau r c v: one row's gradient from its factors, one token tile per program."""
@@ -306,7 +307,7 @@ def _merge_row_grad_kernel(
     b_v = tl.load(V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :], mask=m_v, other=0.0)
     b_acc = tl.load(G_ptr + o_t64[:, None, None] * stride_gt + o_d[None, :, :], mask=m_v, other=0.0)
     b_v = b_v.to(tl.float32)
-    for k in range(site_hi - site_lo):
+    for k in tl.range(0, site_hi - site_lo, num_stages=STAGES):
         j = site_hi - 1 - k
         b_w = _folded_query(Q_ptr + j * D, N_ptr + j * D, o_d, m_d, V_ptr.dtype.element_ty, BHD, 1)[0]
         b_do = tl.load(DO_ptr + j * T * D + p_td, mask=m_v, other=0.0).to(tl.float32)
@@ -1020,6 +1021,12 @@ def _merge_bwd_config(padded_d: int) -> LoopConfig:
     return LoopConfig(block_t, 8 if block_t * padded_d > 2048 else 4, False, 1, programs_per_sm=4)
 
 
+@functools.lru_cache(maxsize=None)
+def _merge_row_grad_config(padded_d: int) -> LoopConfig:
+    """A new row's gradient: 4K fp32 per tile at 4 warps, the sites' loop unpipelined."""
+    return LoopConfig(max(1, 4096 // padded_d), 4, False, 1)
+
+
 def _reduce_dw(dw, sources, queries, norm_weights):
     """Sum the [P, G, D] partials in a fixed order. Narrow column blocks and tall row blocks:
     a merge has P = 4 x SMs partials (528 on the H200) and one site, so a program walks
@@ -1254,13 +1261,15 @@ def merge_row_grad(
     index: int,
     site_range: Tuple[int, int],
     num_heads: int,
+    **loop,
 ) -> None:
     """A new row's gradient from the factors its group's merges left
     (:func:`merge_backward`) and its fp32 gradient from every other read, written into
     ``out`` in ``out``'s dtype (``out`` may be ``row_grad``): one read of the fp32
     gradient and each site's output gradient, one write. Arguments as the reference's
     (``megatron_mhar.ops.lookahead.torch_merge_row_grad``); ``row``, ``row_grad`` and
-    ``out`` [T, D] with unit stride over D, the group's tensors contiguous."""
+    ``out`` [T, D] with unit stride over D, the group's tensors contiguous. ``loop``:
+    :class:`LoopConfig` fields overriding the default launch (benchmarks)."""
     t, d = row.shape
     g, _, r, _, _ = factors.shape
     lo, hi = site_range
@@ -1275,11 +1284,11 @@ def merge_row_grad(
     if t == 0:
         return
     head_dim, bh, bhd = _tile(d, num_heads)
-    block_t = max(1, 4096 // (bh * bhd))
+    block_t, num_warps, _, stages, _, _ = _merge_row_grad_config(bh * bhd).override(**loop)
     _merge_row_grad_kernel[(triton.cdiv(t, block_t),)](
         row, row_grad, out, grad_outs, queries, norm_weights, factors, kv,
         t, r, index, lo, hi, row.stride(0), row_grad.stride(0), out.stride(0),
-        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, num_warps=4,
+        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages, num_warps=num_warps,
     )  # fmt: skip
 
 
