@@ -127,6 +127,22 @@ def _group_fwd_kernel(
 
 
 @triton.jit
+def _token_tile(i_t, T, H: tl.constexpr, HD: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                BHD: tl.constexpr):  # fmt: skip
+    """Offsets and masks of token tile ``i_t`` as a [BT, BH, BHD] register tile: (o_t, o_h,
+    o_d [BH, BHD], m_d, m_t, m_v [BT, BH, BHD], m_th [BT, BH], o_t64)."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_h = tl.arange(0, BH)
+    o_k = tl.arange(0, BHD)
+    o_d = o_h[:, None] * HD + o_k[None, :]
+    m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
+    m_t = o_t < T
+    m_v = m_t[:, None, None] & m_d[None, :, :]
+    m_th = m_t[:, None] & (o_h[None, :] < H)
+    return o_t, o_h, o_d, m_d, m_t, m_v, m_th, o_t.to(tl.int64)
+
+
+@triton.jit
 def _merge_fwd_kernel(
     V_ptr,  # [T, N, D] rows written since the group started (N may be 0), strides (stride_vt, stride_vn, 1)
     Q_ptr,  # [D] pseudo-query of the site
@@ -151,17 +167,7 @@ def _merge_fwd_kernel(
     BHD: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    i_t = tl.program_id(0)
-    o_t = i_t * BT + tl.arange(0, BT)
-    o_h = tl.arange(0, BH)
-    o_k = tl.arange(0, BHD)
-    o_d = o_h[:, None] * HD + o_k[None, :]
-    m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
-    m_t = o_t < T
-    m_v = m_t[:, None, None] & m_d[None, :, :]
-    m_th = m_t[:, None] & (o_h[None, :] < H)
-    o_t64 = o_t.to(tl.int64)
-
+    _, o_h, o_d, m_d, m_t, m_v, m_th, o_t64 = _token_tile(tl.program_id(0), T, H, HD, BT, BH, BHD)
     b_w = _folded_query(Q_ptr, G_ptr, o_d, m_d, V_ptr.dtype.element_ty, BHD, 1)[0]
 
     p_ml = o_t64[:, None] * H + o_h[None, :]
@@ -294,15 +300,7 @@ def _merge_row_grad_kernel(
 ):
     """out = g + sum over the sites [site_lo, site_hi), last first, of p do + tau r ds w
     - tau r c v: one row's gradient from its factors, one token tile per program."""
-    o_t = tl.program_id(0) * BT + tl.arange(0, BT)
-    o_h = tl.arange(0, BH)
-    o_k = tl.arange(0, BHD)
-    o_d = o_h[:, None] * HD + o_k[None, :]
-    m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
-    m_t = o_t < T
-    m_v = m_t[:, None, None] & m_d[None, :, :]
-    m_th = m_t[:, None] & (o_h[None, :] < H)
-    o_t64 = o_t.to(tl.int64)
+    _, o_h, o_d, m_d, m_t, m_v, m_th, o_t64 = _token_tile(tl.program_id(0), T, H, HD, BT, BH, BHD)
     p_td = o_t64[:, None, None] * D + o_d[None, :, :]
     b_v = tl.load(V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :], mask=m_v, other=0.0)
     b_acc = tl.load(G_ptr + o_t64[:, None, None] * stride_gt + o_d[None, :, :], mask=m_v, other=0.0)
