@@ -50,6 +50,22 @@ from .depth_route import (
 
 
 @triton.jit
+def _token_tile(i_t, T, H: tl.constexpr, HD: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                BHD: tl.constexpr):  # fmt: skip
+    """Offsets and masks of token tile ``i_t`` as a [BT, BH, BHD] register tile: (o_t, o_h,
+    o_d [BH, BHD], m_d, m_t, m_v [BT, BH, BHD], m_th [BT, BH], o_t64)."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_h = tl.arange(0, BH)
+    o_k = tl.arange(0, BHD)
+    o_d = o_h[:, None] * HD + o_k[None, :]
+    m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
+    m_t = o_t < T
+    m_v = m_t[:, None, None] & m_d[None, :, :]
+    m_th = m_t[:, None] & (o_h[None, :] < H)
+    return o_t, o_h, o_d, m_d, m_t, m_v, m_th, o_t.to(tl.int64)
+
+
+@triton.jit
 def _group_fwd_kernel(
     V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
     Q_ptr,  # [NG, D] pseudo-queries of the group's sites, contiguous
@@ -78,14 +94,7 @@ def _group_fwd_kernel(
     n_chunks = tl.cdiv(NG, BG)
     i_g = tl.program_id(0) % n_chunks
     i_t = tl.program_id(0) // n_chunks
-    o_t = i_t * BT + tl.arange(0, BT)
-    o_h = tl.arange(0, BH)
-    o_k = tl.arange(0, BHD)
-    o_d = o_h[:, None] * HD + o_k[None, :]
-    m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
-    m_t = o_t < T
-    m_v = m_t[:, None, None] & m_d[None, :, :]
-    o_t64 = o_t.to(tl.int64)
+    _, o_h, o_d, m_d, m_t, m_v, _, o_t64 = _token_tile(i_t, T, H, HD, BT, BH, BHD)
 
     # Per site of the chunk a folded query w = q * g^ (g^ rounded to the activation dtype)
     # and an online-softmax state, held in tuples: every tensor is a [BT, BH, BHD] tile in
@@ -124,22 +133,6 @@ def _group_fwd_kernel(
         tl.store(L_ptr + p_ml, b_ls[j], mask=m_ml)
         m_a = m_site[:, None, None] & m_d[None, :, :]
         tl.store(A_ptr + o_gt[:, None, None] * D + o_d[None, :, :], b_accs[j], mask=m_a)
-
-
-@triton.jit
-def _token_tile(i_t, T, H: tl.constexpr, HD: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-                BHD: tl.constexpr):  # fmt: skip
-    """Offsets and masks of token tile ``i_t`` as a [BT, BH, BHD] register tile: (o_t, o_h,
-    o_d [BH, BHD], m_d, m_t, m_v [BT, BH, BHD], m_th [BT, BH], o_t64)."""
-    o_t = i_t * BT + tl.arange(0, BT)
-    o_h = tl.arange(0, BH)
-    o_k = tl.arange(0, BHD)
-    o_d = o_h[:, None] * HD + o_k[None, :]
-    m_d = (o_h[:, None] < H) & (o_k[None, :] < HD)
-    m_t = o_t < T
-    m_v = m_t[:, None, None] & m_d[None, :, :]
-    m_th = m_t[:, None] & (o_h[None, :] < H)
-    return o_t, o_h, o_d, m_d, m_t, m_v, m_th, o_t.to(tl.int64)
 
 
 @triton.jit
