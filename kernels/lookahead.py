@@ -12,7 +12,10 @@ four functions, same signatures); the schedule, the derivation and the memory ar
 - ``merge_forward``: one site folds the rows written since the group started into its
   partial and writes the output and its log-sum-exp ``[T, H]``.
 - ``merge_backward``: one site's new rows in a single pass, with ``delta[h] = do . out`` per
-  head taken from the routed output (as in flash attention) instead of a second pass.
+  head taken from the routed output (as in flash attention) instead of a second pass; the
+  rows' gradients are left as factors (``(p, tau r ds)`` per head, ``tau r c``).
+- ``merge_row_grad``: one new row's gradient from those factors of every site reading it
+  and its fp32 gradient from the other reads, written once in any dtype.
 - ``group_backward``: every site's gradient to the old rows; each row and its fp32
   gradient are read (and the gradient written) once per launch, one launch per chunk of
   sites (one chunk at 100M and 350M, two at 1B). The sites' contributions are added in a
@@ -266,7 +269,7 @@ def _merge_bwd_kernel(
 
 # Indices and sizes are not specialised: each value of 1 would be its own compile.
 @triton.jit(do_not_specialize=["T", "R", "index", "site_lo", "site_hi"])
-def _merge_row_grad_kernel(
+def _merge_bwd_row_grad_kernel(
     V_ptr,  # [T, D] the row, strides (stride_vt, 1)
     G_ptr,  # [T, D] fp32 its gradient from every other read, strides (stride_gt, 1)
     O_ptr,  # [T, D] out (may be G_ptr), strides (stride_ot, 1)
@@ -1276,7 +1279,7 @@ def merge_row_grad(
         return
     head_dim, bh, bhd = _tile(d, num_heads)
     block_t, num_warps, _, stages, _, _ = _merge_row_grad_config(bh * bhd).override(**loop)
-    _merge_row_grad_kernel[(triton.cdiv(t, block_t),)](
+    _merge_bwd_row_grad_kernel[(triton.cdiv(t, block_t),)](
         row, row_grad, out, grad_outs, queries, norm_weights, factors, kv,
         t, r, index, lo, hi, row.stride(0), row_grad.stride(0), out.stride(0),
         D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages, num_warps=num_warps,

@@ -14,7 +14,9 @@ rows ``[0, n0)``,
 
 Backward mirrors it. Each site's merge backward computes ``delta[h] = sum_k do[k] x[k]``
 from its routed output (the output is the sublayer's saved input, so no extra memory),
-writes the gradients of the few new rows, and leaves ``do`` and ``delta`` to the group;
+leaves the gradients of the few new rows as factors (each new row's gradient is formed once,
+when it is due, from the factors of every site reading it), and leaves ``do`` and ``delta``
+to the group;
 one phase-1 backward then reads each old row once and adds the contributions of all G
 sites to it (one read-modify-write of the fp32 gradient per old row and group instead
 of one per site). dquery/dnorm: per site, the merge's part plus the phase-1 part.
@@ -27,8 +29,9 @@ Memory. Saved for backward per site: the log-sum-exp (fp32 ``[T, H]``) and a ref
 to the routed output. Transient: the G accumulators of the current group, fp32
 ``[G, T, D]`` (G * T * D * 4 bytes: 84 MB at the 1B shape, G = 8, T = 2048, D = 1280)
 from the group's first site to its last merge, plus ``m`` and ``l`` (``2 G T H * 4``);
-during backward, the group's grad outputs ``[G, T, D]`` in the activation dtype from the
-last site's merge backward to the group's phase-1 backward.
+during backward, the group's grad outputs ``[G, T, D]`` in the activation dtype and its new
+rows' gradient factors (fp32 ``[G, T, G - 1, H, 2]`` and ``[G, T, G - 1]``: 7.8 MB at the
+1B shape) from the last site's merge backward to the group's phase-1 backward.
 
 This module holds the pure-torch implementation of the four backend functions (the
 reference the Triton kernels of ``mhar_kernels.lookahead`` are tested against, and the
