@@ -304,7 +304,7 @@ def _merge_bwd_row_grad_kernel(
     for k in tl.range(0, site_hi - site_lo, num_stages=STAGES):
         j = site_hi - 1 - k
         b_w = _folded_query(Q_ptr + j * D, N_ptr + j * D, o_d, m_d, V_ptr.dtype.element_ty, BHD, 1)[0]
-        b_do = tl.load(DO_ptr + j * T * D + p_td, mask=m_v, other=0.0).to(tl.float32)
+        b_do = tl.load(DO_ptr + (j * T).to(tl.int64) * D + p_td, mask=m_v, other=0.0).to(tl.float32)
         o_tr = (j * T + o_t64) * R + index
         p_f = F_ptr + (o_tr[:, None] * H + o_h[None, :]) * 2
         b_p = tl.load(p_f, mask=m_th, other=0.0)
