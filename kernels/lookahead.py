@@ -1267,8 +1267,17 @@ def merge_row_grad(
     t, d = row.shape
     g, _, r, _, _ = factors.shape
     lo, hi = site_range
-    if not (0 <= lo <= hi <= g and 0 <= index < max(r, 1)):
+    if not (0 <= lo <= hi <= g and 0 <= index < r):
         raise ValueError(f"site_range {site_range} / index {index} outside the group's {g} sites and {r} new rows")
+    shapes = {"row_grad": (row_grad, (t, d)), "out": (out, (t, d)), "grad_outs": (grad_outs, (g, t, d)),
+              "queries": (queries, (g, d)), "norm_weights": (norm_weights, (g, d)),
+              "factors": (factors, (g, t, r, num_heads, 2)), "kv": (kv, (g, t, r))}  # fmt: skip
+    for name, (x, shape) in shapes.items():
+        if tuple(x.shape) != shape:
+            raise ValueError(f"merge_row_grad: {name} must be {list(shape)} for a [{t}, {d}] row of a group of "
+                             f"{g} sites and {r} new rows at {num_heads} heads, got {list(x.shape)}")  # fmt: skip
+    if row_grad.dtype != torch.float32 or factors.dtype != torch.float32 or kv.dtype != torch.float32:
+        raise ValueError("merge_row_grad needs fp32 row_grad, factors and kv")
     for name, x in (("grad_outs", grad_outs), ("queries", queries), ("norm_weights", norm_weights),
                     ("factors", factors), ("kv", kv)):  # fmt: skip
         if not x.is_contiguous():

@@ -107,7 +107,8 @@ def _source_grads(sources, w, grad_outs, lse, delta, eps, logit_scale, grad_sour
         dp = (grad_outs * v.unsqueeze(0)).sum(-1)
         ds = p * (dp - delta)
         rs = (inv_rms * logit_scale)[None, :, None, None]
-        c = (ds * dots).sum(-1) * (inv_rms * inv_rms / d)  # [G, T]
+        if grad_sources is not None or row_factors is not None:
+            c = (ds * dots).sum(-1) * (inv_rms * inv_rms / d)  # [G, T]
         if grad_sources is not None:
             dv = p.unsqueeze(-1) * grad_outs + rs * (
                 ds.unsqueeze(-1) * w.unsqueeze(1) - c[..., None, None] * v.unsqueeze(0)

@@ -222,6 +222,10 @@ def test_merge_row_grad_errors():
     factors, kv = torch.zeros(g, t, 1, 8, 2, **kw), torch.zeros(g, t, 1, **kw)
     with pytest.raises(ValueError, match="outside the group"):
         fused.merge_row_grad(row, row, row, grads, q, q, factors, kv, 0, (1, 3), 8)
+    with pytest.raises(ValueError, match="grad_outs must be"):
+        fused.merge_row_grad(row, row, row, grads[:, :2], q, q, factors, kv, 0, (1, 2), 8)
+    with pytest.raises(ValueError, match="factors must be"):  # heads other than the factors'
+        fused.merge_row_grad(row, row, row, grads, q, q, factors, kv, 0, (1, 2), 4)
     with pytest.raises(ValueError, match="contiguous factors"):
         fused.merge_row_grad(row, row, row, grads, q, q, factors.transpose(0, 1).contiguous().transpose(0, 1),
                              kv, 0, (1, 2), 8)  # fmt: skip
