@@ -99,6 +99,37 @@ MODELS = {
 }
 
 
+def parse_model(spec: str) -> MHARConfig:
+    """A ``--models`` entry: a name of MODELS, optionally followed by ``@field=value``
+    overrides of its MHARConfig (``mhar_lookahead@lookahead_group=8``), so that variants of
+    one schedule can be timed in the same run. Unknown names, fields or values raise
+    ValueError naming them."""
+    name, *overrides = spec.split("@")
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from {list(MODELS)}")
+    fields = {f.name: f for f in dataclasses.fields(MHARConfig)}
+    changes = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"model {spec!r}: override {item!r} is not field=value with a field "
+                             f"of MHARConfig ({', '.join(fields)})")
+        default = getattr(MODELS[name], key)
+        if isinstance(default, bool):
+            if value not in ("true", "false"):
+                raise ValueError(f"model {spec!r}: {key} takes true or false, got {value!r}")
+            changes[key] = value == "true"
+        elif isinstance(default, (int, float)):
+            try:
+                changes[key] = type(default)(value)
+            except ValueError:
+                kind = "an integer" if isinstance(default, int) else "a number"
+                raise ValueError(f"model {spec!r}: {key} takes {kind}, got {value!r}") from None
+        else:
+            changes[key] = value
+    return dataclasses.replace(MODELS[name], **changes)  # MHARConfig validates the values
+
+
 def flops_per_token(model: GPTModelConfig, vocab: int) -> float:
     """Training FLOPs per token: 6 x matmul params + causal attention (fwd + bwd)."""
     d, layers, seq = model.hidden_size, model.num_layers, model.seq_length
@@ -434,7 +465,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100m,350m,1b", help="comma list of " + ",".join(SIZES))
     parser.add_argument("--models", default="baseline,attnres,mhar",
-                        help="comma list of " + ",".join(MODELS))
+                        help="comma list of " + ",".join(MODELS) + "; a name may carry "
+                             "MHARConfig overrides: mhar_lookahead@lookahead_group=8")
     parser.add_argument("--steps", type=int, default=8,
                         help="timed rounds (one optimizer step per model each)")
     parser.add_argument("--warmup", type=int, default=3,
@@ -450,9 +482,12 @@ def main(argv=None):
     parser.add_argument("--out", help="JSON output path")
     args = parser.parse_args(argv)
     unknown = [s for s in args.sizes.split(",") if s not in SIZES]
-    unknown += [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
-        parser.error(f"unknown sizes/models {unknown}; choose from {list(SIZES)} and {list(MODELS)}")
+        parser.error(f"unknown sizes {unknown}; choose from {list(SIZES)}")
+    try:
+        models = {spec: parse_model(spec) for spec in args.models.split(",")}
+    except ValueError as err:
+        parser.error(str(err))
     if args.cuda_graph != "none" and (not torch.cuda.is_available() or args.warmup < 2):
         parser.error("--cuda-graph needs CUDA and --warmup >= 2 (one eager step, then the "
                      "capture, both inside the warmup whose peak memory is reported)")
@@ -465,8 +500,8 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     initialize_model_parallel_from_env(seed=1234, device=device,
                                        cuda_graph_rng=args.cuda_graph != "none")
-    models = {m: dataclasses.replace(MODELS[m], kernel_impl=args.kernel_impl)
-              if MODELS[m].enabled else MODELS[m] for m in args.models.split(",")}
+    models = {m: dataclasses.replace(mhar, kernel_impl=args.kernel_impl) if mhar.enabled else mhar
+              for m, mhar in models.items()}
     report = {"environment": environment(), "args": vars(args), "sizes": {}}
     try:
         with capture_stream(args.cuda_graph):

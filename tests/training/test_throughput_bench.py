@@ -63,3 +63,23 @@ def test_full_iteration_graph_replays_the_eager_steps(tmp_path):
         torch.testing.assert_close(graphed[name], losses, rtol=2e-3, atol=0, msg=name)
     # The steps changed the model: a replay that did nothing would repeat one loss.
     assert len(set(graphed["mhar"])) == 5
+
+
+def test_model_overrides_name_their_errors():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_training import MODELS, parse_model
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert parse_model("mhar_lookahead") == MODELS["mhar_lookahead"]
+    g8 = parse_model("mhar_lookahead@lookahead_group=8@lookahead_kernels=tensor_cores")
+    assert (g8.lookahead_group, g8.lookahead_kernels) == (8, "tensor_cores")
+    assert parse_model("mhar@fused_writes=true").fused_writes is True
+    with pytest.raises(ValueError, match="unknown model 'mhr'"):
+        parse_model("mhr@lookahead_group=8")
+    with pytest.raises(ValueError, match="'group=8' is not field=value"):
+        parse_model("mhar_lookahead@group=8")
+    with pytest.raises(ValueError, match="lookahead_group takes an integer, got 'eight'"):
+        parse_model("mhar_lookahead@lookahead_group=eight")
+    with pytest.raises(ValueError, match="lookahead_kernels"):  # MHARConfig's own check
+        parse_model("mhar_lookahead@lookahead_kernels=dots")
