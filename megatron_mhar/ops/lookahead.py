@@ -48,6 +48,7 @@ import torch
 from megatron_mhar.config import LOOKAHEAD_KERNELS
 from megatron_mhar.ops.depth_route import resolve_impl
 from megatron_mhar.ops.history import RoutingBackend, SourceHistory
+from megatron_mhar.ops.main_grad import add_to_main_grads, fusable
 
 # ---------------------------------------------------------------------------------------
 # Reference backend: same signatures as mhar_kernels.lookahead. Shapes: T tokens, N rows,
@@ -719,11 +720,18 @@ class _GroupPartials(torch.autograd.Function):
                 history.grad_rows(group.old_rows), (lo, hi),
             )  # fmt: skip
             history.defer(deferred, group.old_rows)
-            # Each site's gradient from its new rows (the merge) and from the old rows, added
-            # in fp32 and cast once per kind (the stacks carry the parameters' dtypes).
-            merge_dq, merge_dg = group.merge_grads_stacked(lo, hi)
-            grads[lo:hi] = (dq + merge_dq).to(queries.dtype).unbind()
-            grads[g + lo : g + hi] = (dg + merge_dg).to(norms.dtype).unbind()
+            # Each site's gradient from its new rows (the merge) and from the old rows.
+            sites = group.sites[lo:hi]
+            params = [s.query for s in sites] + [s.norm_weight for s in sites]
+            if fusable(params):  # into Megatron DDP's fp32 buffer, no cast, no hook add
+                merges = [x[0] if x else None for x in group.merge_grads[lo:hi]]
+                merges += [x[1] if x else None for x in group.merge_grads[lo:hi]]
+                placeholders = add_to_main_grads(params, [*dq.unbind(), *dg.unbind()], merges)
+                grads[lo:hi], grads[g + lo : g + hi] = placeholders[: hi - lo], placeholders[hi - lo :]
+            else:  # added in fp32, cast once per kind (the stacks carry the parameters' dtypes)
+                merge_dq, merge_dg = group.merge_grads_stacked(lo, hi)
+                grads[lo:hi] = (dq + merge_dq).to(queries.dtype).unbind()
+                grads[g + lo : g + hi] = (dg + merge_dg).to(norms.dtype).unbind()
         history.finish_rows(group)
         group.release_backward()
         return (None, None, None, *grads)

@@ -166,3 +166,43 @@ def test_group_ranges_cover_the_sites_remainder_first(first, last, size):
 def test_group_ranges_errors(first, last, size):
     with pytest.raises(ValueError, match="no groups"):
         group_ranges(first, last, size)
+
+
+def _ddp_main_grads(model, fused, monkeypatch):
+    """Routers' and all other main_grads after two micro-batches through Megatron DDP, with
+    the routers' gradient-accumulation fusion on or off."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    import megatron_mhar.ops.lookahead as lookahead_ops
+
+    if not fused:
+        monkeypatch.setattr(lookahead_ops, "fusable", lambda params: False)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    ddp.zero_grad_buffer()
+    for seed in (0, 1):
+        tokens, positions = _batch(seed)
+        ddp(tokens, positions, None, labels=tokens).float().mean().backward()
+    monkeypatch.undo()
+    return {n: p for n, p in model.named_parameters()}
+
+
+def test_router_grads_accumulate_into_main_grad(megatron_world1, monkeypatch):
+    """Under Megatron DDP the lookahead routers add their fp32 gradients into main_grad
+    themselves (Megatron's grad_added_to_main_grad protocol): the buffer holds what DDP's
+    own hook accumulates, once (a double or a missing add would show), and the placeholder
+    autograd carried never reaches it."""
+    _, fused_model = _models(3)
+    _, plain_model = _models(3)
+    fused = _ddp_main_grads(fused_model, True, monkeypatch)
+    plain = _ddp_main_grads(plain_model, False, monkeypatch)
+    routers = [n for n in fused if n.endswith(("router.query", "router.norm_weight"))]
+    assert routers
+    for name, param in fused.items():
+        atol = 1e-6 * plain[name].main_grad.abs().max().item() + 1e-9
+        torch.testing.assert_close(param.main_grad, plain[name].main_grad, rtol=1e-5, atol=atol,
+                                   msg=lambda m: f"{name}: {m}")
+        assert param.grad is None  # DDP's hook dropped the placeholder
+        assert param.grad_added_to_main_grad == (name in routers), name
+        assert not plain[name].grad_added_to_main_grad
+    # Every router but the first site's (one source: its softmax is constant) has a gradient.
+    assert sum(bool(fused[n].main_grad.abs().sum() > 0) for n in routers) == len(routers) - 2
