@@ -76,13 +76,13 @@ class StubBackends:
             return sources.new_empty(sources.shape[0], sources.shape[2])
 
         def merge_backward(grad_out, out, sources, query, norm_weight, lse, heads, eps, tau,
-                           row_factors, delta_out=None, grad_out_copy=None):  # fmt: skip
+                           row_factors, delta_out=None, grad_out_copy=None, dw_out=None):  # fmt: skip
             self.calls["merge_backward"] += 1
             kw = dict(dtype=torch.float32, device=grad_out.device)
             return torch.empty(grad_out.shape[0], heads, **kw), torch.empty(query.shape, **kw), torch.empty(query.shape, **kw)
 
         def group_backward(grad_outs, sources, queries, norms, lse, delta, heads, eps, tau,
-                           grad_sources, site_range=None):  # fmt: skip
+                           grad_sources, site_range=None, merge_dw=None):  # fmt: skip
             self.calls["group_backward"] += 1
             lo, hi = site_range or (0, queries.shape[0])
             # Nothing deferred: the rows' gradients are the row loop's, added in place.
@@ -94,8 +94,11 @@ class StubBackends:
         def merge_row_grad(row, row_grad, out, *factors):
             self.calls["merge_row_grad"] += 1
 
+        def merge_dw_partials(num_tokens, d, heads, device):
+            return 1
+
         return LookaheadBackend(group_forward, merge_forward, merge_backward, group_backward, add_row_grads,
-                                merge_row_grad)  # fmt: skip
+                                merge_row_grad, merge_dw_partials)  # fmt: skip
 
 
 class CountOps(TorchDispatchMode):

@@ -194,7 +194,7 @@ def _merge_bwd_kernel(
     DELTA_ptr,  # [T, H] fp32 out: delta[h] = sum over head h of do * out
     F_ptr,  # [T, N, H, 2] fp32 out: per new row and head (p, tau r ds), strides (stride_ft, stride_fn, 2, 1)
     KV_ptr,  # [T, N] fp32 out: per new row tau r c, strides (stride_kt, 1)
-    DW_ptr,  # [P, 1, D] fp32 per-program partial dL/dw, P = number of programs
+    DW_ptr,  # [P, D] fp32 per-program partial dL/dw, P = number of programs, strides (stride_dwp, 1)
     DOC_ptr,  # [T, D] contiguous out (COPY_DO): a copy of the output gradient
     T,
     N,
@@ -206,6 +206,7 @@ def _merge_bwd_kernel(
     stride_ft,
     stride_fn,
     stride_kt,
+    stride_dwp,
     eps,
     scale,
     D: tl.constexpr,
@@ -264,7 +265,7 @@ def _merge_bwd_kernel(
             p_f += stride_fn
             p_kv += 1
 
-    tl.store(DW_ptr + i_p * D + o_d, tl.sum(b_dw, axis=0), mask=m_d)
+    tl.store(DW_ptr + i_p * stride_dwp + o_d, tl.sum(b_dw, axis=0), mask=m_d)
 
 
 # Indices and sizes are not specialised: each value of 1 would be its own compile.
@@ -869,12 +870,14 @@ def _group_bwd_row_grads_kernel(
 @triton.jit
 def _dw_reduce_kernel(
     DW_ptr,  # [P, NG, D] fp32 per-program partial dL/dw
+    EX_ptr,  # [PX, NG, D] fp32 more partials of the same sites (the merges'), PX may be 0
     V_ptr,  # sources; only their dtype is used (the rounding of g)
     Q_ptr,  # [NG, D] pseudo-queries, contiguous
     G_ptr,  # [NG, D] norm weights, contiguous
     DQ_ptr,  # [NG, D] fp32 gradients of the queries
     DG_ptr,  # [NG, D] fp32 gradients of the norm weights
     P,
+    PX,
     NG,
     D: tl.constexpr,
     BP: tl.constexpr,
@@ -889,6 +892,10 @@ def _dw_reduce_kernel(
         o_p = i_p + tl.arange(0, BP)
         p_dw = DW_ptr + (o_p.to(tl.int64) * NG + i_g)[:, None] * D + o_d[None, :]
         b_acc += tl.load(p_dw, mask=(o_p < P)[:, None] & m_d[None, :], other=0.0)
+    for i_p in range(0, PX, BP):
+        o_p = i_p + tl.arange(0, BP)
+        p_ex = EX_ptr + (o_p.to(tl.int64) * NG + i_g)[:, None] * D + o_d[None, :]
+        b_acc += tl.load(p_ex, mask=(o_p < PX)[:, None] & m_d[None, :], other=0.0)
     b_dw = tl.sum(b_acc, axis=0)
     b_q = tl.load(Q_ptr + i_g * D + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_g = tl.load(G_ptr + i_g * D + o_d, mask=m_d, other=0.0).to(V_ptr.dtype.element_ty).to(tl.float32)
@@ -1021,17 +1028,23 @@ def _merge_row_grad_config(padded_d: int) -> LoopConfig:
     return LoopConfig(max(1, 4096 // padded_d), 4, False, 1)
 
 
-def _reduce_dw(dw, sources, queries, norm_weights):
-    """Sum the [P, G, D] partials in a fixed order. Narrow column blocks and tall row blocks:
-    a merge has P = 4 x SMs partials (528 on the H200) and one site, so a program walks
-    5 row blocks of 128 (it walked 17 of 32 over 20 column blocks of 64 at D = 1280, and
-    the 1B step's 1,328 reductions took 8.7 us each)."""
+def _reduce_dw(dw, sources, queries, norm_weights, extra=None):
+    """Sum the [P, G, D] partials, then the [PX, G, D] ``extra`` ones (the group's merges'),
+    in a fixed order. Narrow column blocks and tall row blocks: a merge has P = 4 x SMs
+    partials (528 on the H200) and one site, so a program walks 5 row blocks of 128 (it
+    walked 17 of 32 over 20 column blocks of 64 at D = 1280, and the 1B step's 1,328
+    reductions took 8.7 us each)."""
     num_programs, g, d = dw.shape
+    if extra is not None and (extra.shape[1:] != dw.shape[1:] or extra.dtype != torch.float32
+                              or not extra.is_contiguous()):  # fmt: skip
+        raise ValueError(f"merge_dw must be a contiguous fp32 [P, {g}, {d}] tensor, got "
+                         f"{tuple(extra.shape)} {extra.dtype}")  # fmt: skip
     grad_query = torch.empty((g, d), dtype=torch.float32, device=dw.device)
     grad_norm = torch.empty((g, d), dtype=torch.float32, device=dw.device)
     block_d = min(16, triton.next_power_of_2(d))
     _dw_reduce_kernel[(triton.cdiv(d, block_d), g)](
-        dw, sources, queries, norm_weights, grad_query, grad_norm, num_programs, g,
+        dw, dw if extra is None else extra, sources, queries, norm_weights, grad_query, grad_norm,
+        num_programs, 0 if extra is None else extra.shape[0], g,
         D=d, BP=128, BD=block_d, num_warps=4,
     )  # fmt: skip
     return grad_query, grad_norm
@@ -1186,19 +1199,23 @@ def merge_backward(
     row_factors: Tuple[torch.Tensor, torch.Tensor],
     delta_out: Optional[torch.Tensor] = None,
     grad_out_copy: Optional[torch.Tensor] = None,
+    dw_out: Optional[torch.Tensor] = None,
     **loop,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Backward of :func:`merge_forward` in one pass over the new rows, whose gradients it
     leaves as factors in ``row_factors`` (fp32 views factors [T, n, H, 2] with unit stride
     over the last two dims, kv [T, n] with unit stride over n) for :func:`merge_row_grad`.
     ``delta_out`` (fp32 [T, H]) receives delta and ``grad_out_copy`` (contiguous [T, D],
     grad_out's dtype) a copy of ``grad_out``, from the same kernel (the group's workspaces,
-    no copy kernels). ``loop``: :class:`LoopConfig` fields overriding the default launch
-    (benchmarks).
+    no copy kernels). ``dw_out``: an fp32 [P, D] view (unit stride over D, P =
+    :func:`merge_dw_partials`) receiving the per-program partials of dL/dw unreduced, for
+    the group's phase-1 backward to sum with its own (``merge_dw``): one reduction per group
+    instead of one per merge. ``loop``: :class:`LoopConfig` fields overriding the default
+    launch (benchmarks).
 
     Returns:
         (delta [T, H] fp32 (``delta_out`` if given), grad_query fp32 [D],
-        grad_norm_weight fp32 [D]) of the new rows.
+        grad_norm_weight fp32 [D]) of the new rows; both None with ``dw_out``.
     """
     _check_sources(sources, None, num_heads)
     t, n, d = sources.shape
@@ -1224,7 +1241,11 @@ def merge_backward(
                          f"{tuple(kv.shape)} {kv.stride()}")  # fmt: skip
     num_tiles = triton.cdiv(t, block_t)
     num_programs = _backward_programs(num_tiles, device, programs_per_sm)
-    dw = torch.empty((num_programs, 1, d), dtype=torch.float32, device=device)
+    if dw_out is not None and (dw_out.shape != (num_programs, d) or dw_out.dtype != torch.float32
+                               or dw_out.stride(1) != 1):  # fmt: skip
+        raise ValueError(f"dw_out must be an fp32 [{num_programs}, {d}] view with unit stride over D "
+                         f"(merge_dw_partials), got {tuple(dw_out.shape)} {dw_out.dtype} {dw_out.stride()}")  # fmt: skip
+    dw = torch.empty((num_programs, d), dtype=torch.float32, device=device) if dw_out is None else dw_out
     if t > 0:
         src, f, k = (sources, factors, kv) if n > 0 else (out, dw, dw)  # no row: nothing is stored
         _merge_bwd_kernel[(num_programs,)](
@@ -1232,15 +1253,24 @@ def merge_backward(
             grad_out_copy if copy_do else grad_out, t, n, num_tiles,
             src.stride(0), src.stride(1) if n > 0 else 0, grad_out.stride(0), out.stride(0),
             f.stride(0) if n > 0 else 0, f.stride(1) if n > 0 else 0, k.stride(0) if n > 0 else 0,
-            eps, float(logit_scale),
+            dw.stride(0), eps, float(logit_scale),
             D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages, COPY_DO=copy_do,
             ONE_REDUCE=num_heads == 1,
             num_warps=num_warps,
         )  # fmt: skip
     else:
         dw.zero_()
-    dq, dg = _reduce_dw(dw, sources if n > 0 else out, query.view(1, d), norm_weight.view(1, d))
+    if dw_out is not None:
+        return delta, None, None
+    dq, dg = _reduce_dw(dw.unsqueeze(1), sources if n > 0 else out, query.view(1, d), norm_weight.view(1, d))
     return delta, dq[0], dg[0]
+
+
+def merge_dw_partials(num_tokens: int, d: int, num_heads: int, device: torch.device) -> int:
+    """P of :func:`merge_backward`'s ``dw_out`` at its default launch: its programs."""
+    head_dim, bh, bhd = _tile(d, num_heads)
+    config = _merge_bwd_config(bh * bhd)
+    return _backward_programs(triton.cdiv(num_tokens, config.block_t), device, config.programs_per_sm)
 
 
 def merge_row_grad(
@@ -1357,6 +1387,7 @@ def group_backward_deferred(
     site_range: Optional[Tuple[int, int]] = None,
     sites_per_program: Optional[int] = None,
     tensor_cores: Optional[bool] = False,
+    merge_dw: Optional[torch.Tensor] = None,
     **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[RowFactors, ...]]:
     """Backward of phase 1 for the sites ``site_range`` (default all) over the old rows
@@ -1374,11 +1405,15 @@ def group_backward_deferred(
             at most 256 columns wide (padded), instead of the row-loop kernel (the default), which holds the
             sites in registers and adds them one by one; None: where the H200 measured
             them faster (``_use_tensor_cores``; README.md, "Tensor-core phase 1").
+        merge_dw: contiguous fp32 [P, G, D], the merges' unreduced dL/dw partials
+            (:func:`merge_backward`'s ``dw_out``, site j's at [:, j]), summed into the
+            parameters' gradients with phase 1's (zeros for a site that did not run).
         loop: :class:`LoopConfig` fields overriding the default launch (benchmarks).
 
     Returns:
-        (grad_query, grad_norm_weight) fp32 [hi - lo, D] for the sites in ``site_range``,
-        and the deferred rows' gradients (empty from the row loop), last chunk first.
+        (grad_query, grad_norm_weight) fp32 [hi - lo, D] for the sites in ``site_range``
+        (with the merges' share where ``merge_dw`` is given), and the deferred rows'
+        gradients (empty from the row loop), last chunk first.
     """
     _check_sources(sources, None, num_heads)
     t, n, d = sources.shape
@@ -1407,7 +1442,7 @@ def group_backward_deferred(
             )
         return _group_backward_tensor_cores(
             grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, eps, logit_scale,
-            lo, hi, loop.get("num_warps"),
+            lo, hi, loop.get("num_warps"), merge_dw,
         )  # fmt: skip
     head_dim, bh, bhd = _tile(d, num_heads)
     default_sites, config = _group_bwd_config(bh * bhd, g)
@@ -1428,13 +1463,13 @@ def group_backward_deferred(
             D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, SG=sg, STAGES=stages,
             num_warps=num_warps,
         )  # fmt: skip
-    dq, dg = _reduce_dw(dw, sources, queries, norm_weights)
+    dq, dg = _reduce_dw(dw, sources, queries, norm_weights, merge_dw)
     return dq[lo:hi], dg[lo:hi], ()
 
 
 def _group_backward_tensor_cores(
     grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, eps, logit_scale, lo, hi,
-    num_warps=None,
+    num_warps=None, merge_dw=None,
 ):  # fmt: skip
     """group_backward_deferred through _group_bwd_rows_kernel (per token, every head at
     once) and _group_bwd_heads_kernel (dL/dw per head), SLOTS sites per launch, last chunk
@@ -1469,7 +1504,7 @@ def _group_backward_tensor_cores(
             num_warps=num_warps or heads_config.num_warps,
         )  # fmt: skip
         deferred.append(RowFactors(factors, rms_term, folded, grad_outs, chunk_lo, chunk_hi))
-    dq, dg = _reduce_dw(dw, sources, queries, norm_weights)
+    dq, dg = _reduce_dw(dw, sources, queries, norm_weights, merge_dw)
     return dq[lo:hi], dg[lo:hi], tuple(deferred)
 
 

@@ -201,10 +201,13 @@ def torch_merge_backward(
     row_factors: Tuple[torch.Tensor, torch.Tensor],
     delta_out: Optional[torch.Tensor] = None,
     grad_out_copy: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dw_out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Backward of the merge. The new rows' gradients are left as factors, which
     :func:`torch_merge_row_grad` adds when a row is due; ``delta_out`` receives delta
-    and ``grad_out_copy`` a copy of ``grad_out`` if given.
+    and ``grad_out_copy`` a copy of ``grad_out`` if given; ``dw_out`` ([P, D] fp32, P =
+    :func:`torch_merge_dw_partials` = 1) receives dL/dw of the folded query instead of the
+    parameters' gradients, for the group's backward to add (``merge_dw``).
 
     Args:
         grad_out, out: [T, D] gradient and value of the site's routed output.
@@ -216,7 +219,7 @@ def torch_merge_backward(
 
     Returns:
         (delta [T, H] fp32 = sum over each head of grad_out * out, dquery fp32 [D] and
-        dnorm_weight fp32 [D] of the new rows' logits).
+        dnorm_weight fp32 [D] of the new rows' logits, both None with ``dw_out``).
     """
     w = _folded(query[None], norm_weight[None], sources.dtype, num_heads)
     compute = w.dtype
@@ -225,12 +228,21 @@ def torch_merge_backward(
     dw = _source_grads(
         sources, w, do[None], lse.to(compute)[None], delta[None], eps, logit_scale, None, row_factors
     )
-    dq, dg = _weight_grads(dw, query[None], norm_weight[None], sources.dtype)
     if grad_out_copy is not None:
         grad_out_copy.copy_(grad_out)
-    if delta_out is not None:
-        return delta_out.copy_(delta), dq[0], dg[0]
-    return delta.float(), dq[0], dg[0]
+    delta = delta.float() if delta_out is None else delta_out.copy_(delta)
+    if dw_out is not None:
+        if dw_out.shape != (1, dw.shape[1] * dw.shape[2]):
+            raise ValueError(f"dw_out must be [1, D] (torch_merge_dw_partials), got {tuple(dw_out.shape)}")
+        dw_out.copy_(dw.flatten(-2))
+        return delta, None, None
+    dq, dg = _weight_grads(dw, query[None], norm_weight[None], sources.dtype)
+    return delta, dq[0], dg[0]
+
+
+def torch_merge_dw_partials(num_tokens: int, d: int, num_heads: int, device: torch.device) -> int:
+    """P of :func:`torch_merge_backward`'s ``dw_out``: the reference sums dL/dw whole."""
+    return 1
 
 
 def torch_merge_row_grad(
@@ -296,6 +308,7 @@ def torch_group_backward(
     logit_scale: float,
     grad_sources: torch.Tensor,
     site_range: Optional[Tuple[int, int]] = None,
+    merge_dw: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Backward of phase 1: every site's gradient to the old rows, each row read once.
 
@@ -304,13 +317,16 @@ def torch_group_backward(
         sources: [T, N, D] old rows; grad_sources: fp32 [T, N, D] view receiving ``+=``.
         queries, norm_weights: [G, D]; lse, delta: [G, T, H] fp32 from the merges.
         site_range: (lo, hi), the sites whose merges ran in this graph (default: all).
+        merge_dw: [P, G, D] fp32, the merges' dL/dw (:func:`torch_merge_backward`'s
+            ``dw_out``, site j's at [:, j]), added to the old rows' share.
 
     Returns:
-        (dquery, dnorm_weight) fp32 [hi - lo, D]: the old rows' share.
+        (dquery, dnorm_weight) fp32 [hi - lo, D]: the old rows' share, plus the merges'
+        with ``merge_dw``.
     """
     dq, dg, deferred = torch_group_backward_deferred(
         grad_outs, sources, queries, norm_weights, lse, delta, num_heads, eps, logit_scale,
-        grad_sources, site_range,
+        grad_sources, site_range, merge_dw,
     )  # fmt: skip
     torch_add_row_grads([(deferred, sources.shape[1])], sources, grad_sources, 0)
     return dq, dg
@@ -318,7 +334,7 @@ def torch_group_backward(
 
 def torch_group_backward_deferred(
     grad_outs, sources, queries, norm_weights, lse, delta, num_heads, eps, logit_scale, grad_sources,
-    site_range=None,
+    site_range=None, merge_dw=None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[SiteFactors, ...]]:  # fmt: skip
     """:func:`torch_group_backward`'s parameter gradients now, the rows' gradients left for
     :func:`torch_add_row_grads` (``grad_sources`` is not touched; the kernels' row loop
@@ -334,6 +350,8 @@ def torch_group_backward_deferred(
         dw[k] = _source_grads(
             sources, w[k : k + 1], do[k : k + 1], lse[k : k + 1], delta[k : k + 1], eps, logit_scale, None
         )[0]  # fmt: skip
+    if merge_dw is not None:
+        dw = dw + merge_dw[:, lo:hi].sum(0).to(compute).unflatten(-1, (num_heads, -1))
     # Site by site, last first: each row's gradient receives the sites' contributions in
     # the same order whether or not a checkpointed chunk split the group's backward.
     last_first = (w.flip(0), do.flip(0), lse.flip(0), delta.flip(0))
@@ -372,11 +390,12 @@ class LookaheadBackend(NamedTuple):
     group_backward_deferred: object
     add_row_grads: object
     merge_row_grad: object
+    merge_dw_partials: object
 
 
 TORCH_LOOKAHEAD = LookaheadBackend(
     torch_group_forward, torch_merge_forward, torch_merge_backward, torch_group_backward_deferred,
-    torch_add_row_grads, torch_merge_row_grad,
+    torch_add_row_grads, torch_merge_row_grad, torch_merge_dw_partials,
 )
 
 
@@ -402,6 +421,7 @@ def get_lookahead_backend(impl: str, device: torch.device, kernels: str = "auto"
         functools.partial(fused.group_backward_deferred, tensor_cores=tensor_cores),
         fused.add_row_grads,
         fused.merge_row_grad,
+        fused.merge_dw_partials,
     )
 
 
@@ -463,13 +483,13 @@ class RoutingGroup:
         self.queries: Optional[torch.Tensor] = None
         self.norms: Optional[torch.Tensor] = None
         # Backward workspaces, [G, ...] each with its per-site slices: the output gradients
-        # and deltas, and the new rows' gradient factors (torch_merge_backward).
+        # and deltas, the new rows' gradient factors and the merges' dL/dw partials
+        # (torch_merge_backward), which the group's backward reduces with its own.
         self.grad_outs: Optional[torch.Tensor] = None
         self.deltas: Optional[torch.Tensor] = None
         self.row_factors: Optional[torch.Tensor] = None  # [G, T, R, H, 2] fp32, R new rows
         self.row_kv: Optional[torch.Tensor] = None  # [G, T, R] fp32
-        # Per site: the merge's (dquery, dnorm) fp32, stacked once by the group's backward.
-        self.merge_grads: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(sites)
+        self.merge_dw: Optional[torch.Tensor] = None  # [P, G, D] fp32, site j's at [:, j]
         self._slices: Tuple[Tuple[torch.Tensor, ...], ...] = ()
         self.deposited: List[int] = []
         self._zeroed: set = set()
@@ -483,21 +503,24 @@ class RoutingGroup:
         """R: the rows written since the group started that its last site reads."""
         return self.sites[-1].num_rows - self.old_rows
 
-    def workspace(self, index: int, grad_out: torch.Tensor, num_heads: int):
+    def workspace(self, index: int, grad_out: torch.Tensor, num_heads: int, dw_partials: int):
         """(output gradient [T, D], delta fp32 [T, H], (factors [T, n, H, 2], kv [T, n]) of its
-        n new rows) slots of site ``index`` in the group's backward workspaces, which site
-        ``index``'s merge backward fills (uninitialised until then: :meth:`zero_unused`
-        zeroes the slots of the sites whose output was not used)."""
+        n new rows, dL/dw partials [P, D] with P = ``dw_partials``) slots of site ``index``
+        in the group's backward workspaces, which site ``index``'s merge backward fills
+        (uninitialised until then: :meth:`zero_unused` zeroes the slots of the sites whose
+        output was not used)."""
         if self.grad_outs is None:
             g, (t, d) = len(self.sites), grad_out.shape
             self.grad_outs = grad_out.new_empty((g, t, d))
             self.deltas = grad_out.new_empty((g, t, num_heads), dtype=torch.float32)
             self.row_factors = self.deltas.new_empty((g, t, self.new_rows, num_heads, 2))
             self.row_kv = self.deltas.new_empty((g, t, self.new_rows))
+            self.merge_dw = self.deltas.new_empty((dw_partials, g, d))
             self._slices = tuple(x.unbind() for x in (self.grad_outs, self.deltas, self.row_factors, self.row_kv))
+            self._slices += (self.merge_dw.unbind(1),)
         n = self.sites[index].num_rows - self.old_rows
-        grad_outs, deltas, factors, kv = self._slices
-        return grad_outs[index], deltas[index], (factors[index][:, :n], kv[index][:, :n])
+        grad_outs, deltas, factors, kv, merge_dw = self._slices
+        return grad_outs[index], deltas[index], (factors[index][:, :n], kv[index][:, :n]), merge_dw[index]
 
     def zero_unused(self, lo: int, hi: int) -> None:
         """Zero the workspace slots of the sites in ``lo:hi`` that deposited nothing (their
@@ -516,25 +539,14 @@ class RoutingGroup:
         self.zero_unused(lo, hi)
         return lo, hi
 
-    def deposit(self, index: int, grad_query, grad_norm) -> None:
-        """Keep site ``index``'s merge gradients (of its new rows) for the phase-1 backward,
-        which returns each site's parameter gradients; its workspace slots are filled."""
-        self.merge_grads[index] = (grad_query, grad_norm)
+    def deposit(self, index: int) -> None:
+        """Site ``index``'s merge backward filled its workspace slots (its parameters'
+        gradients from the new rows among them, reduced by the phase-1 backward)."""
         self.deposited.append(index)
 
-    def merge_grads_stacked(self, lo: int, hi: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """[hi - lo, D] fp32 merge gradients (dquery, dnorm) of sites ``lo:hi``; zeros for a
-        site in the range whose output was not used (it deposited nothing)."""
-        grads = self.merge_grads[lo:hi]
-        if any(x is None for x in grads):
-            zero = torch.zeros_like(next(x for x in grads if x is not None)[0])
-            grads = [(zero, zero) if x is None else x for x in grads]
-        return torch.stack([x[0] for x in grads]), torch.stack([x[1] for x in grads])
-
     def release_backward(self) -> None:
-        self.grad_outs = self.deltas = self.lse = self.row_factors = self.row_kv = None
+        self.grad_outs = self.deltas = self.lse = self.row_factors = self.row_kv = self.merge_dw = None
         self.queries = self.norms = None
-        self.merge_grads = []
         self._slices = self.site_lse = ()
 
 
@@ -714,24 +726,22 @@ class _GroupPartials(torch.autograd.Function):
         grads: List[Optional[torch.Tensor]] = [None] * (2 * g)
         if group.deposited:
             lo, hi = group.backward_range()  # the sites merged in this graph
+            # Each site's gradient from the old rows and, through merge_dw, from its new rows
+            # (the merge): one reduction per group.
             dq, dg, deferred = history.lookahead.group_backward_deferred(
                 group.grad_outs, history.rows(group.old_rows), queries, norms, group.lse,
                 group.deltas, history.num_heads, history.eps, history.logit_scale,
-                history.grad_rows(group.old_rows), (lo, hi),
+                history.grad_rows(group.old_rows), (lo, hi), merge_dw=group.merge_dw,
             )  # fmt: skip
             history.defer(deferred, group.old_rows)
-            # Each site's gradient from its new rows (the merge) and from the old rows.
             sites = group.sites[lo:hi]
             params = [s.query for s in sites] + [s.norm_weight for s in sites]
             if fusable(params):  # into Megatron DDP's fp32 buffer, no cast, no hook add
-                merges = [x[0] if x else None for x in group.merge_grads[lo:hi]]
-                merges += [x[1] if x else None for x in group.merge_grads[lo:hi]]
-                placeholders = add_to_main_grads(params, [*dq.unbind(), *dg.unbind()], merges)
+                placeholders = add_to_main_grads(params, [*dq.unbind(), *dg.unbind()])
                 grads[lo:hi], grads[g + lo : g + hi] = placeholders[: hi - lo], placeholders[hi - lo :]
-            else:  # added in fp32, cast once per kind (the stacks carry the parameters' dtypes)
-                merge_dq, merge_dg = group.merge_grads_stacked(lo, hi)
-                grads[lo:hi] = (dq + merge_dq).to(queries.dtype).unbind()
-                grads[g + lo : g + hi] = (dg + merge_dg).to(norms.dtype).unbind()
+            else:  # cast once per kind (the stacks carry the parameters' dtypes)
+                grads[lo:hi] = dq.to(queries.dtype).unbind()
+                grads[g + lo : g + hi] = dg.to(norms.dtype).unbind()
         history.finish_rows(group)
         group.release_backward()
         return (None, None, None, *grads)
@@ -764,12 +774,15 @@ class _MergeSite(torch.autograd.Function):
         s, b, h = history.shape
         rows = group.sites[index].num_rows
         flat_grad = grad_out.reshape(s * b, h)
-        grad_out_slot, delta_slot, row_factors = group.workspace(index, flat_grad, history.num_heads)
-        _, grad_query, grad_norm = history.lookahead.merge_backward(
+        partials = history.lookahead.merge_dw_partials(s * b, h, history.num_heads, flat_grad.device)
+        grad_out_slot, delta_slot, row_factors, dw_slot = group.workspace(
+            index, flat_grad, history.num_heads, partials
+        )
+        history.lookahead.merge_backward(
             flat_grad, out.reshape(s * b, h), history.rows(rows, group.old_rows),
             query, norm_weight, group.site_lse[index],
             history.num_heads, history.eps, history.logit_scale,
-            row_factors, delta_slot, grad_out_slot,
+            row_factors, delta_slot, grad_out_slot, dw_slot,
         )  # fmt: skip
         # The new rows' gradients are added when each is due (LookaheadHistory.due_row_grad).
         for row in range(group.old_rows, rows):
@@ -778,5 +791,5 @@ class _MergeSite(torch.autograd.Function):
                 runs.append(group)
         # The parameters' gradients go out once, summed with the old rows' part, from the
         # group's backward (which runs after every merge of the group: they consume its token).
-        group.deposit(index, grad_query, grad_norm)
+        group.deposit(index)
         return (None,) * 7

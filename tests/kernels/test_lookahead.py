@@ -39,6 +39,7 @@ def _phase1_kernels(tensor_cores: bool) -> types.SimpleNamespace:
         group_backward_deferred=functools.partial(fused.group_backward_deferred, tensor_cores=tensor_cores),
         add_row_grads=fused.add_row_grads,
         merge_row_grad=fused.merge_row_grad,
+        merge_dw_partials=fused.merge_dw_partials,
     )
 
 
@@ -109,21 +110,26 @@ def _grouped(backend, buffer, queries, norms, grad_outs, n0, heads, tau, site_ra
     # The new rows' factors; a site that does not run leaves zeros, as the history's zeroed slots.
     factors = torch.zeros((g, t, g - 1, heads, 2), device=DEVICE)
     kv = torch.zeros((g, t, g - 1), device=DEVICE)
+    # The merges' dL/dw partials, reduced with phase 1's by the group backward.
+    merge_dw = torch.zeros((backend.merge_dw_partials(t, d, heads, torch.device(DEVICE)), g, d), device=DEVICE)
     dq = torch.zeros((g, d), device=DEVICE)
     dg = torch.zeros((g, d), device=DEVICE)
     for k in reversed(range(lo, hi)):
-        # As the history calls it: delta and the output gradient land in the group's workspaces.
-        delta, dq[k], dg[k] = backend.merge_backward(
+        # As the history calls it: delta, the output gradient and the dL/dw partials land in
+        # the group's workspaces.
+        delta, merge_dq, merge_dg = backend.merge_backward(
             grad_outs[k], outs[k], buffer[:, n0 : n0 + k], queries[k], norms[k], lse[k],
-            heads, EPS, tau, (factors[k, :, :k], kv[k, :, :k]), deltas[k], used[k],
+            heads, EPS, tau, (factors[k, :, :k], kv[k, :, :k]), deltas[k], used[k], merge_dw[:, k],
         )  # fmt: skip
         assert torch.equal(delta, deltas[k]) and torch.equal(used[k], grad_outs[k])
+        assert merge_dq is None and merge_dg is None
         if k > 0:  # row n0 + k - 1 is due: the sites from k on read it
             _finish_row(backend, buffer, grad_rows, used, queries, norms, factors, kv, n0, k - 1, heads)
     for i in range(max(lo - 1, 0)):  # rows these sites read that become due in an earlier range
         _finish_row(backend, buffer, grad_rows, used, queries, norms, factors, kv, n0, i, heads)
     old_q, old_g = backend.group_backward(
-        used, buffer[:, :n0], queries, norms, lse, deltas, heads, EPS, tau, grad_rows[:, :n0], (lo, hi)
+        used, buffer[:, :n0], queries, norms, lse, deltas, heads, EPS, tau, grad_rows[:, :n0], (lo, hi),
+        merge_dw=merge_dw,
     )
     dq[lo:hi] += old_q
     dg[lo:hi] += old_g
@@ -213,6 +219,37 @@ def test_merge_row_grad_matches_reference(d, heads):
         fused.merge_row_grad(row, row_grad, cast, *args)
         torch.testing.assert_close(cast, want.to(dtype), rtol=1e-5 if dtype == torch.float32 else 8e-3,
                                    atol=1e-5 * want.abs().max().item())  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["triton-row-loop", "torch"])
+def test_merge_dw_partials_reduce_to_the_merge_gradients(backend):
+    """A merge's unreduced dL/dw partials (``dw_out``, as the history keeps them for its
+    group's backward) sum, through the group's reduction of a group whose phase 1 adds
+    nothing (its only site's output gradient and delta are zero), to the parameters' gradients the
+    merge returns when it reduces them itself."""
+    b = BACKENDS[backend]
+    t, n0, d, heads = _tokens(5), 2, 768, 8
+    torch.manual_seed(11)
+    buffer, queries, norms, grad_outs = _inputs(t, n0 + 3, 1, d, heads, 1.0, torch.float32)
+    m, l, acc = b.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0)
+    lse = torch.empty((t, heads), device=DEVICE)
+    new = buffer[:, n0 : n0 + 3]
+    out = b.merge_forward(m[0], l[0], acc[0], new, queries[0], norms[0], heads, EPS, 1.0, lse)
+    factors = (torch.empty(t, 3, heads, 2, device=DEVICE), torch.empty(t, 3, device=DEVICE))
+    _, want_q, want_g = b.merge_backward(grad_outs[0], out, new, queries[0], norms[0], lse, heads, EPS, 1.0, factors)
+    merge_dw = torch.full((b.merge_dw_partials(t, d, heads, torch.device(DEVICE)), 1, d), float("nan"), device=DEVICE)
+    with pytest.raises(ValueError, match="dw_out must be"):
+        b.merge_backward(grad_outs[0], out, new, queries[0], norms[0], lse, heads, EPS, 1.0, factors,
+                         dw_out=merge_dw[1:, 0])  # fmt: skip
+    delta, dq, dg = b.merge_backward(grad_outs[0], out, new, queries[0], norms[0], lse, heads, EPS, 1.0, factors,
+                                     dw_out=merge_dw[:, 0])  # fmt: skip
+    assert dq is None and dg is None and not merge_dw.isnan().any()
+    zero = torch.zeros_like(grad_outs)
+    got_q, got_g = b.group_backward(zero, buffer[:, :n0], queries, norms, lse[None], 0 * delta[None], heads, EPS, 1.0,
+                                    torch.zeros(t, n0, d, device=DEVICE), merge_dw=merge_dw)  # fmt: skip
+    for got, want in ((got_q[0], want_q), (got_g[0], want_g)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+        assert want.abs().max() > 0
 
 
 def test_merge_row_grad_errors():
