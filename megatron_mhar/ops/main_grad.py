@@ -6,8 +6,8 @@ one add per query and one per norm weight, plus the casts to the parameters' dty
 Megatron's own layers skip that add with gradient-accumulation fusion: they accumulate the
 weight gradient into ``main_grad`` themselves, set ``param.grad_added_to_main_grad`` so the
 hook leaves it, and hand autograd an uninitialised placeholder so the hook still runs (and,
-with overlapped gradient reduction, marks the bucket ready). The routing ops do the same
-with the fp32 sums they already hold, in one multi-tensor launch per list of gradients, not
+with overlapped gradient reduction, marks the bucket ready). The lookahead schedule's group
+backward does the same with the fp32 sums it already holds (the per-site schedule does not yet), in one multi-tensor launch per list of gradients, not
 one per parameter; the gradients are accumulated in fp32 without the round trip through
 the parameters' dtype.
 """
