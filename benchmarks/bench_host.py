@@ -82,16 +82,16 @@ class StubBackends:
             return torch.empty(grad_out.shape[0], heads, **kw), torch.empty(query.shape, **kw), torch.empty(query.shape, **kw)
 
         def group_backward(grad_outs, sources, queries, norms, lse, delta, heads, eps, tau,
-                           grad_sources, site_range=None, merge_dw=None):  # fmt: skip
+                           grad_sources, site_range=None, merge_dw=None, accumulate=True):  # fmt: skip
             self.calls["group_backward"] += 1
             lo, hi = site_range or (0, queries.shape[0])
             # Nothing deferred: the rows' gradients are the row loop's, added in place.
             return torch.empty(hi - lo, queries.shape[1]), torch.empty(hi - lo, queries.shape[1]), ()
 
-        def add_row_grads(deferred, sources, grad_sources, start):
+        def add_row_grads(deferred, sources, grad_sources, start, accumulate=True):
             self.calls["add_row_grads"] += 1
 
-        def merge_row_grad(row, row_grad, out, *factors):
+        def merge_row_grad(row, row_grad, out, *factors, accumulate=True):
             self.calls["merge_row_grad"] += 1
 
         def merge_dw_partials(num_tokens, d, heads, device):

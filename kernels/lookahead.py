@@ -294,13 +294,18 @@ def _merge_bwd_row_grad_kernel(
     BH: tl.constexpr,
     BHD: tl.constexpr,
     STAGES: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     """out = g + sum over the sites [site_lo, site_hi), last first, of p do + tau r ds w
-    - tau r c v: one row's gradient from its factors, one token tile per program."""
+    - tau r c v: one row's gradient from its factors, one token tile per program (g = 0,
+    not read, without ACCUMULATE)."""
     _, o_h, o_d, m_d, m_t, m_v, m_th, o_t64 = _token_tile(tl.program_id(0), T, H, HD, BT, BH, BHD)
     p_td = o_t64[:, None, None] * D + o_d[None, :, :]
     b_v = tl.load(V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :], mask=m_v, other=0.0)
-    b_acc = tl.load(G_ptr + o_t64[:, None, None] * stride_gt + o_d[None, :, :], mask=m_v, other=0.0)
+    if ACCUMULATE:
+        b_acc = tl.load(G_ptr + o_t64[:, None, None] * stride_gt + o_d[None, :, :], mask=m_v, other=0.0)
+    else:
+        b_acc = tl.zeros([BT, BH, BHD], dtype=tl.float32)
     b_v = b_v.to(tl.float32)
     for k in tl.range(0, site_hi - site_lo, num_stages=STAGES):
         j = site_hi - 1 - k
@@ -382,11 +387,13 @@ def _group_bwd_kernel(
     BHD: tl.constexpr,
     SG: tl.constexpr,
     STAGES: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     """The gradients of the sites [chunk_lo, chunk_hi) (at most SG) to the old rows. Slot j
     holds site chunk_hi - 1 - j, so the sites are added last first; slots below chunk_lo
     load lse = +inf and do = delta = 0 and add exact zeros. Chunks run last first, so any
-    split of a group into chunks or site ranges adds the same terms in the same order."""
+    split of a group into chunks or site ranges adds the same terms in the same order.
+    Without ACCUMULATE the rows' gradients hold nothing yet: stored, not read."""
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
     o_h = tl.arange(0, BH)
@@ -429,7 +436,10 @@ def _group_bwd_kernel(
             b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
             b_r = _inv_rms((b_v,), eps, D, 1)
             b_rs = b_r * scale
-            b_dv = tl.load(p_dv, mask=m_v, other=0.0)
+            if ACCUMULATE:
+                b_dv = tl.load(p_dv, mask=m_v, other=0.0)
+            else:
+                b_dv = tl.zeros([BT, BH, BHD], dtype=tl.float32)
             b_ps = ()
             b_dss = ()
             b_cs = ()
@@ -543,13 +553,17 @@ def _head_site_rows(W_ptr, DO_ptr, t, T, i_h, k0, K: tl.constexpr, HD: tl.conste
 
 @triton.jit
 def _update_row_block(p_v, p_dv, rows, stop, stride_vn, stride_dvn, b_kv, b_acc, k0, K: tl.constexpr,
-                   HD: tl.constexpr):  # fmt: skip
-    """dv += acc - kv v over the channels [k0, k0 + K) of a block of rows (one read-modify-write)."""
+                   HD: tl.constexpr, ACCUMULATE: tl.constexpr):  # fmt: skip
+    """dv += acc - kv v over the channels [k0, k0 + K) of a block of rows (one read-modify-write;
+    without ACCUMULATE dv holds nothing yet and is only written)."""
     o_k = k0 + tl.arange(0, K)
     m_x = (rows < stop)[:, None] & (o_k < HD)[None, :]
     b_x = tl.load(p_v + rows[:, None] * stride_vn + o_k[None, :], mask=m_x, other=0.0)
     p_dv = p_dv + rows[:, None] * stride_dvn + o_k[None, :]
-    b_dv = tl.load(p_dv, mask=m_x, other=0.0) - b_kv[:, None] * b_x.to(tl.float32)
+    if ACCUMULATE:
+        b_dv = tl.load(p_dv, mask=m_x, other=0.0) - b_kv[:, None] * b_x.to(tl.float32)
+    else:
+        b_dv = 0.0 - b_kv[:, None] * b_x.to(tl.float32)
     tl.store(p_dv, b_dv + b_acc, mask=m_x)
 
 
@@ -812,11 +826,12 @@ def _group_bwd_row_grads_kernel(
     N, OWED, CHUNK_LO, CHUNK_HI,  # J-tuples of ints: N_j, the entry adds to rows [start, OWED_j), its sites
     T, start, stop, stride_vt, stride_vn, stride_dvt, stride_dvn,
     D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BR: tl.constexpr, KA: tl.constexpr,
-    KB: tl.constexpr, J: tl.constexpr,
+    KB: tl.constexpr, J: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
     """The rows' gradients of J phase-1 backwards at once: for a block of BR rows in
     [start, stop) of one token (program axis 0) and head (axis 1), dv += sum_j (Z_j @ Y_j^T
-    - kv_j v), one read-modify-write of the fp32 gradient for all entries. Every entry's
+    - kv_j v), one read-modify-write of the fp32 gradient for all entries (a write only,
+    without ACCUMULATE, where dv holds nothing yet). Every entry's
     operands are whole tiles (Z [BR, 2 * SLOTS], Y [2 * SLOTS, head width]) loaded at
     once and multiplied as one dot, so a program has a few independent loads per entry in
     flight instead of a chain of small ones per slot. Measured in the 1B training step on
@@ -862,9 +877,9 @@ def _group_bwd_row_grads_kernel(
             if KB > 0:
                 b_yh, b_yl = _head_site_rows(p_w, p_do, t, T, i_h, KA, KB, HD, D, lo, hi, BF16)
                 b_accb = _dot_split(b_zh, b_zl, b_yh, b_yl, b_accb, False, False, BF16)
-        _update_row_block(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_acca, 0, KA, HD)
+        _update_row_block(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_acca, 0, KA, HD, ACCUMULATE)
         if KB > 0:
-            _update_row_block(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_accb, KA, KB, HD)
+            _update_row_block(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_accb, KA, KB, HD, ACCUMULATE)
 
 
 @triton.jit
@@ -1285,12 +1300,14 @@ def merge_row_grad(
     index: int,
     site_range: Tuple[int, int],
     num_heads: int,
+    accumulate: bool = True,
     **loop,
 ) -> None:
     """A new row's gradient from the factors its group's merges left
     (:func:`merge_backward`) and its fp32 gradient from every other read, written into
     ``out`` in ``out``'s dtype (``out`` may be ``row_grad``): one read of the fp32
-    gradient and each site's output gradient, one write. Arguments as the reference's
+    gradient (none with ``accumulate`` False, where no other read added one) and of each
+    site's output gradient, one write. Arguments as the reference's
     (``megatron_mhar.ops.lookahead.torch_merge_row_grad``); ``row``, ``row_grad`` and
     ``out`` [T, D] with unit stride over D, the group's tensors contiguous. ``loop``:
     :class:`LoopConfig` fields overriding the default launch (benchmarks)."""
@@ -1321,7 +1338,8 @@ def merge_row_grad(
     _merge_bwd_row_grad_kernel[(triton.cdiv(t, block_t),)](
         row, row_grad, out, grad_outs, queries, norm_weights, factors, kv,
         t, r, index, lo, hi, row.stride(0), row_grad.stride(0), out.stride(0),
-        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages, num_warps=num_warps,
+        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages, ACCUMULATE=accumulate,
+        num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -1369,7 +1387,8 @@ def group_backward(
         grad_outs, sources, queries, norm_weights, lse, delta, num_heads, eps, logit_scale,
         grad_sources, site_range, **options,
     )  # fmt: skip
-    add_row_grads([(deferred, sources.shape[1])], sources, grad_sources, 0)
+    add_row_grads([(deferred, sources.shape[1])], sources, grad_sources, 0,
+                  accumulate=options.get("accumulate", True))  # fmt: skip
     return grad_query, grad_norm
 
 
@@ -1388,6 +1407,7 @@ def group_backward_deferred(
     sites_per_program: Optional[int] = None,
     tensor_cores: Optional[bool] = False,
     merge_dw: Optional[torch.Tensor] = None,
+    accumulate: bool = True,
     **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[RowFactors, ...]]:
     """Backward of phase 1 for the sites ``site_range`` (default all) over the old rows
@@ -1408,6 +1428,8 @@ def group_backward_deferred(
         merge_dw: contiguous fp32 [P, G, D], the merges' unreduced dL/dw partials
             (:func:`merge_backward`'s ``dw_out``, site j's at [:, j]), summed into the
             parameters' gradients with phase 1's (zeros for a site that did not run).
+        accumulate: False where ``grad_sources`` holds no gradient yet: the row loop then
+            stores into it instead of adding (the tensor-core kernels do not touch it).
         loop: :class:`LoopConfig` fields overriding the default launch (benchmarks).
 
     Returns:
@@ -1455,13 +1477,14 @@ def group_backward_deferred(
     if t == 0:
         dw.zero_()
     for chunk_hi in range(hi, lo, -sg) if t > 0 else ():  # chunks of sites, last first
+        first = chunk_hi == hi
         _group_bwd_kernel[(num_programs,)](
             sources, folded, grad_outs, lse, delta, grad_sources, dw,
             t, n, g, max(lo, chunk_hi - sg), chunk_hi, num_tiles,
             sources.stride(0), sources.stride(1), grad_sources.stride(0), grad_sources.stride(1),
             eps, float(logit_scale),
             D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, SG=sg, STAGES=stages,
-            num_warps=num_warps,
+            ACCUMULATE=accumulate or not first, num_warps=num_warps,
         )  # fmt: skip
     dq, dg = _reduce_dw(dw, sources, queries, norm_weights, merge_dw)
     return dq[lo:hi], dg[lo:hi], ()
@@ -1518,6 +1541,7 @@ def add_row_grads(
     sources: torch.Tensor,
     grad_sources: torch.Tensor,
     start: int,
+    accumulate: bool = True,
     num_warps: int = 4,
     stages: int = 2,
 ) -> None:
@@ -1527,6 +1551,8 @@ def add_row_grads(
         deferred: (factors of one :func:`group_backward_deferred`, owed) pairs, added in
             order; each adds to the rows ``[start, owed)`` (owed at most its N).
         sources, grad_sources: [T, R, D] the rows from row 0 and their fp32 gradients.
+        accumulate: False where the rows ``[start, max owed)`` hold no gradient yet: the
+            sums are stored, the gradients not read.
         num_warps, stages: the launch (benchmarks). Two stages overlap an entry's loads
             with the previous entry's dots (the sweep in the kernel's docstring).
     """
@@ -1546,5 +1572,6 @@ def add_row_grads(
             sources, grad_sources, z, kv, folded, grad_outs,
             tuple(f.z.shape[1] for f, _ in batch), tuple(owed for _, owed in batch), chunk_lo, chunk_hi,
             t, start, stop, sources.stride(0), sources.stride(1), grad_sources.stride(0), grad_sources.stride(1),
-            D=d, H=num_heads, HD=head_dim, BR=block_rows, KA=ka, KB=kb, J=len(batch), num_warps=num_warps, num_stages=stages,
+            D=d, H=num_heads, HD=head_dim, BR=block_rows, KA=ka, KB=kb, J=len(batch),
+            ACCUMULATE=accumulate or i > 0, num_warps=num_warps, num_stages=stages,
         )  # fmt: skip

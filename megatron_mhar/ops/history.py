@@ -22,7 +22,7 @@ micro-batches may be in flight (pipeline schedules), and activation recomputatio
 re-run a layer, which rewrites the same rows with the same values.
 """
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -99,29 +99,67 @@ class SourceHistory:
         return self._flat[:, start:stop]
 
     def _allocate_grad(self) -> None:
-        """fp32 row gradients, zeroed, allocated by the first backward that needs them."""
+        """fp32 row gradients, allocated by the first backward that needs them and not
+        zero-filled: a row holds no gradient until a kernel stores one
+        (:meth:`grad_rows_to_store`) or a read that adds into it zeroes it first
+        (:meth:`grad_rows`). The first kernel to reach a row then stores instead of adding,
+        which saves the buffer's fill and one read of each row (at 100M 839 MB of each per
+        micro-batch)."""
         if self._grad_buffer is None:
-            self._grad_buffer = torch.zeros(
+            self._grad_buffer = torch.empty(
                 self.buffer.shape, dtype=torch.float32, device=self.buffer.device
             )
             self._grad_flat = self._grad_buffer.view(self._flat.shape)
+            self._grad_unset = [True] * self.capacity
+
+    def _zero_unset(self, stop: int, start: int) -> None:
+        """Zero the rows in ``[start, stop)`` that hold no gradient yet, one fill per run."""
+        self._allocate_grad()
+        unset = self._grad_unset
+        row = start
+        while row < stop:
+            if not unset[row]:
+                row += 1
+                continue
+            end = row
+            while end < stop and unset[end]:
+                unset[end] = False
+                end += 1
+            self._grad_flat[:, row:end].zero_()
+            row = end
 
     @property
     def grad_buffer(self) -> torch.Tensor:
-        """fp32 gradients of the rows ``[s, b, R, h]``."""
-        self._allocate_grad()
+        """fp32 gradients of the rows ``[s, b, R, h]``, every row holding one."""
+        self._zero_unset(self.capacity, 0)
         return self._grad_buffer
 
     def grad_rows(self, stop: int, start: int = 0) -> torch.Tensor:
-        """[T, stop - start, h] fp32 view of the gradients of rows ``[start, stop)``."""
-        self._allocate_grad()
+        """[T, stop - start, h] fp32 view of the gradients of rows ``[start, stop)``, to add
+        into or read (rows that held none are zeroed)."""
+        self._zero_unset(stop, start)
         return self._grad_flat[:, start:stop]
+
+    def grad_rows_to_store(self, stop: int, start: int = 0) -> Tuple[torch.Tensor, bool]:
+        """(view, accumulate) of rows ``[start, stop)`` for a kernel that adds into every
+        element of them: ``accumulate`` is False when none holds a gradient yet, and the
+        kernel may then store instead of adding (call :meth:`mark_stored` once it has);
+        otherwise the rows that held none are zeroed and it must add."""
+        self._allocate_grad()
+        if stop > start and all(self._grad_unset[start:stop]):
+            return self._grad_flat[:, start:stop], False
+        return self.grad_rows(stop, start), True
+
+    def mark_stored(self, stop: int, start: int = 0) -> None:
+        """Rows ``[start, stop)`` now hold gradients (a kernel stored every element)."""
+        self._grad_unset[start:stop] = [False] * (stop - start)
 
     def due_grads(self, stop: int, start: int = 0) -> torch.Tensor:
         """fp32 gradients ``[s, b, stop - start, h]`` of rows ``[start, stop)`` once every
         read of them has added its share: the backward of their write (or load) takes them.
         A history whose reads defer part of their gradients adds it here."""
-        return self.grad_buffer[:, :, start:stop]
+        self._zero_unset(stop, start)
+        return self._grad_buffer[:, :, start:stop]
 
     def store_row(self, row: int, source: torch.Tensor) -> None:
         """Copy ``source`` [s, b, h] into row ``row`` of the buffer."""
@@ -317,10 +355,15 @@ class _PackRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_packed):
         if grad_packed is not None:
-            s, b, h = ctx.history.shape
-            ctx.history.grad_buffer[:, :, : ctx.num_rows].add_(
-                grad_packed.view(s, b, ctx.num_rows, h)
-            )
+            history, n = ctx.history, ctx.num_rows
+            s, b, h = history.shape
+            grads, accumulate = history.grad_rows_to_store(n)
+            received = grad_packed.view(s * b, n, h)
+            if accumulate:
+                grads.add_(received)
+            else:  # the later stage's share is the first: copied, no fill and add
+                grads.copy_(received)
+                history.mark_stored(n)
         return None, None, None
 
 

@@ -257,6 +257,7 @@ def torch_merge_row_grad(
     index: int,
     site_range: Tuple[int, int],
     num_heads: int,
+    accumulate: bool = True,
 ) -> None:
     """A new row's gradient from its fp32 gradient so far and the factors the merges of a
     group's sites ``site_range`` left (:func:`torch_merge_backward`), written into ``out``.
@@ -269,12 +270,15 @@ def torch_merge_row_grad(
             index: the row's index among them (R the group's new rows).
         site_range: (lo, hi), the sites reading the row; added last site first, the order
             the merges ran in.
+        accumulate: False where ``row_grad`` holds no gradient yet (no other read added
+            one): it is then not read.
     """
     lo, hi = site_range
     w = _folded(queries[lo:hi], norm_weights[lo:hi], row.dtype, num_heads)
     compute = w.dtype
     v = row.to(compute).unflatten(-1, (num_heads, -1))
-    acc = row_grad.to(compute).unflatten(-1, (num_heads, -1))
+    acc = row_grad.to(compute) if accumulate else torch.zeros_like(row_grad, dtype=compute)
+    acc = acc.unflatten(-1, (num_heads, -1))
     for j in reversed(range(lo, hi)):
         f = factors[j, :, index].to(compute)  # [T, H, 2]
         do = grad_outs[j].to(compute).unflatten(-1, (num_heads, -1))
@@ -309,6 +313,7 @@ def torch_group_backward(
     grad_sources: torch.Tensor,
     site_range: Optional[Tuple[int, int]] = None,
     merge_dw: Optional[torch.Tensor] = None,
+    accumulate: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Backward of phase 1: every site's gradient to the old rows, each row read once.
 
@@ -319,6 +324,7 @@ def torch_group_backward(
         site_range: (lo, hi), the sites whose merges ran in this graph (default: all).
         merge_dw: [P, G, D] fp32, the merges' dL/dw (:func:`torch_merge_backward`'s
             ``dw_out``, site j's at [:, j]), added to the old rows' share.
+        accumulate: False where ``grad_sources`` holds no gradient yet: stored, not added.
 
     Returns:
         (dquery, dnorm_weight) fp32 [hi - lo, D]: the old rows' share, plus the merges'
@@ -328,17 +334,18 @@ def torch_group_backward(
         grad_outs, sources, queries, norm_weights, lse, delta, num_heads, eps, logit_scale,
         grad_sources, site_range, merge_dw,
     )  # fmt: skip
-    torch_add_row_grads([(deferred, sources.shape[1])], sources, grad_sources, 0)
+    torch_add_row_grads([(deferred, sources.shape[1])], sources, grad_sources, 0, accumulate)
     return dq, dg
 
 
 def torch_group_backward_deferred(
     grad_outs, sources, queries, norm_weights, lse, delta, num_heads, eps, logit_scale, grad_sources,
-    site_range=None, merge_dw=None,
+    site_range=None, merge_dw=None, accumulate=True,
 ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[SiteFactors, ...]]:  # fmt: skip
     """:func:`torch_group_backward`'s parameter gradients now, the rows' gradients left for
     :func:`torch_add_row_grads` (``grad_sources`` is not touched; the kernels' row loop
-    adds into it, their tensor-core path defers as this does)."""
+    adds into it, or with ``accumulate`` False, where it holds no gradient yet, stores into
+    it; their tensor-core path defers as this does)."""
     lo, hi = site_range if site_range is not None else (0, queries.shape[0])
     grad_outs, queries, norm_weights = grad_outs[lo:hi], queries[lo:hi], norm_weights[lo:hi]
     w = _folded(queries, norm_weights, sources.dtype, num_heads)
@@ -363,9 +370,14 @@ def torch_add_row_grads(
     sources: torch.Tensor,
     grad_sources: torch.Tensor,
     start: int,
+    accumulate: bool = True,
 ) -> None:
     """Add deferred phase-1 gradients (``(factors, owed)`` pairs, in order) to the rows
-    ``[start, owed)`` of ``sources`` / ``grad_sources`` [T, R, D] (the rows from row 0)."""
+    ``[start, owed)`` of ``sources`` / ``grad_sources`` [T, R, D] (the rows from row 0);
+    ``accumulate`` False: those rows hold no gradient yet, and the sums are stored."""
+    if not accumulate:
+        stop = max((owed for factors, owed in deferred if factors and owed > start), default=start)
+        grad_sources[:, start:stop].zero_()
     for factors, owed in deferred:
         for f in factors if owed > start else ():
             rows, grads = sources[:, start:owed], grad_sources[:, start:owed]
@@ -617,8 +629,13 @@ class LookaheadHistory(SourceHistory):
         groups behind, not once per group."""
         if any(owed > start for _, owed in self.owed):
             block = max(n for n in self.group_starts if n <= start)
+            stop = max(owed for deferred, owed in self.owed if deferred and owed > block)
+            _, accumulate = self.grad_rows_to_store(stop, block)
             cap = self.capacity
-            self.lookahead.add_row_grads(self.owed, self.rows(cap), self.grad_rows(cap), block)
+            self.lookahead.add_row_grads(
+                self.owed, self.rows(cap), self._grad_flat[:, :cap], block, accumulate=accumulate
+            )  # fmt: skip
+            self.mark_stored(stop, block)
             for entry in self.owed:
                 entry[1] = min(entry[1], block)
             self.owed = [entry for entry in self.owed if entry[1] > 0]
@@ -633,7 +650,8 @@ class LookaheadHistory(SourceHistory):
             if len(runs) > 1:
                 self.pending[row] = [g for g in runs if g is not only]
             runs = [only]
-        grad = self.grad_rows(row + 1, row)[:, 0]
+        grad, accumulate = self.grad_rows_to_store(row + 1, row)
+        grad = grad[:, 0]
         for k, group in enumerate(runs):
             lo = next(j for j, site in enumerate(group.sites) if site.num_rows > row)
             hi = len(group.sites)
@@ -643,7 +661,11 @@ class LookaheadHistory(SourceHistory):
             self.lookahead.merge_row_grad(
                 self.rows(row + 1, row)[:, 0], grad, out, group.grad_outs, group.queries, group.norms,
                 group.row_factors, group.row_kv, row - group.old_rows, (lo, hi), self.num_heads,
+                accumulate=accumulate,
             )  # fmt: skip
+            if out is grad:
+                self.mark_stored(row + 1, row)
+                accumulate = True
         return out
 
     def finish_rows(self, group: RoutingGroup) -> None:
@@ -726,13 +748,16 @@ class _GroupPartials(torch.autograd.Function):
         grads: List[Optional[torch.Tensor]] = [None] * (2 * g)
         if group.deposited:
             lo, hi = group.backward_range()  # the sites merged in this graph
+            grad_rows, accumulate = history.grad_rows_to_store(group.old_rows)
             # Each site's gradient from the old rows and, through merge_dw, from its new rows
             # (the merge): one reduction per group.
             dq, dg, deferred = history.lookahead.group_backward_deferred(
                 group.grad_outs, history.rows(group.old_rows), queries, norms, group.lse,
                 group.deltas, history.num_heads, history.eps, history.logit_scale,
-                history.grad_rows(group.old_rows), (lo, hi), merge_dw=group.merge_dw,
+                grad_rows, (lo, hi), merge_dw=group.merge_dw, accumulate=accumulate,
             )  # fmt: skip
+            if not deferred:  # the rows' gradients were added (stored) now
+                history.mark_stored(group.old_rows)
             history.defer(deferred, group.old_rows)
             sites = group.sites[lo:hi]
             params = [s.query for s in sites] + [s.norm_weight for s in sites]

@@ -374,7 +374,8 @@ def test_add_row_grads_spanning_blocks_and_owed_rows():
 
 def test_add_row_grads_more_entries_than_one_launch():
     """More owing entries than one launch takes (fused._ROW_GRADS_ENTRIES): the further
-    launches add the rest, in order, to the same rows (one-site groups over 3 rows)."""
+    launches add the rest, in order, to the same rows (one-site groups over 3 rows), into
+    rows that held no gradient (NaN, ``accumulate=False``): the first launch stores."""
     t, d, heads, entries = _tokens(2), 512, 8, fused._ROW_GRADS_ENTRIES + 2
     torch.manual_seed(5)
     buffer, queries, norms, grad_outs = _inputs(t, 3, 1, d, heads, 1.0, torch.float32)
@@ -382,7 +383,7 @@ def test_add_row_grads_more_entries_than_one_launch():
     deltas = [torch.randn((1, t, heads), device=DEVICE) for _ in scales]
     results = []
     for backend in (BACKENDS["triton-tensor-cores"], BACKENDS["torch"]):
-        rows, owed = torch.zeros(buffer.shape, device=DEVICE), []
+        rows, owed = torch.full(buffer.shape, float("nan"), device=DEVICE), []
         for scale, delta in zip(scales, deltas):
             m, l, _ = backend.group_forward(buffer, queries * scale, norms, heads, EPS, 1.0)
             *_, deferred = backend.group_backward_deferred(
@@ -390,10 +391,39 @@ def test_add_row_grads_more_entries_than_one_launch():
                 heads, EPS, 1.0, rows,
             )  # fmt: skip
             owed.append([deferred, 3])
-        backend.add_row_grads(owed, buffer, rows, 0)
+        backend.add_row_grads(owed, buffer, rows, 0, accumulate=False)
         results.append(rows)
     got, ref = results
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("g", [3, 9], ids=["one-launch", "two-launches"])
+def test_store_into_rows_holding_no_gradient(backend, g):
+    """``accumulate=False`` (the history's rows that no read has reached yet, left
+    unfilled): the phase-1 backward with its flush, and a new row's gradient, store what
+    they would add to zeros, bitwise, and read nothing there (NaN destinations). Nine sites
+    take two launches of the row loop (eight slots each at D = 512), and their flush two
+    entries, so the later launches add to what the first stored."""
+    t, n0, d, heads = _tokens(3), 4, 512, 8
+    torch.manual_seed(g)
+    buffer, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
+    b = BACKENDS[backend]
+    m, l, _ = b.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0)
+    lse, delta = (m + l.log()).contiguous(), torch.randn(m.shape, device=DEVICE)
+    args = (grad_outs, buffer[:, :n0], queries, norms, lse, delta, heads, EPS, 1.0)
+    added, stored = torch.zeros(t, n0, d, device=DEVICE), torch.full((t, n0, d), float("nan"), device=DEVICE)
+    want = b.group_backward(*args, added)
+    got = b.group_backward(*args, stored, accumulate=False)
+    assert torch.equal(stored, added) and not torch.equal(added, torch.zeros_like(added))
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+    factors, kv = torch.randn(g, t, 2, heads, 2, device=DEVICE), torch.randn(g, t, 2, device=DEVICE)
+    row_args = (grad_outs, queries, norms, factors, kv, 1, (1, g), heads)
+    row_added, row_stored = torch.zeros(t, d, device=DEVICE), torch.full((t, d), float("nan"), device=DEVICE)
+    b.merge_row_grad(buffer[:, 1], row_added, row_added, *row_args)
+    b.merge_row_grad(buffer[:, 1], row_stored, row_stored, *row_args, accumulate=False)
+    assert torch.equal(row_stored, row_added)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -13,6 +13,15 @@ from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, GroupSite, LookaheadHis
 from tests.models.test_mhar_model import _batch, _build, _model_config, _randomize_routers
 
 
+@pytest.fixture
+def nan_uninitialised():
+    """Deterministic mode: torch.empty memory reads as NaN."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(deterministic)
+
+
 def _models(group, **mhar_fields):
     model_cfg = _model_config(attention_backend="megatron")
     per_site = _build(model_cfg, MHARConfig(variant="full", num_heads=4, **mhar_fields))
@@ -51,7 +60,9 @@ def _loss_and_grads(model, seeds):
         pytest.param(0, (0, 1), 1.0, id="auto-two-microbatches"),
     ],
 )
-def test_lookahead_model_matches_per_site(megatron_world1, group, seeds, logit_scale):
+def test_lookahead_model_matches_per_site(megatron_world1, nan_uninitialised, group, seeds, logit_scale):
+    """Under deterministic mode (``nan_uninitialised``) a row gradient read before anything
+    stored it (the history's fp32 buffer is not zero-filled) is NaN and fails this."""
     per_site, lookahead = _models(group, logit_scale=logit_scale)
     loss, grads = _loss_and_grads(per_site, seeds)
     loss_l, grads_l = _loss_and_grads(lookahead, seeds)
@@ -91,7 +102,7 @@ def test_lookahead_history_is_freed(megatron_world1):
     assert len(created) == 2 and all(ref() is None for ref in created)
 
 
-def test_group_site_with_unused_output(megatron_world1):
+def test_group_site_with_unused_output(megatron_world1, nan_uninitialised):
     """A group whose middle site's routed output is not used: the phase-1 backward still
     covers it (it lies between sites that are), with zero workspace slots. Under
     deterministic mode uninitialised memory is NaN, so a slot left unzeroed shows."""
@@ -126,12 +137,7 @@ def test_group_site_with_unused_output(megatron_world1):
         grads = torch.autograd.grad((out * grad_out).sum(), leaves, allow_unused=True)
         return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
 
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        expected, actual = run(False), run(True)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
+    expected, actual = run(False), run(True)
     for got, want in zip(actual, expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
