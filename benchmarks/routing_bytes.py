@@ -20,7 +20,9 @@ Lookahead (mhar_kernels.lookahead), groups of G consecutive sites, the remainder
             and factors read, the result written in the rows' dtype (the sublayer's
             gradient, no separate cast); phase 1 reads the old rows once,
             read-modify-writes their fp32 gradients once per group, and reads the G
-            grad_outs, lse and delta.
+            grad_outs, lse and delta. The last group's backward runs first: nothing
+            has reached the fp32 gradients of its rows yet, so its phase 1 writes them
+            without reading and its new rows read none.
 
 ``source_bytes`` counts the reads of history rows only (the quantity that is O(L^2) for
 per-site routing); ``moved_bytes`` adds every other read and write listed above.
@@ -72,7 +74,9 @@ def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:
     row, stat = t * d, t * h
     old = new = 0
     fwd_other = bwd_other = 0
+    last = groups(sites, group)[-1]
     for s0, g in groups(sites, group):
+        first_in_backward = (s0, g) == last  # stores, does not read, the fp32 gradients
         merged = sum(range(g))  # site s0 + k merges k new rows
         old += s0
         new += merged
@@ -83,9 +87,9 @@ def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:
         # the gradient written in the rows' dtype.
         factors = (2 * stat + t) * F32
         bwd_other += g * (2 * row * ES + stat * F32 + 2 * row * ES + stat * F32) + merged * factors
-        bwd_other += (g - 1) * row * (F32 + ES) + merged * (row * ES + factors)
+        bwd_other += (g - 1) * row * ((0 if first_in_backward else F32) + ES) + merged * (row * ES + factors)
         # phase 1: fp32 RMW of the old rows, the G grad_outs, lse and delta read.
-        bwd_other += s0 * row * 2 * F32 + g * (row * ES + 2 * stat * F32)
+        bwd_other += s0 * row * (1 if first_in_backward else 2) * F32 + g * (row * ES + 2 * stat * F32)
     reads = old + new
     src = reads * row * ES
     return {
@@ -103,7 +107,7 @@ def report() -> dict:
     out = {
         "note": __doc__.strip().splitlines()[0],
         "dtype": "bfloat16", "heads": HEADS, "variant": "full", "pipeline_stages": 1,
-        "auto_group": "power of two nearest sqrt(2L + 1)", "models": [],
+        "auto_group": "integer nearest sqrt(0.8 (2L + 1))", "models": [],
     }  # fmt: skip
     for name, layers, d, t in MODELS:
         sites = 2 * layers + 1

@@ -9,7 +9,7 @@ import torch
 
 from megatron_mhar.config import MHARConfig
 from megatron_mhar.ops.history import TORCH_BACKEND, SourceHistory
-from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, GroupSite, LookaheadHistory, group_ranges
+from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, GroupSite, LookaheadHistory, auto_group_size, group_ranges
 from tests.models.test_mhar_model import _batch, _build, _model_config, _randomize_routers
 
 
@@ -166,6 +166,13 @@ def test_group_ranges_cover_the_sites_remainder_first(first, last, size):
     sizes = [len(g) for g in groups]
     assert all(n == size for n in sizes[1:]) and 1 <= sizes[0] <= size
     assert sizes[0] == ((last - first + 1) % size or size)
+
+
+@pytest.mark.parametrize("sites,size", [(25, 4), (49, 6), (73, 8), (1, 1), (2, 1), (7, 2)])
+def test_auto_group_size_is_the_measured_choice(sites, size):
+    """lookahead_group = 0 at the paper's 100M / 350M / 1B (25 / 49 / 73 sites) picks the
+    group sizes the H200 measured fastest (auto_group_size's docstring), and at least 1."""
+    assert auto_group_size(sites) == size
 
 
 @pytest.mark.parametrize("first,last,size", [(1, 8, 0), (5, 4, 8)])
