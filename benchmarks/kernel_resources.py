@@ -54,6 +54,9 @@ def shared_bytes(kernel, sizes, constexprs, rows_dtype, num_warps, num_stages=No
     specialises tuple elements (all of them: ``do_not_specialize`` does not reach into
     tuples)."""
     names = kernel.arg_names
+    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
+    if missing:  # compiled as runtime integers they would measure another variant
+        raise ValueError(f"{kernel.fn.__name__}: no value for the constexpr arguments {missing}")
     signature, attrs, values = {}, {}, dict(constexprs)
     tuple_constexprs = {}
     for i, (name, param) in enumerate(zip(names, kernel.params)):
@@ -110,10 +113,12 @@ def shape_rows(d, model_heads, dtype, launch, sizes):
         (fused._group_bwd_heads_kernel, dict(head_tile, STAGES=per_head.stages), per_head.num_warps),
     ]
     kernels = [(kernel, constexprs, warps, None) for kernel, constexprs, warps in kernels]
-    # The row-gradient kernel with a launch's most entries, at add_row_grads' defaults.
+    # The row-gradient kernel with a launch's most entries, at add_row_grads' defaults,
+    # adding into the gradients (the variant that also loads them).
     defaults = inspect.signature(fused.add_row_grads).parameters
     kernels.append((fused._group_bwd_row_grads_kernel,
-                    dict(D=d, H=heads, HD=head_dim, BR=16, KA=ka, KB=kb, J=fused._ROW_GRADS_ENTRIES),
+                    dict(D=d, H=heads, HD=head_dim, BR=16, KA=ka, KB=kb, J=fused._ROW_GRADS_ENTRIES,
+                         ACCUMULATE=True),
                     defaults["num_warps"].default, defaults["stages"].default))  # fmt: skip
     for kernel, constexprs, warps, stages in kernels:
         yield {"width": d, "heads": model_heads, "dot_heads": heads, "dtype": dtype, "launch": launch,
