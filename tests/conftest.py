@@ -60,6 +60,17 @@ def cpu_runtime():
 
 
 @pytest.fixture
+def nan_uninitialised():
+    """Deterministic mode for one test: memory from torch.empty reads as NaN, so a read of
+    anything nothing has written shows. ``warn_only``: ops without a deterministic kernel
+    (cuBLAS without a workspace config) warn instead of failing."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(deterministic)
+
+
+@pytest.fixture
 def megatron_world1(monkeypatch):
     """Single-process Megatron (TP=PP=1, gloo, CPU runtime); destroyed after the test.
 

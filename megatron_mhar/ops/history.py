@@ -116,6 +116,8 @@ class SourceHistory:
         """Zero the rows in ``[start, stop)`` that hold no gradient yet, one fill per run."""
         self._allocate_grad()
         unset = self._grad_unset
+        if not any(unset[start:stop]):  # the usual case after the first backward read
+            return
         row = start
         while row < stop:
             if not unset[row]:

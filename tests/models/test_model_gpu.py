@@ -78,17 +78,12 @@ VARIANTS = [
 
 
 @pytest.mark.parametrize("mhar", VARIANTS)
-def test_bf16_forward_backward(megatron_cuda_world1, mhar):
+def test_bf16_forward_backward(megatron_cuda_world1, nan_uninitialised, mhar):
     """Finite loss and gradients, under deterministic mode, where uninitialised memory is
     NaN: a read of a row gradient that nothing stored yet (the history's fp32 gradient
     buffer is not zero-filled) or of an unfilled workspace slot shows."""
     model = _build(mhar)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        loss, grads = _loss_and_grads(model)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
+    loss, grads = _loss_and_grads(model)
     assert torch.isfinite(loss) and 5.5 < loss.item() < 7.0  # ln(512) = 6.24 at init
     assert all(torch.isfinite(g).all() for g in grads.values())
 

@@ -13,15 +13,6 @@ from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, GroupSite, LookaheadHis
 from tests.models.test_mhar_model import _batch, _build, _model_config, _randomize_routers
 
 
-@pytest.fixture
-def nan_uninitialised():
-    """Deterministic mode: torch.empty memory reads as NaN."""
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(deterministic)
-
-
 def _models(group, **mhar_fields):
     model_cfg = _model_config(attention_backend="megatron")
     per_site = _build(model_cfg, MHARConfig(variant="full", num_heads=4, **mhar_fields))
