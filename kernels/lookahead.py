@@ -930,8 +930,14 @@ def _group_fwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
     tile, 64 per thread at 2 warps) and the sites that do not fit go to sibling programs,
     which read the same rows through L2."""
     sites_per_program = max(1, min(sites, 4096 // padded_d))
-    block_t = max(1, 4096 // (sites_per_program * padded_d))
-    return sites_per_program, LoopConfig(block_t, 2, False, 3)
+    return sites_per_program, LoopConfig(_fwd_tokens(sites_per_program, padded_d), 2, False, 3)
+
+
+def _fwd_tokens(sites_per_program: int, padded_d: int) -> int:
+    """Tokens of the phase-1 forward's tile: as many as 4K accumulators hold, rounded down
+    to a power of two (a tile axis must be one; three sites of 256 would give 5)."""
+    tokens = max(1, 4096 // (sites_per_program * padded_d))
+    return 1 << (tokens.bit_length() - 1)
 
 
 def _use_tensor_cores(tensor_cores: Optional[bool], sites: int, head_dim: int, backward: bool) -> bool:
@@ -1120,7 +1126,7 @@ def group_forward(
     default_sites, config = _group_fwd_config(bh * bhd, g)
     bg = min(g, sites_per_program or default_sites)
     if sites_per_program:  # keep the tile's size: fewer sites, more tokens
-        config = config._replace(block_t=max(1, 4096 // (bg * bh * bhd)))
+        config = config._replace(block_t=_fwd_tokens(bg, bh * bhd))
     block_t, num_warps, _, stages, _, _ = config.override(**loop)
     m, l, acc = _empty_partials(g, t, d, num_heads, sources.device)
     if t == 0:

@@ -68,6 +68,9 @@ CASES = [
     pytest.param(3, 6, 5, 1280, 1, 8.0, id="D1280-G5-H1"),
     # H = 2: each head as four dot heads of the tensor-core kernels (two model heads).
     pytest.param(4, 4, 5, 512, 2, 1.0, id="D512-G5-H2"),
+    # A narrow model, G = 3: the row-loop forward's 4K accumulators hold 5 tokens of three
+    # sites, and its tile takes 4 (a tile's token axis is a power of two).
+    pytest.param(6, 3, 3, 256, 8, 1.0, id="D256-G3"),
 ]
 
 
