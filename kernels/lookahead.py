@@ -1459,7 +1459,9 @@ def group_backward_deferred(
     grad_outs, lse, delta = grad_outs.contiguous(), lse.contiguous(), delta.contiguous()
     # w = q * g^ in fp32, g^ rounded to the activation dtype: the product the kernels form.
     folded = queries.float() * norm_weights.to(sources.dtype).float()
-    if group_backward_defers(g, d, num_heads, tensor_cores):
+    _, _, dot_dim, _ = _dot_heads(d, num_heads)
+    # A wider head's tiles outgrow registers and shared memory.
+    if _use_tensor_cores(tensor_cores, g, dot_dim, backward=True) and triton.next_power_of_2(dot_dim) <= 256:
         unused = sorted(set(loop) - {"num_warps"}) + (["sites_per_program"] if sites_per_program else [])
         if unused:
             raise ValueError(
@@ -1492,15 +1494,6 @@ def group_backward_deferred(
         )  # fmt: skip
     dq, dg = _reduce_dw(dw, sources, queries, norm_weights, merge_dw)
     return dq[lo:hi], dg[lo:hi], ()
-
-
-def group_backward_defers(num_sites: int, d: int, num_heads: int, tensor_cores: Optional[bool] = False) -> bool:
-    """Whether :func:`group_backward_deferred` of a group of ``num_sites`` sites runs the
-    tensor-core kernels, which leave the old rows' gradients as factors, rather than the
-    row loop, which adds them before it returns. A head wider than 256 padded columns
-    outgrows the dot kernels' registers and shared memory and keeps the row loop."""
-    _, _, dot_dim, _ = _dot_heads(d, num_heads)
-    return _use_tensor_cores(tensor_cores, num_sites, dot_dim, backward=True) and triton.next_power_of_2(dot_dim) <= 256
 
 
 def _group_backward_tensor_cores(

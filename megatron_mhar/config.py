@@ -7,9 +7,7 @@ VARIANTS = ("none", "full", "block", "delta")
 KERNEL_IMPLS = ("auto", "torch", "triton")
 ROUTING_SCHEDULES = ("per_site", "lookahead")
 LOOKAHEAD_KERNELS = ("auto", "row_loop", "tensor_cores")
-EXECUTION_FIELDS = (
-    "kernel_impl", "routing_schedule", "lookahead_group", "lookahead_kernels", "overlap_old_rows", "fused_writes",
-)
+EXECUTION_FIELDS = ("kernel_impl", "routing_schedule", "lookahead_group", "lookahead_kernels", "fused_writes")
 """MHARConfig fields that choose how routing runs, not what it computes: a checkpoint or a
 converted model may be loaded with other values."""
 
@@ -59,15 +57,6 @@ class MHARConfig:
     (tensor cores where the H200 measured them faster: kernels/README.md, "Tensor-core
     phase 1")."""
 
-    overlap_old_rows: bool = False
-    """Lookahead schedule: run the phase-1 backward of each group's older rows (those below
-    the group under it, whose gradients are not needed for a group's worth of sublayers) on
-    a second CUDA stream, alongside the sublayers' backward, where the row-loop kernels add
-    the rows' gradients in that backward (``megatron_mhar.ops.lookahead.LookaheadHistory``).
-    The side stream also adds the routers' gradients into Megatron DDP's ``main_grad``, so
-    it is refused with ``ddp.overlap_grad_reduce`` (a bucket's reduction could start before
-    that add)."""
-
     fused_writes: bool = False
     """Per-site schedule, full and block variants: store each completed history row inside
     the next site's routing kernel instead of a copy of its own (one launch and one
@@ -83,9 +72,8 @@ class MHARConfig:
                      "counts decoder layers and must be a positive integer")
         _require_int("lookahead_group", self.lookahead_group, 0,
                      "must be a non-negative integer (0 = auto)")
-        for field in ("fused_writes", "overlap_old_rows"):
-            if not isinstance(getattr(self, field), bool):
-                raise ValueError(f"mhar.{field} must be true or false, got {getattr(self, field)!r}")
+        if not isinstance(self.fused_writes, bool):
+            raise ValueError(f"mhar.fused_writes must be true or false, got {self.fused_writes!r}")
         if self.eps is not None and not self.eps > 0:
             raise ValueError(f"mhar.eps must be positive (or None for the model's), got {self.eps}")
         if not self.logit_scale > 0:

@@ -156,7 +156,6 @@ class DepthStream:
                 num_heads=mhar.num_heads,
                 eps=eps,
                 logit_scale=mhar.logit_scale,
-                overlap_old_rows=mhar.overlap_old_rows,
             )
         else:
             self.history = _history(layout.capacity, mhar, eps, like)

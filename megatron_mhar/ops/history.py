@@ -112,14 +112,8 @@ class SourceHistory:
             self._grad_flat = self._grad_buffer.view(self._flat.shape)
             self._grad_unset = [True] * self.capacity
 
-    def _sync_rows(self, stop: int, start: int) -> None:
-        """Make the current stream wait for work on other streams that still uses rows
-        ``[start, stop)`` or their gradients. Every access to them goes through here; a
-        history that launches such work elsewhere overrides it."""
-
     def _zero_unset(self, stop: int, start: int) -> None:
         """Zero the rows in ``[start, stop)`` that hold no gradient yet, one fill per run."""
-        self._sync_rows(stop, start)
         self._allocate_grad()
         unset = self._grad_unset
         if not any(unset[start:stop]):  # the usual case after the first backward read
@@ -153,7 +147,6 @@ class SourceHistory:
         element of them: ``accumulate`` is False when none holds a gradient yet, and the
         kernel may then store instead of adding (call :meth:`mark_stored` once it has);
         otherwise the rows that held none are zeroed and it must add."""
-        self._sync_rows(stop, start)
         self._allocate_grad()
         if stop > start and all(self._grad_unset[start:stop]):
             return self._grad_flat[:, start:stop], False
@@ -172,7 +165,6 @@ class SourceHistory:
 
     def store_row(self, row: int, source: torch.Tensor) -> None:
         """Copy ``source`` [s, b, h] into row ``row`` of the buffer."""
-        self._sync_rows(row + 1, row)  # a recomputed chunk rewrites rows in backward
         s, b, h = self.shape
         flat = source.reshape(s * b, h)
         self.backend.copy_rows(flat if flat.stride(1) == 1 else flat.contiguous(), self._flat[:, row])

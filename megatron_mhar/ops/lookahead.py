@@ -39,8 +39,6 @@ CPU path), the group object and :class:`LookaheadHistory`, a :class:`SourceHisto
 whose reads go through groups. The per-site path is untouched.
 """
 
-import contextlib
-import os
 import functools
 import math
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -50,7 +48,7 @@ import torch
 from megatron_mhar.config import LOOKAHEAD_KERNELS
 from megatron_mhar.ops.depth_route import resolve_impl
 from megatron_mhar.ops.history import RoutingBackend, SourceHistory
-from megatron_mhar.ops.main_grad import accumulate_main_grads, add_to_main_grads, fusable, main_grad_placeholders
+from megatron_mhar.ops.main_grad import add_to_main_grads, fusable
 
 # ---------------------------------------------------------------------------------------
 # Reference backend: same signatures as mhar_kernels.lookahead. Shapes: T tokens, N rows,
@@ -405,18 +403,11 @@ class LookaheadBackend(NamedTuple):
     add_row_grads: object
     merge_row_grad: object
     merge_dw_partials: object
-    # (sites, width, heads) -> whether group_backward_deferred leaves the old rows'
-    # gradients to add_row_grads (True) or adds them before it returns.
-    defers_rows: object
-
-
-def _torch_defers_rows(num_sites: int, d: int, num_heads: int) -> bool:
-    return True
 
 
 TORCH_LOOKAHEAD = LookaheadBackend(
     torch_group_forward, torch_merge_forward, torch_merge_backward, torch_group_backward_deferred,
-    torch_add_row_grads, torch_merge_row_grad, torch_merge_dw_partials, _torch_defers_rows,
+    torch_add_row_grads, torch_merge_row_grad, torch_merge_dw_partials,
 )
 
 
@@ -443,7 +434,6 @@ def get_lookahead_backend(impl: str, device: torch.device, kernels: str = "auto"
         fused.add_row_grads,
         fused.merge_row_grad,
         fused.merge_dw_partials,
-        functools.partial(fused.group_backward_defers, tensor_cores=tensor_cores),
     )
 
 
@@ -487,15 +477,6 @@ class GroupSite(NamedTuple):
     num_rows: int
     query: torch.Tensor
     norm_weight: torch.Tensor
-
-
-class _SideJob(NamedTuple):
-    """An older rows' phase-1 backward on the side stream: its end, the rows ``[0, stop)``
-    whose gradients it adds, and the main stream's tensors it reads."""
-
-    done: torch.cuda.Event
-    stop: int
-    reads: tuple
 
 
 class RoutingGroup:
@@ -601,21 +582,8 @@ class LookaheadHistory(SourceHistory):
     recomputed chunk reproduces the forward exactly. Each run's backward covers exactly
     the sites merged in its graph.
 
-    Overlap (``overlap_old_rows``). Where the backend adds the old rows' gradients in the
-    phase-1 backward (the row loop), that backward runs in two parts: the rows the group
-    below writes (``[b, n0)``, b the group start below n0), whose gradients the next
-    sublayers' backward needs at once, and the older rows ``[0, b)``, whose gradients no one
-    reads before the group below's own phase-1 backward, a group's worth of sublayers later.
-    On CUDA, with the routers' gradients going into Megatron DDP's ``main_grad``, the second
-    part and the routers' gradient sums run on a second stream, alongside those sublayers;
-    every access to rows that such work still uses waits for it (:meth:`_sync_rows`), and
-    the tensors it reads stay referenced until then. The rows' gradients are bitwise those
-    of one part; the routers' sum two reductions.
-
     Args:
-        lookahead: the two-phase backend.
-        overlap_old_rows: split the phase-1 backward as above (``mhar.overlap_old_rows``).
-        The other arguments are :class:`SourceHistory`'s.
+        lookahead: the two-phase backend; the other arguments are :class:`SourceHistory`'s.
     """
 
     def __init__(
@@ -627,14 +595,9 @@ class LookaheadHistory(SourceHistory):
         num_heads: int,
         eps: float,
         logit_scale: float,
-        overlap_old_rows: bool = False,
     ):
         super().__init__(capacity, like, backend, num_heads, eps, logit_scale)
         self.lookahead = lookahead
-        self.overlap_old_rows = overlap_old_rows
-        self._side_stream = None
-        # Older rows' backwards running on the side stream, in launch order.
-        self._side_jobs: List[_SideJob] = []
         self.group: Optional[RoutingGroup] = None
         self.group_token: Optional[torch.Tensor] = None
         # The old-row counts of every group run (its first row that phase 1 does not read).
@@ -649,54 +612,6 @@ class LookaheadHistory(SourceHistory):
     def num_tokens(self) -> int:
         s, b, _ = self.shape
         return s * b
-
-    def _sync_rows(self, stop: int, start: int) -> None:
-        """Wait for the side stream's jobs on rows ``[0, job.stop)`` that meet ``[start,
-        stop)``: on the latest such job (the stream runs them in order), and let go of the
-        tensors those jobs read."""
-        if stop <= start:
-            return
-        last = max((k for k, job in enumerate(self._side_jobs) if job.stop > start), default=None)
-        if last is not None:
-            torch.cuda.current_stream(self.buffer.device).wait_event(self._side_jobs[last].done)
-            del self._side_jobs[: last + 1]
-
-    def old_rows_split(self, group: RoutingGroup) -> int:
-        """b, where the overlapped phase-1 backward splits ``group``'s old rows (0: it does
-        not): the nearest group start below the group's, where the backend adds the rows'
-        gradients in that backward."""
-        if not self.overlap_old_rows or self.lookahead.defers_rows(len(group.sites), self.shape[-1], self.num_heads):
-            return 0
-        return max((n for n in self.group_starts if n < group.old_rows), default=0)
-
-    def older_rows_backward(self, group, stop, queries, norms, site_range, grads, params):
-        """Phase-1 backward of ``group``'s rows ``[0, stop)``, the older part of a split one;
-        ``grads``: (dquery, dnorm) of the newer part. Returns the summed gradients, or None
-        where they went into the routers' ``main_grad`` (``params``) from the side stream."""
-        grad_rows, accumulate = self.grad_rows_to_store(stop)
-        self.mark_stored(stop)
-        main = torch.cuda.current_stream(self.buffer.device) if self.buffer.is_cuda else None
-        if main is not None and params is not None and self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(self.buffer.device)
-        side = self._side_stream if main is not None and params is not None else None
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            if side is not None:
-                side.wait_stream(main)
-            dq, dg, _ = self.lookahead.group_backward_deferred(
-                group.grad_outs, self.rows(stop), queries, norms, group.lse, group.deltas,
-                self.num_heads, self.eps, self.logit_scale, grad_rows, site_range, accumulate=accumulate,
-                **({"programs_per_sm": int(os.environ["MHAR_SIDE_PPSM"])} if side is not None and os.environ.get("MHAR_SIDE_PPSM") else {}),
-            )  # fmt: skip
-            dq, dg = grads[0] + dq, grads[1] + dg
-            if side is None:
-                return dq, dg
-            accumulate_main_grads(params, [*dq.unbind(), *dg.unbind()])
-            done = side.record_event()
-        # Everything the job reads that the main stream allocated stays referenced until
-        # the main stream waits for the job: its memory is not handed out again before.
-        reads = (group.grad_outs, group.deltas, group.lse, queries, norms, *grads)
-        self._side_jobs.append(_SideJob(done, stop, reads))
-        return None
 
     def end_group(self) -> None:
         """Drop the current run's partials; the next read starts a new run."""
@@ -841,31 +756,21 @@ class _GroupPartials(torch.autograd.Function):
         grads: List[Optional[torch.Tensor]] = [None] * (2 * g)
         if group.deposited:
             lo, hi = group.backward_range()  # the sites merged in this graph
-            sites = group.sites[lo:hi]
-            params = [s.query for s in sites] + [s.norm_weight for s in sites]
-            fused = fusable(params)  # into Megatron DDP's fp32 buffer, no cast, no hook add
-            split = history.old_rows_split(group)  # rows [0, split) go second (overlap)
-            grad_rows, accumulate = history.grad_rows_to_store(group.old_rows, split)
+            grad_rows, accumulate = history.grad_rows_to_store(group.old_rows)
             # Each site's gradient from the old rows and, through merge_dw, from its new rows
             # (the merge): one reduction per group.
             dq, dg, deferred = history.lookahead.group_backward_deferred(
-                group.grad_outs, history.rows(group.old_rows, split), queries, norms, group.lse,
+                group.grad_outs, history.rows(group.old_rows), queries, norms, group.lse,
                 group.deltas, history.num_heads, history.eps, history.logit_scale,
                 grad_rows, (lo, hi), merge_dw=group.merge_dw, accumulate=accumulate,
             )  # fmt: skip
             if not deferred:  # the rows' gradients were added (stored) now
-                history.mark_stored(group.old_rows, split)
-            history.defer(deferred, group.old_rows)  # split is 0 where the backend defers
-            if split:
-                summed = history.older_rows_backward(
-                    group, split, queries, norms, (lo, hi), (dq, dg), params if fused else None
-                )  # fmt: skip
-                dq, dg = summed if summed is not None else (None, None)
-            if fused:
-                placeholders = (
-                    add_to_main_grads(params, [*dq.unbind(), *dg.unbind()]) if dq is not None
-                    else main_grad_placeholders(params)  # added on the side stream
-                )  # fmt: skip
+                history.mark_stored(group.old_rows)
+            history.defer(deferred, group.old_rows)
+            sites = group.sites[lo:hi]
+            params = [s.query for s in sites] + [s.norm_weight for s in sites]
+            if fusable(params):  # into Megatron DDP's fp32 buffer, no cast, no hook add
+                placeholders = add_to_main_grads(params, [*dq.unbind(), *dg.unbind()])
                 grads[lo:hi], grads[g + lo : g + hi] = placeholders[: hi - lo], placeholders[hi - lo :]
             else:  # cast once per kind (the stacks carry the parameters' dtypes)
                 grads[lo:hi] = dq.to(queries.dtype).unbind()

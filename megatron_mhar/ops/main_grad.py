@@ -34,28 +34,17 @@ def add_to_main_grads(
     params: Sequence[torch.Tensor], *grad_lists: Sequence[Optional[torch.Tensor]]
 ) -> List[torch.Tensor]:
     """Add each list's fp32 gradients (aligned with ``params``; None adds nothing) into the
-    parameters' ``main_grad`` and return the placeholders to give autograd as their
-    gradients (:func:`accumulate_main_grads`, then :func:`main_grad_placeholders`). Call
-    only where :func:`fusable` holds."""
-    accumulate_main_grads(params, *grad_lists)
-    return main_grad_placeholders(params)
+    parameters' ``main_grad``, flag them added and return the placeholders to give autograd
+    as their gradients. Call only where :func:`fusable` holds.
 
-
-def accumulate_main_grads(params: Sequence[torch.Tensor], *grad_lists: Sequence[Optional[torch.Tensor]]) -> None:
-    """Add each list's fp32 gradients into the parameters' ``main_grad``, one multi-tensor
-    launch per list, on the current stream."""
+    As Megatron's layers do, a parameter with ``zero_out_wgrad`` set gets zeros (DDP's hook
+    adds whatever it receives for those), every other one an uninitialised tensor, which the
+    hook drops without reading."""
     targets = [p.main_grad for p in params]
     for grads in grad_lists:
         pairs = [(t, g) for t, g in zip(targets, grads, strict=True) if g is not None]
         if pairs:
             torch._foreach_add_([t for t, _ in pairs], [g for _, g in pairs])
-
-
-def main_grad_placeholders(params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Flag the parameters' gradients added to ``main_grad`` and return what autograd hands
-    DDP's hook instead. As Megatron's layers do, a parameter with ``zero_out_wgrad`` set gets
-    zeros (DDP's hook adds whatever it receives for those), every other one an uninitialised
-    tensor, which the hook drops without reading."""
     placeholders = []
     for p in params:
         p.grad_added_to_main_grad = True

@@ -421,12 +421,6 @@ class TrainConfig:
     def __post_init__(self):
         model, par = self.model, self.parallel
         self.mhar.validate_for_model(model.hidden_size, model.num_layers)
-        if self.mhar.overlap_old_rows and par.overlap_grad_reduce:
-            raise ValueError(
-                "mhar.overlap_old_rows adds the routers' gradients into DDP's main_grad from a "
-                "second stream, which parallel.overlap_grad_reduce=true could reduce before the "
-                "add lands; set one of them to false"
-            )
         tp = par.tensor_model_parallel_size
         groups = model.num_query_groups or model.num_attention_heads
         if model.num_attention_heads % tp or groups % tp:
