@@ -510,6 +510,19 @@ def test_sites_per_program_split():
             assert torch.equal(a, b)
 
 
+def test_sites_per_program_keeps_a_power_of_two_tile():
+    """A sites-per-program override that leaves room for a token count that is not a power
+    of two (three sites of 256: 5 tokens) runs on the tile's power of two below it, with
+    the same partials as one program per token tile."""
+    t, n0, g, d, heads = _tokens(5), 2, 6, 256, 8
+    buffer, queries, norms, _ = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
+    rows = buffer[:, :n0]
+    whole = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=g, tensor_cores=False)
+    split = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=3, tensor_cores=False)
+    for a, b in zip(whole, split):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("call", ["group_forward", "group_backward"])
 def test_sites_per_program_must_be_positive(call):
     """A non-positive split is an error, not a launch that silently covers no site."""
