@@ -326,48 +326,36 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 
 
 @triton.jit
-def _add8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6, a7 + b7
-
-
-@triton.jit
-def _batched_sums(b_xs, N: tl.constexpr, AXIS: tl.constexpr):
-    """Sum each of the N tiles in b_xs over AXIS, eight tiles per reduction (four for a
-    last run of at most four). Where AXIS spans warps, every reduction is a round trip
-    through shared memory with its barriers whatever its operand count, so the tiles share
-    as few as possible. Each tile's sum is its own; slots past N reduce zeros."""
-    b_sums = ()
-    for i in tl.static_range(0, N, 8):
-        b_zero = tl.zeros_like(b_xs[i])
-        b_x1 = b_xs[i + 1] if i + 1 < N else b_zero
-        b_x2 = b_xs[i + 2] if i + 2 < N else b_zero
-        b_x3 = b_xs[i + 3] if i + 3 < N else b_zero
-        if N - i > 4:
-            b_x5 = b_xs[i + 5] if i + 5 < N else b_zero
-            b_x6 = b_xs[i + 6] if i + 6 < N else b_zero
-            b_x7 = b_xs[i + 7] if i + 7 < N else b_zero
-            b_sums = b_sums + tl.reduce((b_xs[i], b_x1, b_x2, b_x3, b_xs[i + 4], b_x5, b_x6, b_x7), AXIS, _add8)
-        else:
-            b_sums = b_sums + tl.reduce((b_xs[i], b_x1, b_x2, b_x3), AXIS, _add4)
-    return b_sums
-
-
-@triton.jit
 def _sums_over_heads(b_xs, SG: tl.constexpr):
-    """Sum over the head axis of each of the SG [BT, BH] tiles in b_xs (:func:`_batched_sums`)."""
-    return _batched_sums(b_xs, SG, 1)
+    """Sum over the head axis of each of the SG [BT, BH] tiles in b_xs, four tiles per
+    reduction. Where the heads span warps, every reduction is a round trip through shared
+    memory with its barriers whatever its operand count, so four sites share one instead
+    of paying one each. Each tile's sum is its own; slots past SG reduce zeros."""
+    b_sums = ()
+    for i in tl.static_range(0, SG, 4):
+        b_zero = tl.zeros_like(b_xs[i])
+        b_x1 = b_xs[i + 1] if i + 1 < SG else b_zero
+        b_x2 = b_xs[i + 2] if i + 2 < SG else b_zero
+        b_x3 = b_xs[i + 3] if i + 3 < SG else b_zero
+        b_sums = b_sums + tl.reduce((b_xs[i], b_x1, b_x2, b_x3), 1, _add4)
+    return b_sums
 
 
 @triton.jit
 def _head_dots(b_v, b_xs, SG: tl.constexpr):
     """Head dots [BT, BH] of the row tile b_v [BT, BH, BHD] with each of the SG tiles in
-    b_xs (broadcast against it), batched by :func:`_batched_sums`: where a head spans warps
-    (one head at D >= 512) each reduction is a round trip through shared memory; where it
-    does not, the sums stay inside a warp either way."""
-    b_products = ()
-    for i in tl.static_range(SG):
-        b_products = b_products + (b_v * b_xs[i],)
-    return _batched_sums(b_products, SG, 2)
+    b_xs (broadcast against it), four per reduction. Where a head spans warps (one head
+    at D >= 512), each reduction is a round trip through shared memory with its barriers
+    whatever its operand count, so four dots share one; where it does not, the sums
+    stay inside a warp either way."""
+    b_dots = ()
+    for i in tl.static_range(0, SG, 4):
+        b_zero = tl.zeros_like(b_v)
+        b_x1 = b_v * b_xs[i + 1] if i + 1 < SG else b_zero
+        b_x2 = b_v * b_xs[i + 2] if i + 2 < SG else b_zero
+        b_x3 = b_v * b_xs[i + 3] if i + 3 < SG else b_zero
+        b_dots = b_dots + tl.reduce((b_v * b_xs[i], b_x1, b_x2, b_x3), 2, _add4)
+    return b_dots
 
 
 @triton.jit
@@ -446,15 +434,7 @@ def _group_bwd_kernel(
         p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
         for _ in tl.range(0, N, num_stages=STAGES):
             b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
-            if BH == 1:
-                # One head: its dots and the RMS's sum of squares reduce over the same
-                # warps, so they share the reductions.
-                b_sums = _head_dots(b_v, b_wdos + (b_v,), 2 * SG + 1)
-                b_dots = b_sums[: 2 * SG]
-                b_r = tl.rsqrt(tl.sum(b_sums[2 * SG], axis=1) / D + eps)
-            else:
-                b_r = _inv_rms((b_v,), eps, D, 1)
-                b_dots = _head_dots(b_v, b_wdos, 2 * SG)  # slot j: v . w_j at 2j, v . do_j at 2j + 1
+            b_r = _inv_rms((b_v,), eps, D, 1)
             b_rs = b_r * scale
             if ACCUMULATE:
                 b_dv = tl.load(p_dv, mask=m_v, other=0.0)
@@ -463,6 +443,7 @@ def _group_bwd_kernel(
             b_ps = ()
             b_dss = ()
             b_cs = ()
+            b_dots = _head_dots(b_v, b_wdos, 2 * SG)  # slot j: v . w_j at 2j, v . do_j at 2j + 1
             for j in tl.static_range(SG):
                 b_dot = b_dots[2 * j]
                 b_p = tl.exp(b_dot * b_rs[:, None] - b_lses[j])
