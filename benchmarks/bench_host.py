@@ -64,7 +64,7 @@ class StubBackends:
         return RoutingBackend(forward, backward)
 
     def lookahead(self) -> LookaheadBackend:
-        def group_forward(sources, queries, norms, heads, eps, tau):
+        def group_forward(sources, queries, norms, heads, eps, tau, first_out=None):
             self.calls["group_forward"] += 1
             t, _, d = sources.shape
             g = queries.shape[0]

@@ -10,9 +10,11 @@ Per-site (mhar_kernels.depth_route history interface):
   backward  two passes over the rows (pass 1 for delta, pass 2 for the gradients), one
             read-modify-write of each row's fp32 gradient, grad_out read once.
 Lookahead (mhar_kernels.lookahead), groups of G consecutive sites, the remainder first:
-  forward   phase 1 reads the group's old rows [0, s0) once and writes the G fp32
-            partials (acc [T, D], m and l [T, H]); each site reads its partial, its new
-            rows [s0, j) and writes its output and log-sum-exp;
+  forward   phase 1 reads the group's old rows [0, s0) once and writes the fp32
+            partials (acc [T, D], m and l [T, H]) of the G - 1 sites after the first;
+            the first site merges no rows, so phase 1 writes its output and log-sum-exp;
+            each other site reads its partial, its new rows [s0, j) and writes its
+            output and log-sum-exp;
   backward  each site's merge reads grad_out and the output (delta), its new rows once,
             writes their gradients' factors (2H + 1 fp32 per token and row) and copies
             grad_out into the group's workspace; each new row's gradient is then formed
@@ -80,8 +82,10 @@ def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:
         merged = sum(range(g))  # site s0 + k merges k new rows
         old += s0
         new += merged
-        # phase 1 writes (acc, m, l) per site; each merge reads them, writes out and lse.
-        fwd_other += g * (row * F32 + 2 * stat * F32) + g * (row * F32 + 2 * stat * F32 + row * ES + stat * F32)
+        # phase 1 writes (acc, m, l) per site but the first, whose out and lse it writes;
+        # each other site's merge reads its partial, writes out and lse.
+        partial, output = row * F32 + 2 * stat * F32, row * ES + stat * F32
+        fwd_other += (g - 1) * (2 * partial + output) + output
         # merges: grad_out + out read, delta written, grad_out copied, each pair's factors
         # written; each new row: fp32 gradient read, per pair grad_out and factors read,
         # the gradient written in the rows' dtype.

@@ -76,11 +76,14 @@ def _group_fwd_kernel(
     M_ptr,  # [NG, T, H] fp32 running max of the logits
     L_ptr,  # [NG, T, H] fp32 softmax denominators (relative to M)
     A_ptr,  # [NG, T, D] fp32 unnormalised accumulators (relative to M)
+    O_ptr,  # [T, D] FIRST: site 0's output in the sources' dtype, strides (stride_ot, 1)
+    LSE_ptr,  # [T, H] FIRST: site 0's fp32 log-sum-exp
     T,
     N,
     NG,
     stride_vt,
     stride_vn,
+    stride_ot,
     eps,
     scale,
     D: tl.constexpr,
@@ -91,6 +94,7 @@ def _group_fwd_kernel(
     BHD: tl.constexpr,
     BG: tl.constexpr,
     STAGES: tl.constexpr,
+    FIRST: tl.constexpr,  # site 0 finished here (it merges no new rows), its partials not stored
 ):
     # Site chunks vary fastest over the 1-D grid: the chunks of one token tile run side by
     # side, so a row the first reads from memory the others find in L2.
@@ -130,6 +134,12 @@ def _group_fwd_kernel(
         i_site = i_g * BG + j
         o_gt = i_site * T + o_t64  # row of the [NG, T, .] outputs
         m_site = m_t & (tl.full([BT], i_site, tl.int32) < NG)
+        if FIRST and j == 0:  # the first chunk holds site 0: masks pick the store
+            m_first = m_site & (tl.full([BT], i_site, tl.int32) == 0)
+            m_site = m_site & (tl.full([BT], i_site, tl.int32) != 0)
+            m_fh = m_first[:, None] & (o_h < H)[None, :]
+            _store_output(O_ptr, LSE_ptr + o_t64[:, None] * H + o_h[None, :], b_ms[j], b_ls[j], b_accs[j],
+                          o_t64, o_d, stride_ot, m_fh[:, :, None] & m_d[None, :, :], m_fh)  # fmt: skip
         m_ml = m_site[:, None] & (o_h < H)[None, :]
         p_ml = o_gt[:, None] * H + o_h[None, :]
         tl.store(M_ptr + p_ml, b_ms[j], mask=m_ml)
@@ -177,10 +187,18 @@ def _merge_fwd_kernel(
         b_acc = b_accs[0]
         p_v += stride_vn
 
+    _store_output(O_ptr, LSE_ptr + p_ml, b_m, b_l, b_acc, o_t64, o_d, stride_ot, m_v, m_th)
+
+
+@triton.jit
+def _store_output(O_ptr, p_lse, b_m, b_l, b_acc, o_t64, o_d, stride_ot, m_v, m_th):
+    """Normalise a site's finished online-softmax state ([BT, BH] m and l, [BT, BH, BHD]
+    acc) into its output rows and store its log-sum-exp at ``p_lse``: what a merge ends
+    with, and what phase 1 ends with for a group's first site."""
     b_o = b_acc / b_l[:, :, None]
     p_o = O_ptr + o_t64[:, None, None] * stride_ot + o_d[None, :, :]
     tl.store(p_o, b_o.to(O_ptr.dtype.element_ty), mask=m_v)
-    tl.store(LSE_ptr + p_ml, b_m + tl.log(b_l), mask=m_th)
+    tl.store(p_lse, b_m + tl.log(b_l), mask=m_th)
 
 
 @triton.jit
@@ -653,9 +671,10 @@ def _row_block(p_t, rows, m_r, stride_vn, BH: tl.constexpr, H: tl.constexpr, HD:
 def _group_fwd_dots_kernel(
     V_ptr, Q_ptr, G_ptr,  # as in _group_fwd_kernel: [T, N, D] old rows, [NG, D] queries and norms
     M_ptr, L_ptr, A_ptr,  # as in _group_fwd_kernel: fp32 partials [NG, T, H], [NG, T, H], [NG, T, D]
-    T, N, NG, stride_vt, stride_vn, eps, scale,
+    O_ptr, LSE_ptr,  # as in _group_fwd_kernel (FIRST): site 0's output [T, D] and lse [T, H // GH]
+    T, N, NG, stride_vt, stride_vn, stride_ot, eps, scale,
     D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BH: tl.constexpr, KA: tl.constexpr,
-    KB: tl.constexpr, BR: tl.constexpr, GH: tl.constexpr, STAGES: tl.constexpr,
+    KB: tl.constexpr, BR: tl.constexpr, GH: tl.constexpr, STAGES: tl.constexpr, FIRST: tl.constexpr,
 ):  # fmt: skip
     """Phase 1 as dots per token and head (README.md, "Tensor-core phase 1"): for
     a block X [BR, head width] of the token's rows, X @ [w_j] gives the head dots of SLOTS
@@ -706,17 +725,36 @@ def _group_fwd_dots_kernel(
                 b_accb = _dot(b_pt, b_xb, b_accb * b_scale, BF16)
             b_m = b_mn
         o_st = site64 * T + t  # row of the [NG, T, .] outputs
+        b_suma = _row_pair_sum(b_acca, BH, SLOTS, KA)
+        if KB > 0:
+            b_sumb = _row_pair_sum(b_accb, BH, SLOTS, KB)
+        m_part = m_s
+        if FIRST:  # site 0 (slot 0 of the first site block) finished here, as a merge would
+            m_first = m_s & (site == 0)
+            m_part = m_s & (site != 0)
+            o_first = tl.cast(t, tl.int64) * stride_ot + o_h[:, None, None] * HD + (site64 * 0)[None, :, None]
+            m_fh = (o_h < H)[:, None, None] & m_first[None, :, None]
+            b_out = b_suma / b_l[:, :, None]
+            tl.store(O_ptr + o_first + o_ka[None, None, :], b_out.to(O_ptr.dtype.element_ty),
+                     mask=m_fh & (o_ka < HD)[None, None, :])  # fmt: skip
+            if KB > 0:
+                b_out = b_sumb / b_l[:, :, None]
+                tl.store(O_ptr + o_first + o_kb[None, None, :], b_out.to(O_ptr.dtype.element_ty),
+                         mask=m_fh & (o_kb < HD)[None, None, :])  # fmt: skip
+            p_lse = LSE_ptr + tl.cast(t, tl.int64) * (H // GH) + (o_h // GH)[:, None] + (site * 0)[None, :]
+            m_lse = ((o_h < H) & (o_h % GH == 0))[:, None] & m_first[None, :]
+            tl.store(p_lse, b_m + tl.log(b_l), mask=m_lse)
         p_ml = o_st[None, :] * (H // GH) + (o_h // GH)[:, None]
-        m_ml = ((o_h < H) & (o_h % GH == 0))[:, None] & m_s[None, :]  # one dot head per model head
+        m_ml = ((o_h < H) & (o_h % GH == 0))[:, None] & m_part[None, :]  # one dot head per model head
         tl.store(M_ptr + p_ml, b_m, mask=m_ml)
         tl.store(L_ptr + p_ml, b_l, mask=m_ml)
         p_a = A_ptr + o_st[None, :, None] * D + o_h[:, None, None] * HD
-        m_a = (o_h < H)[:, None, None] & m_s[None, :, None]
+        m_a = (o_h < H)[:, None, None] & m_part[None, :, None]
         m_ka = m_a & (o_ka < HD)[None, None, :]
-        tl.store(p_a + o_ka[None, None, :], _row_pair_sum(b_acca, BH, SLOTS, KA), mask=m_ka)
+        tl.store(p_a + o_ka[None, None, :], b_suma, mask=m_ka)
         if KB > 0:
             m_kb = m_a & (o_kb < HD)[None, None, :]
-            tl.store(p_a + o_kb[None, None, :], _row_pair_sum(b_accb, BH, SLOTS, KB), mask=m_kb)
+            tl.store(p_a + o_kb[None, None, :], b_sumb, mask=m_kb)
 
 
 # Sizes are not specialised: Triton compiles a size of 1 as a constant, and at the 1B
@@ -1089,6 +1127,7 @@ def group_forward(
     num_heads: int,
     eps: float,
     logit_scale: float,
+    first_out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     sites_per_program: Optional[int] = None,
     tensor_cores: Optional[bool] = False,
     **loop,
@@ -1098,6 +1137,9 @@ def group_forward(
     Args:
         sources: [T, N, D] view of the old rows (N >= 1), unit stride over D.
         queries, norm_weights: [G, D].
+        first_out: (out [T, D] in the sources' dtype, unit stride over D; lse [T, H] fp32,
+            contiguous) to finish site 0 here, as ``merge_forward`` would with no new rows
+            (bitwise the same); its partials are then left unwritten.
         sites_per_program: sites held by one program (default: as many as about 4K fp32
             accumulators allow); the others go to sibling programs of the same token tile.
             The tensor-core kernel always holds SLOTS sites per program.
@@ -1115,13 +1157,15 @@ def group_forward(
     if n < 1:
         raise ValueError("group_forward needs at least one old row")
     _check_sites_per_program(sites_per_program)
+    out, lse = _check_first_out(first_out, sources, num_heads)
     queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
     _, _, dot_dim, dot_bh = _dot_heads(d, num_heads)
     use_dots = _use_tensor_cores(tensor_cores, g, dot_dim, backward=False)
     dots = _group_fwd_dots_config(dot_bh, dot_dim) if use_dots else None
     if dots is not None:
         return _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, logit_scale,
-                                           dots.override(**loop), sites_per_program)  # fmt: skip
+                                           (out, lse, first_out is not None), dots.override(**loop),
+                                           sites_per_program)  # fmt: skip
     head_dim, bh, bhd = _tile(d, num_heads)
     default_sites, config = _group_fwd_config(bh * bhd, g)
     bg = min(g, sites_per_program or default_sites)
@@ -1132,12 +1176,28 @@ def group_forward(
     if t == 0:
         return m, l, acc
     _group_fwd_kernel[(triton.cdiv(t, block_t) * triton.cdiv(g, bg),)](
-        sources, queries, norm_weights, m, l, acc,
-        t, n, g, sources.stride(0), sources.stride(1), eps, float(logit_scale),
+        sources, queries, norm_weights, m, l, acc, out, lse,
+        t, n, g, sources.stride(0), sources.stride(1), out.stride(0), eps, float(logit_scale),
         D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, BG=bg, STAGES=stages,
-        num_warps=num_warps,
+        FIRST=first_out is not None, num_warps=num_warps,
     )  # fmt: skip
     return m, l, acc
+
+
+def _check_first_out(first_out, sources: torch.Tensor, num_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """group_forward's (out, lse) for site 0, checked; without them, placeholders the
+    kernels never store to (``FIRST`` off)."""
+    t, _, d = sources.shape
+    if first_out is None:
+        return sources.new_empty((1, 1)), sources.new_empty((1,), dtype=torch.float32)
+    out, lse = first_out
+    if out.shape != (t, d) or out.dtype != sources.dtype or out.stride(-1) != 1:
+        raise ValueError(f"first_out's output must be [{t}, {d}] {sources.dtype} with unit stride over D, "
+                         f"got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")  # fmt: skip
+    if lse.shape != (t, num_heads) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"first_out's lse must be a contiguous [{t}, {num_heads}] float32 tensor, "
+                         f"got {tuple(lse.shape)} {lse.dtype}")  # fmt: skip
+    return out, lse
 
 
 def _empty_partials(g: int, t: int, d: int, num_heads: int, device: torch.device):
@@ -1147,11 +1207,11 @@ def _empty_partials(g: int, t: int, d: int, num_heads: int, device: torch.device
     return torch.empty(stats, **kw), torch.empty(stats, **kw), torch.empty((g, t, d), **kw)
 
 
-def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, logit_scale, config,
+def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, logit_scale, first, config,
                                 sites_per_program):  # fmt: skip
     """group_forward through _group_fwd_dots_kernel: SLOTS sites per program (program axis
     1), tokens striding over ``config.programs_per_sm`` programs per SM (axis 0), the
-    heads as ``_dot_heads``."""
+    heads as ``_dot_heads``; ``first``: (out, lse, whether site 0 is finished here)."""
     if sites_per_program or config.block_t != 1 or config.prefetch or config.l2_reuse:
         raise ValueError(
             "tensor_cores=True takes num_warps, stages and programs_per_sm as launch overrides; "
@@ -1165,11 +1225,12 @@ def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, 
     split, heads, head_dim, padded_heads = _dot_heads(d, num_heads)
     ka, kb = _head_chunks(head_dim)
     programs = _backward_programs(t, sources.device, config.programs_per_sm)
+    out, lse, finish_first = first
     _group_fwd_dots_kernel[(programs, triton.cdiv(g, SLOTS))](
-        sources, queries, norm_weights, m, l, acc,
-        t, n, g, sources.stride(0), sources.stride(1), eps, float(logit_scale),
+        sources, queries, norm_weights, m, l, acc, out, lse,
+        t, n, g, sources.stride(0), sources.stride(1), out.stride(0), eps, float(logit_scale),
         D=d, H=heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, GH=split, STAGES=config.stages,
-        num_warps=config.num_warps,
+        FIRST=finish_first, num_warps=config.num_warps,
     )  # fmt: skip
     return m, l, acc
 

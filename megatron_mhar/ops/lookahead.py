@@ -136,12 +136,16 @@ def torch_group_forward(
     num_heads: int,
     eps: float,
     logit_scale: float,
+    first_out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Phase 1: partials of G sites over the old rows, each row read once.
 
     Args:
         sources: [T, N, D] view of the old rows (N >= 1).
         queries, norm_weights: [G, D], one row per site of the group.
+        first_out: (out [T, D] in the sources' dtype, lse [T, H] fp32) that receive site 0's
+            output and log-sum-exp, as its merge would compute them with no new rows (site 0
+            merges none, so phase 1 finishes it and its merge is skipped).
 
     Returns:
         (m [G, T, H], l [G, T, H], acc [G, T, D]) fp32 online-softmax partials.
@@ -154,7 +158,13 @@ def torch_group_forward(
     l = torch.zeros((g, t, num_heads), dtype=compute, device=sources.device)
     acc = torch.zeros((g, t, num_heads, d // num_heads), dtype=compute, device=sources.device)
     m, l, acc = _online(sources, w, m, l, acc, eps, logit_scale)
-    return m.float(), l.float(), acc.flatten(-2).float()
+    m, l, acc = m.float(), l.float(), acc.flatten(-2).float()
+    if first_out is not None:
+        out, lse = first_out
+        no_rows = sources[:, :0]
+        out.copy_(torch_merge_forward(m[0], l[0], acc[0], no_rows, queries[0], norm_weights[0], num_heads, eps,
+                                      logit_scale, lse))  # fmt: skip
+    return m, l, acc
 
 
 def torch_merge_forward(
@@ -494,8 +504,10 @@ class RoutingGroup:
         self.grad_enabled = torch.is_grad_enabled()
         t, d, heads = history.num_tokens, history.shape[-1], history.num_heads
         device = history.buffer.device
-        # Per site (m, l, acc): the phase-1 partials, set by the group's forward.
+        # Per site (m, l, acc): the phase-1 partials, set by the group's forward; site 0
+        # merges no new rows, so phase 1 writes its output (``first_out``) instead.
         self.partials: Optional[Tuple[Tuple[torch.Tensor, ...], ...]] = None
+        self.first_out: Optional[torch.Tensor] = None
         self.lse = torch.empty((len(sites), t, heads), dtype=torch.float32, device=device)
         self.site_lse = self.lse.unbind()
         self.next_index = 0
@@ -616,7 +628,7 @@ class LookaheadHistory(SourceHistory):
     def end_group(self) -> None:
         """Drop the current run's partials; the next read starts a new run."""
         if self.group is not None:
-            self.group.partials = None
+            self.group.partials = self.group.first_out = None
         self.group, self.group_token = None, None
 
     def release(self) -> None:
@@ -735,9 +747,11 @@ class _GroupPartials(torch.autograd.Function):
     def forward(ctx, history, group, token, *params):
         g = len(group.sites)
         queries, norms = torch.stack(params[:g]), torch.stack(params[g:])
+        rows = history.rows(group.old_rows)
+        group.first_out = rows.new_empty((rows.shape[0], rows.shape[2]))
         partials = history.lookahead.group_forward(
-            history.rows(group.old_rows), queries, norms,
-            history.num_heads, history.eps, history.logit_scale,
+            rows, queries, norms, history.num_heads, history.eps, history.logit_scale,
+            first_out=(group.first_out, group.site_lse[0]),
         )  # fmt: skip
         group.partials = tuple(zip(*(x.unbind() for x in partials)))
         group.queries, group.norms = queries, norms
@@ -785,12 +799,15 @@ class _MergeSite(torch.autograd.Function):
     def forward(ctx, history, group, index, token, group_token, query, norm_weight):
         s, b, h = history.shape
         site = group.sites[index]
-        m, l, acc = group.partials[index]
-        out = history.lookahead.merge_forward(
-            m, l, acc, history.rows(site.num_rows, group.old_rows),
-            query, norm_weight, history.num_heads, history.eps, history.logit_scale,
-            group.site_lse[index],
-        )  # fmt: skip
+        if index == 0:  # no new rows: phase 1 finished it
+            out, group.first_out = group.first_out, None
+        else:
+            m, l, acc = group.partials[index]
+            out = history.lookahead.merge_forward(
+                m, l, acc, history.rows(site.num_rows, group.old_rows),
+                query, norm_weight, history.num_heads, history.eps, history.logit_scale,
+                group.site_lse[index],
+            )  # fmt: skip
         result = out.view(s, b, h)
         ctx.set_materialize_grads(False)
         ctx.history, ctx.group, ctx.index = history, group, index
