@@ -10,7 +10,8 @@ rows ``[0, n0)``,
   per site) and the unnormalised accumulator ``acc`` (fp32 ``[T, D]`` per site);
 - **merge**: site j then folds only the rows written since the group started (fewer
   than G) into its partial, exactly (log-sum-exp merge), and writes ``x_j`` and its
-  log-sum-exp.
+  log-sum-exp. The first site has no such rows: phase 1 writes its output and
+  log-sum-exp itself (``first_out``), bitwise what its merge would, and it runs no merge.
 
 Backward mirrors it. Each site's merge backward computes ``delta[h] = sum_k do[k] x[k]``
 from its routed output (the output is the sublayer's saved input, so no extra memory),
