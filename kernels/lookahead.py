@@ -665,6 +665,18 @@ def _row_block(p_t, rows, m_r, stride_vn, BH: tl.constexpr, H: tl.constexpr, HD:
     return b_xa, b_xb, b_sq
 
 
+@triton.jit
+def _first_slot(x):
+    """Slot 0 of an [A, SLOTS] or [A, SLOTS, K] tile, bitwise: the other slots become
+    -0.0, which adds exactly to any value, -0.0 included."""
+    is_first = tl.arange(0, SLOTS) == 0
+    if len(x.shape) == 3:
+        picked = tl.where(is_first[None, :, None], x, -0.0)
+    else:
+        picked = tl.where(is_first[None, :], x, -0.0)
+    return tl.sum(picked, axis=1)
+
+
 # Sizes are not specialised: Triton compiles a size of 1 as a constant, and at the 1B
 # width that variant asked for more shared memory than the H200 has (first group, N = 1).
 @triton.jit(do_not_specialize=["T", "N", "NG"])
@@ -730,20 +742,21 @@ def _group_fwd_dots_kernel(
             b_sumb = _row_pair_sum(b_accb, BH, SLOTS, KB)
         m_part = m_s
         if FIRST:  # site 0 (slot 0 of the first site block) finished here, as a merge would
-            m_first = m_s & (site == 0)
             m_part = m_s & (site != 0)
-            o_first = tl.cast(t, tl.int64) * stride_ot + o_h[:, None, None] * HD + (site64 * 0)[None, :, None]
-            m_fh = (o_h < H)[:, None, None] & m_first[None, :, None]
-            b_out = b_suma / b_l[:, :, None]
-            tl.store(O_ptr + o_first + o_ka[None, None, :], b_out.to(O_ptr.dtype.element_ty),
-                     mask=m_fh & (o_ka < HD)[None, None, :])  # fmt: skip
-            if KB > 0:
-                b_out = b_sumb / b_l[:, :, None]
-                tl.store(O_ptr + o_first + o_kb[None, None, :], b_out.to(O_ptr.dtype.element_ty),
-                         mask=m_fh & (o_kb < HD)[None, None, :])  # fmt: skip
-            p_lse = LSE_ptr + tl.cast(t, tl.int64) * (H // GH) + (o_h // GH)[:, None] + (site * 0)[None, :]
-            m_lse = ((o_h < H) & (o_h % GH == 0))[:, None] & m_first[None, :]
-            tl.store(p_lse, b_m + tl.log(b_l), mask=m_lse)
+            if tl.program_id(1) == 0:  # only the first site block holds it
+                b_l0 = _first_slot(b_l)
+                b_m0 = _first_slot(b_m)
+                m_h = o_h < H
+                p_o = O_ptr + tl.cast(t, tl.int64) * stride_ot + o_h[:, None] * HD
+                b_out = _first_slot(b_suma) / b_l0[:, None]
+                tl.store(p_o + o_ka[None, :], b_out.to(O_ptr.dtype.element_ty),
+                         mask=m_h[:, None] & (o_ka < HD)[None, :])  # fmt: skip
+                if KB > 0:
+                    b_out = _first_slot(b_sumb) / b_l0[:, None]
+                    tl.store(p_o + o_kb[None, :], b_out.to(O_ptr.dtype.element_ty),
+                             mask=m_h[:, None] & (o_kb < HD)[None, :])  # fmt: skip
+                p_lse = LSE_ptr + tl.cast(t, tl.int64) * (H // GH) + o_h // GH
+                tl.store(p_lse, b_m0 + tl.log(b_l0), mask=m_h & (o_h % GH == 0))
         p_ml = o_st[None, :] * (H // GH) + (o_h // GH)[:, None]
         m_ml = ((o_h < H) & (o_h % GH == 0))[:, None] & m_part[None, :]  # one dot head per model head
         tl.store(M_ptr + p_ml, b_m, mask=m_ml)

@@ -530,9 +530,20 @@ def test_sites_per_program_keeps_a_power_of_two_tile():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize(
+    "t, n0, g, d, heads",
+    [
+        pytest.param(5, 3, 5, 512, 8, id="D512-G5"),
+        # Two site blocks of the tensor-core kernel (only the first holds site 0); head
+        # width 160 as two channel chunks (128 + 32).
+        pytest.param(2, 2, 10, 1280, 8, id="D1280-G10"),
+        # A model head of four dot heads in the tensor-core kernel.
+        pytest.param(3, 2, 3, 512, 2, id="D512-H2"),
+    ],
+)
 @pytest.mark.parametrize("name", list(BACKENDS))
 @pytest.mark.parametrize("sites_per_program", [None, 1])
-def test_first_site_finished_by_phase1(name, sites_per_program, nan_uninitialised):
+def test_first_site_finished_by_phase1(name, sites_per_program, t, n0, g, d, heads, nan_uninitialised):
     """Phase 1 with ``first_out`` writes site 0's output and lse bitwise as its merge with
     no new rows would and every other site's partials as without it; the kernels leave
     site 0's partials unwritten (NaN: ``nan_uninitialised``)."""
@@ -540,7 +551,7 @@ def test_first_site_finished_by_phase1(name, sites_per_program, nan_uninitialise
     if sites_per_program is not None and name != "triton-row-loop":
         pytest.skip("sites_per_program is the row loop's")
     kw = {} if sites_per_program is None else dict(sites_per_program=sites_per_program)
-    t, n0, g, d, heads = _tokens(5), 3, 5, 512, 8
+    t = _tokens(t)
     for dtype in DTYPES:
         buffer, queries, norms, _ = _inputs(t, n0, g, d, heads, 1.0, dtype)
         rows = buffer[:, :n0]
