@@ -108,8 +108,7 @@ def shape_rows(d, model_heads, dtype, launch, sizes):
     forward = fused._group_fwd_dots_config(padded_heads, head_dim)
     rows, per_head = fused._group_bwd_dots_config(padded_heads, head_dim)
     kernels = [
-        # The forward as the history runs it: finishing the group's first site (FIRST).
-        (fused._group_fwd_dots_kernel, dict(chunks, STAGES=forward.stages, FIRST=True), forward.num_warps),
+        (fused._group_fwd_dots_kernel, dict(chunks, STAGES=forward.stages), forward.num_warps),
         (fused._group_bwd_rows_kernel, dict(chunks, STAGES=rows.stages), rows.num_warps),
         (fused._group_bwd_heads_kernel, dict(head_tile, STAGES=per_head.stages), per_head.num_warps),
     ]

@@ -665,28 +665,15 @@ def _row_block(p_t, rows, m_r, stride_vn, BH: tl.constexpr, H: tl.constexpr, HD:
     return b_xa, b_xb, b_sq
 
 
-@triton.jit
-def _first_slot(x):
-    """Slot 0 of an [A, SLOTS] or [A, SLOTS, K] tile, bitwise: the other slots become
-    -0.0, which adds exactly to any value, -0.0 included."""
-    is_first = tl.arange(0, SLOTS) == 0
-    if len(x.shape) == 3:
-        picked = tl.where(is_first[None, :, None], x, -0.0)
-    else:
-        picked = tl.where(is_first[None, :], x, -0.0)
-    return tl.sum(picked, axis=1)
-
-
 # Sizes are not specialised: Triton compiles a size of 1 as a constant, and at the 1B
 # width that variant asked for more shared memory than the H200 has (first group, N = 1).
 @triton.jit(do_not_specialize=["T", "N", "NG"])
 def _group_fwd_dots_kernel(
     V_ptr, Q_ptr, G_ptr,  # as in _group_fwd_kernel: [T, N, D] old rows, [NG, D] queries and norms
     M_ptr, L_ptr, A_ptr,  # as in _group_fwd_kernel: fp32 partials [NG, T, H], [NG, T, H], [NG, T, D]
-    O_ptr, LSE_ptr,  # as in _group_fwd_kernel (FIRST): site 0's output [T, D] and lse [T, H // GH]
-    T, N, NG, stride_vt, stride_vn, stride_ot, eps, scale,
+    T, N, NG, stride_vt, stride_vn, eps, scale,
     D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BH: tl.constexpr, KA: tl.constexpr,
-    KB: tl.constexpr, BR: tl.constexpr, GH: tl.constexpr, STAGES: tl.constexpr, FIRST: tl.constexpr,
+    KB: tl.constexpr, BR: tl.constexpr, GH: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Phase 1 as dots per token and head (README.md, "Tensor-core phase 1"): for
     a block X [BR, head width] of the token's rows, X @ [w_j] gives the head dots of SLOTS
@@ -740,29 +727,12 @@ def _group_fwd_dots_kernel(
         b_suma = _row_pair_sum(b_acca, BH, SLOTS, KA)
         if KB > 0:
             b_sumb = _row_pair_sum(b_accb, BH, SLOTS, KB)
-        m_part = m_s
-        if FIRST:  # site 0 (slot 0 of the first site block) finished here, as a merge would
-            m_part = m_s & (site != 0)
-            if tl.program_id(1) == 0:  # only the first site block holds it
-                b_l0 = _first_slot(b_l)
-                b_m0 = _first_slot(b_m)
-                m_h = o_h < H
-                p_o = O_ptr + tl.cast(t, tl.int64) * stride_ot + o_h[:, None] * HD
-                b_out = _first_slot(b_suma) / b_l0[:, None]
-                tl.store(p_o + o_ka[None, :], b_out.to(O_ptr.dtype.element_ty),
-                         mask=m_h[:, None] & (o_ka < HD)[None, :])  # fmt: skip
-                if KB > 0:
-                    b_out = _first_slot(b_sumb) / b_l0[:, None]
-                    tl.store(p_o + o_kb[None, :], b_out.to(O_ptr.dtype.element_ty),
-                             mask=m_h[:, None] & (o_kb < HD)[None, :])  # fmt: skip
-                p_lse = LSE_ptr + tl.cast(t, tl.int64) * (H // GH) + o_h // GH
-                tl.store(p_lse, b_m0 + tl.log(b_l0), mask=m_h & (o_h % GH == 0))
         p_ml = o_st[None, :] * (H // GH) + (o_h // GH)[:, None]
-        m_ml = ((o_h < H) & (o_h % GH == 0))[:, None] & m_part[None, :]  # one dot head per model head
+        m_ml = ((o_h < H) & (o_h % GH == 0))[:, None] & m_s[None, :]  # one dot head per model head
         tl.store(M_ptr + p_ml, b_m, mask=m_ml)
         tl.store(L_ptr + p_ml, b_l, mask=m_ml)
         p_a = A_ptr + o_st[None, :, None] * D + o_h[:, None, None] * HD
-        m_a = (o_h < H)[:, None, None] & m_part[None, :, None]
+        m_a = (o_h < H)[:, None, None] & m_s[None, :, None]
         m_ka = m_a & (o_ka < HD)[None, None, :]
         tl.store(p_a + o_ka[None, None, :], b_suma, mask=m_ka)
         if KB > 0:
@@ -1152,7 +1122,8 @@ def group_forward(
         queries, norm_weights: [G, D].
         first_out: (out [T, D] in the sources' dtype, unit stride over D; lse [T, H] fp32,
             contiguous) to finish site 0 here, as ``merge_forward`` would with no new rows
-            (bitwise the same); its partials are then left unwritten.
+            (bitwise the same). The row loop then leaves its partials unwritten; the
+            tensor-core kernel writes them and merges them in a second launch.
         sites_per_program: sites held by one program (default: as many as about 4K fp32
             accumulators allow); the others go to sibling programs of the same token tile.
             The tensor-core kernel always holds SLOTS sites per program.
@@ -1177,8 +1148,7 @@ def group_forward(
     dots = _group_fwd_dots_config(dot_bh, dot_dim) if use_dots else None
     if dots is not None:
         return _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, logit_scale,
-                                           (out, lse, first_out is not None), dots.override(**loop),
-                                           sites_per_program)  # fmt: skip
+                                           first_out, dots.override(**loop), sites_per_program)  # fmt: skip
     head_dim, bh, bhd = _tile(d, num_heads)
     default_sites, config = _group_fwd_config(bh * bhd, g)
     bg = min(g, sites_per_program or default_sites)
@@ -1220,11 +1190,14 @@ def _empty_partials(g: int, t: int, d: int, num_heads: int, device: torch.device
     return torch.empty(stats, **kw), torch.empty(stats, **kw), torch.empty((g, t, d), **kw)
 
 
-def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, logit_scale, first, config,
+def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, logit_scale, first_out, config,
                                 sites_per_program):  # fmt: skip
     """group_forward through _group_fwd_dots_kernel: SLOTS sites per program (program axis
     1), tokens striding over ``config.programs_per_sm`` programs per SM (axis 0), the
-    heads as ``_dot_heads``; ``first``: (out, lse, whether site 0 is finished here)."""
+    heads as ``_dot_heads``. It stores site 0's partials and finishes site 0 (``first_out``)
+    with a merge of no new rows: finishing it in the kernel (stop 29) took registers the
+    row blocks needed, and the forward slowed by more than the merge costs (H200, per
+    training step: 350M 11.3 -> 12.1 ms, 1B 36.3 -> 42.4 ms; README.md, "Schedule")."""
     if sites_per_program or config.block_t != 1 or config.prefetch or config.l2_reuse:
         raise ValueError(
             "tensor_cores=True takes num_warps, stages and programs_per_sm as launch overrides; "
@@ -1238,13 +1211,15 @@ def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, 
     split, heads, head_dim, padded_heads = _dot_heads(d, num_heads)
     ka, kb = _head_chunks(head_dim)
     programs = _backward_programs(t, sources.device, config.programs_per_sm)
-    out, lse, finish_first = first
     _group_fwd_dots_kernel[(programs, triton.cdiv(g, SLOTS))](
-        sources, queries, norm_weights, m, l, acc, out, lse,
-        t, n, g, sources.stride(0), sources.stride(1), out.stride(0), eps, float(logit_scale),
+        sources, queries, norm_weights, m, l, acc,
+        t, n, g, sources.stride(0), sources.stride(1), eps, float(logit_scale),
         D=d, H=heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, GH=split, STAGES=config.stages,
-        FIRST=finish_first, num_warps=config.num_warps,
+        num_warps=config.num_warps,
     )  # fmt: skip
+    if first_out is not None:  # a merge of no new rows, launched here: the kernel's registers are full
+        merge_forward(m[0], l[0], acc[0], sources[:, :0], queries[0], norm_weights[0], num_heads, eps,
+                      logit_scale, first_out[1], out=first_out[0])  # fmt: skip
     return m, l, acc
 
 
@@ -1259,17 +1234,20 @@ def merge_forward(
     eps: float,
     logit_scale: float,
     lse: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
     **loop,
 ) -> torch.Tensor:
     """Fold the new rows [T, n, D] (n may be 0) into one site's partial (m, l [T, H],
     acc [T, D], contiguous fp32); write its log-sum-exp into ``lse`` [T, H] and return
-    the output [T, D] in the sources' dtype. ``loop``: :class:`LoopConfig` fields
-    overriding the default launch (benchmarks)."""
+    the output [T, D] in the sources' dtype, written into ``out`` where given (unit
+    stride over D). ``loop``: :class:`LoopConfig` fields overriding the default launch
+    (benchmarks)."""
     _check_sources(sources, None, num_heads)
     t, n, d = sources.shape
     head_dim, bh, bhd = _tile(d, num_heads)
     block_t, num_warps, _, stages, _, _ = _merge_fwd_config(bh * bhd).override(**loop)
-    out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
+    if out is None:
+        out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
     if t == 0:
         return out
     src = sources if n > 0 else out  # no row is read; the dtype still rounds g
