@@ -966,15 +966,17 @@ def _use_tensor_cores(tensor_cores: Optional[bool], sites: int, head_dim: int, b
     them where the H200 measured them faster (README.md, "Tensor-core phase 1"): groups of
     more than SLOTS / 2 sites (with fewer, half of every dot is idle; the 100M shape's
     groups of 4 ran faster on the row loops), heads of at most 256 padded columns (one
-    1024-wide head took 112 ms per 350M training step in the dot forward) and, backward,
-    heads wider than 128 (at 350M's 128 the two dot kernels took 46 ms per training step
-    against 44 for the row loop; at 1B's 160 the deepest group took 1.28 against 2.63 ms).
-    ``head_dim`` is the dot heads' width (``_dot_heads``). Decided by the group's size,
-    never a split's: a recomputed chunk runs the kernels of the whole group."""
+    1024-wide head took 112 ms per 350M training step in the dot forward), forward, heads
+    wider than 64 (100M's 64 in groups of 5: 11.2 ms per training step against 6.5 for
+    the row loop) and, backward, heads wider than 128 (at 350M's 128 the two dot kernels
+    took 46 ms per training step against 44 for the row loop; at 1B's 160 the deepest
+    group took 1.28 against 2.63 ms). ``head_dim`` is the dot heads' width
+    (``_dot_heads``). Decided by the group's size, never a split's: a recomputed chunk
+    runs the kernels of the whole group."""
     if tensor_cores is not None:
         return tensor_cores
-    narrow = triton.next_power_of_2(head_dim) <= 256 and (head_dim > 128 or not backward)
-    return sites > SLOTS // 2 and narrow
+    wide_enough = head_dim > (128 if backward else 64)
+    return sites > SLOTS // 2 and triton.next_power_of_2(head_dim) <= 256 and wide_enough
 
 
 # The dot kernels tile a row as at least this many heads: a model with fewer (Attention

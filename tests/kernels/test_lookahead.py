@@ -458,6 +458,8 @@ def test_deterministic(t, n0, g, d, backend):
         pytest.param(1024, 8, 5, True, False, id="350M-width"),
         # A group of 4 fills half a dot: row loops.
         pytest.param(512, 8, 4, False, False, id="group-of-4"),
+        # Head width 64 (100M) in a group of 5: row loops both ways.
+        pytest.param(512, 8, 5, False, False, id="100M-width"),
         # One head runs as eight dot heads: of 96 columns at 768 (dot forward, row-loop
         # backward), of 160 at the 1B width (dots both ways), as eight heads would.
         pytest.param(768, 1, 5, True, False, id="one-head"),
