@@ -12,7 +12,9 @@ Per-site (mhar_kernels.depth_route history interface):
 Lookahead (mhar_kernels.lookahead), groups of G consecutive sites, the remainder first:
   forward   phase 1 reads the group's old rows [0, s0) once and writes the fp32
             partials (acc [T, D], m and l [T, H]) of the G - 1 sites after the first;
-            the first site merges no rows, so phase 1 writes its output and log-sum-exp;
+            the first site merges no rows, so phase 1 writes its output and log-sum-exp
+            (the tensor-core kernel, where the kernels' rule picks it, writes its
+            partial, which a merge of no rows reads);
             each other site reads its partial, its new rows [s0, j) and writes its
             output and log-sum-exp;
   backward  each site's merge reads grad_out and the output (delta), its new rows once,
@@ -39,6 +41,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_mhar.ops.lookahead import auto_group_size, group_ranges  # noqa: E402
+from mhar_kernels.lookahead import _dot_heads, _use_tensor_cores  # noqa: E402
 
 MODELS = [
     # name, decoder layers, width, tokens per micro-batch (micro-batch x sequence)
@@ -83,9 +86,11 @@ def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:
         old += s0
         new += merged
         # phase 1 writes (acc, m, l) per site but the first, whose out and lse it writes;
-        # each other site's merge reads its partial, writes out and lse.
+        # each other site's merge reads its partial, writes out and lse. The tensor-core
+        # forward writes the first site's partial too, for a merge of no new rows.
         partial, output = row * F32 + 2 * stat * F32, row * ES + stat * F32
-        fwd_other += (g - 1) * (2 * partial + output) + output
+        dots = _use_tensor_cores(None, g, _dot_heads(d, h)[2], backward=False)
+        fwd_other += (g if dots else g - 1) * (2 * partial + output) + (0 if dots else output)
         # merges: grad_out + out read, delta written, grad_out copied, each pair's factors
         # written; each new row: fp32 gradient read, per pair grad_out and factors read,
         # the gradient written in the rows' dtype.
@@ -111,7 +116,7 @@ def report() -> dict:
     out = {
         "note": __doc__.strip().splitlines()[0],
         "dtype": "bfloat16", "heads": HEADS, "variant": "full", "pipeline_stages": 1,
-        "auto_group": "integer nearest sqrt(0.8 (2L + 1))", "models": [],
+        "auto_group": "integer nearest sqrt(0.84 (2L + 1))", "models": [],
     }  # fmt: skip
     for name, layers, d, t in MODELS:
         sites = 2 * layers + 1

@@ -48,7 +48,7 @@ class MHARConfig:
     sites read the older sources once, MHAR.md §7; see megatron_mhar/ops/lookahead.py)."""
 
     lookahead_group: int = 0
-    """Sites per lookahead group; 0 picks the integer nearest sqrt(0.8 (2L + 1)), measured
+    """Sites per lookahead group; 0 picks the integer nearest sqrt(0.84 (2L + 1)), measured
     best on the H200 at the paper's sizes (``megatron_mhar.ops.lookahead.auto_group_size``)."""
 
     lookahead_kernels: str = "auto"

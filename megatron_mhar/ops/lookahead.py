@@ -449,17 +449,20 @@ def get_lookahead_backend(impl: str, device: torch.device, kernels: str = "auto"
 
 
 def auto_group_size(num_sites: int) -> int:
-    """Sites per group for ``lookahead_group = 0``: the integer nearest sqrt(0.8 * sites),
-    i.e. 4 / 6 / 8 at 100M / 350M / 1B (25 / 49 / 73 sites).
+    """Sites per group for ``lookahead_group = 0``: the integer nearest sqrt(0.84 * sites),
+    i.e. 5 / 6 / 8 at 100M / 350M / 1B (25 / 49 / 73 sites).
 
     Bytes alone put the optimum at about sqrt(sites) (phase 1 reads ~S^2 / 2G rows, the
     merges ~S G / 2: benchmarks/routing_bytes.py), but a merge's row costs more than a
     phase-1 row (the merges are short, latency-bound kernels), which moves it lower. The
-    factor 0.8 is fitted to the H200's training steps (kernels/README.md, "Group size"):
+    factor is fitted to the H200's training steps (kernels/README.md, "Group size"):
     350M measured 0.900 / 0.896 / 0.882 of the baseline at G = 6 / 7 / 8 and 0.892 / 0.880
-    at 5 / 4; 1B 0.837 / 0.831 / 0.812 at 8 / 7 / 6; 100M 0.943 at 4, 0.930 at 8.
-    Deeper models than 1B were not measured: ``lookahead_group`` sets G by hand."""
-    return max(1, round(math.sqrt(0.8 * max(1, num_sites))))
+    at 5 / 4, and 0.898 at both 6 and 7 (0.837 at 9) once phase 1 finished each group's
+    first site; 1B 0.837 / 0.831 / 0.812 at 8 / 7 / 6; 100M 0.945 at 5 on the row loops
+    against 0.943 / 0.942 at 4 in two runs (routing 42.5 against 44.3 ms per step), 0.930
+    at 8. Any factor in [0.81, 0.86) picks these three. Deeper models than 1B were not
+    measured: ``lookahead_group`` sets G by hand."""
+    return max(1, round(math.sqrt(0.84 * max(1, num_sites))))
 
 
 def group_ranges(first_site: int, last_site: int, group_size: int) -> List[range]:
