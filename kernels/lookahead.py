@@ -1176,13 +1176,18 @@ def _check_first_out(first_out, sources: torch.Tensor, num_heads: int) -> Tuple[
     if first_out is None:
         return sources.new_empty((1, 1)), sources.new_empty((1,), dtype=torch.float32)
     out, lse = first_out
-    if out.shape != (t, d) or out.dtype != sources.dtype or out.stride(-1) != 1:
-        raise ValueError(f"first_out's output must be [{t}, {d}] {sources.dtype} with unit stride over D, "
-                         f"got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")  # fmt: skip
+    _check_output("first_out's output", out, t, d, sources.dtype)
     if lse.shape != (t, num_heads) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"first_out's lse must be a contiguous [{t}, {num_heads}] float32 tensor, "
                          f"got {tuple(lse.shape)} {lse.dtype}")  # fmt: skip
     return out, lse
+
+
+def _check_output(name: str, out: torch.Tensor, t: int, d: int, dtype: torch.dtype) -> None:
+    """A routed output the caller gives: [T, D] in the sources' dtype, unit stride over D."""
+    if out.shape != (t, d) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"{name} must be [{t}, {d}] {dtype} with unit stride over D, "
+                         f"got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")  # fmt: skip
 
 
 def _empty_partials(g: int, t: int, d: int, num_heads: int, device: torch.device):
@@ -1250,6 +1255,8 @@ def merge_forward(
     block_t, num_warps, _, stages, _, _ = _merge_fwd_config(bh * bhd).override(**loop)
     if out is None:
         out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
+    else:
+        _check_output("merge_forward's out", out, t, d, sources.dtype)
     if t == 0:
         return out
     src = sources if n > 0 else out  # no row is read; the dtype still rounds g

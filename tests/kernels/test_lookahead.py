@@ -586,6 +586,19 @@ def test_first_out_is_checked():
                             first_out=(torch.empty(t, d, device=DEVICE), lse.double()))  # fmt: skip
 
 
+def test_merge_out_is_checked():
+    """merge_forward's out of the wrong shape, dtype or stride is refused before any launch."""
+    t, n0, g, d, heads = _tokens(2), 2, 2, 512, 8
+    buffer, queries, norms, _ = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
+    m, l, acc = fused.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0)
+    lse = torch.empty((t, heads), device=DEVICE)
+    for bad in (torch.empty(t, d - 1, device=DEVICE), torch.empty(t, d, device=DEVICE).double(),
+                torch.empty(d, t, device=DEVICE).t()):  # fmt: skip
+        with pytest.raises(ValueError, match="merge_forward's out must be"):
+            fused.merge_forward(m[1], l[1], acc[1], buffer[:, n0:n0 + 1], queries[1], norms[1], heads, EPS, 1.0,
+                                lse, out=bad)  # fmt: skip
+
+
 @pytest.mark.parametrize("call", ["group_forward", "group_backward"])
 def test_sites_per_program_must_be_positive(call):
     """A non-positive split is an error, not a launch that silently covers no site."""
