@@ -1143,7 +1143,7 @@ def group_forward(
     if n < 1:
         raise ValueError("group_forward needs at least one old row")
     _check_sites_per_program(sites_per_program)
-    out, lse = _check_first_out(first_out, sources, num_heads)
+    _check_first_out(first_out, sources, num_heads)
     queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
     _, _, dot_dim, dot_bh = _dot_heads(d, num_heads)
     use_dots = _use_tensor_cores(tensor_cores, g, dot_dim, backward=False)
@@ -1160,6 +1160,8 @@ def group_forward(
     m, l, acc = _empty_partials(g, t, d, num_heads, sources.device)
     if t == 0:
         return m, l, acc
+    # Without first_out, placeholders the kernel never stores to (FIRST off).
+    out, lse = first_out or (sources.new_empty((1, 1)), sources.new_empty((1,), dtype=torch.float32))
     _group_fwd_kernel[(triton.cdiv(t, block_t) * triton.cdiv(g, bg),)](
         sources, queries, norm_weights, m, l, acc, out, lse,
         t, n, g, sources.stride(0), sources.stride(1), out.stride(0), eps, float(logit_scale),
@@ -1169,18 +1171,16 @@ def group_forward(
     return m, l, acc
 
 
-def _check_first_out(first_out, sources: torch.Tensor, num_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """group_forward's (out, lse) for site 0, checked; without them, placeholders the
-    kernels never store to (``FIRST`` off)."""
+def _check_first_out(first_out, sources: torch.Tensor, num_heads: int) -> None:
+    """group_forward's (out, lse) for site 0, if given: shapes, dtypes and strides."""
     t, _, d = sources.shape
     if first_out is None:
-        return sources.new_empty((1, 1)), sources.new_empty((1,), dtype=torch.float32)
+        return
     out, lse = first_out
     _check_output("first_out's output", out, t, d, sources.dtype)
     if lse.shape != (t, num_heads) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"first_out's lse must be a contiguous [{t}, {num_heads}] float32 tensor, "
                          f"got {tuple(lse.shape)} {lse.dtype}")  # fmt: skip
-    return out, lse
 
 
 def _check_output(name: str, out: torch.Tensor, t: int, d: int, dtype: torch.dtype) -> None:
