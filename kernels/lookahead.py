@@ -377,35 +377,6 @@ def _head_dots(b_v, b_xs, SG: tl.constexpr):
 
 
 @triton.jit
-def _site_factors(b_v, b_wdos, b_lses, b_deltas, eps, scale, D: tl.constexpr, SG: tl.constexpr):
-    """Each of the SG slots' gradient factors of row tile b_v (``_grad_factors``: k_p, k_w
-    [BT, BH, 1], k_v [BT, 1, 1]) from the slots' (w, do) pairs, lse and delta."""
-    b_r = _inv_rms((b_v,), eps, D, 1)
-    b_rs = b_r * scale
-    b_ps = ()
-    b_dss = ()
-    b_cs = ()
-    b_dots = _head_dots(b_v, b_wdos, 2 * SG)  # slot j: v . w_j at 2j, v . do_j at 2j + 1
-    for j in tl.static_range(SG):
-        b_dot = b_dots[2 * j]
-        b_p = tl.exp(b_dot * b_rs[:, None] - b_lses[j])
-        b_ds = b_p * (b_dots[2 * j + 1] - b_deltas[j])
-        b_ps = b_ps + (b_p,)
-        b_dss = b_dss + (b_ds,)
-        b_cs = b_cs + (b_ds * b_dot,)
-    b_cs = _sums_over_heads(b_cs, SG)
-    b_kps = ()
-    b_kws = ()
-    b_kvs = ()
-    for j in tl.static_range(SG):
-        b_kp, b_kw, b_kv = _grad_factors(b_ps[j], b_dss[j], b_cs[j], b_r, scale, D)
-        b_kps = b_kps + (b_kp,)
-        b_kws = b_kws + (b_kw,)
-        b_kvs = b_kvs + (b_kv,)
-    return b_kps, b_kws, b_kvs
-
-
-@triton.jit
 def _group_bwd_kernel(
     V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
     W_ptr,  # [NG, D] fp32 folded queries w = q * g^ of the sites, contiguous
@@ -414,27 +385,16 @@ def _group_bwd_kernel(
     DELTA_ptr,  # [NG, T, H] fp32 delta of each site (from its merge backward)
     DV_ptr,  # [T, N, D] fp32 gradients of the old rows (+=), strides (stride_dvt, stride_dvn, 1)
     DW_ptr,  # [P, NG, D] fp32 per-program partial dL/dw of each site
-    Z_ptr,  # fp32 factors [T, rows, 2, S, H] (k_p, then k_w): stored (rows < split) or added (SB)
-    KV_ptr,  # fp32 [T, rows] sum over the slots of k_v, strides (stride_kt, stride_kn)
-    W2_ptr,  # [NG2, D] fp32 folded queries of the carried sites (SB slots)
-    DO2_ptr,  # [NG2, T, D] their output gradients
     T,
     N,
     NG,
     chunk_lo,
     chunk_hi,
-    split,
-    carry_lo,
-    carry_hi,
     num_tiles,
     stride_vt,
     stride_vn,
     stride_dvt,
     stride_dvn,
-    stride_zt,
-    stride_zn,
-    stride_kt,
-    stride_kn,
     eps,
     scale,
     D: tl.constexpr,
@@ -444,7 +404,6 @@ def _group_bwd_kernel(
     BH: tl.constexpr,
     BHD: tl.constexpr,
     SG: tl.constexpr,
-    SB: tl.constexpr,
     STAGES: tl.constexpr,
     ACCUMULATE: tl.constexpr,
 ):
@@ -452,12 +411,7 @@ def _group_bwd_kernel(
     holds site chunk_hi - 1 - j, so the sites are added last first; slots below chunk_lo
     load lse = +inf and do = delta = 0 and add exact zeros. Chunks run last first, so any
     split of a group into chunks or site ranges adds the same terms in the same order.
-    Without ACCUMULATE the rows' gradients hold nothing yet: stored, not read.
-
-    Rows below ``split`` are not added to: their factors go to Z and KV instead (the group
-    below adds them, README.md "Paired groups"). With SB > 0, every row first gets the
-    factors Z, KV of the SB carried sites [carry_lo, carry_hi) (slot j: site carry_hi - 1 - j)
-    added, then the SG sites' terms; SG = 0 adds the carried factors alone."""
+    Without ACCUMULATE the rows' gradients hold nothing yet: stored, not read."""
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
     o_h = tl.arange(0, BH)
@@ -473,16 +427,11 @@ def _group_bwd_kernel(
         m_w = m_d & (tl.full([BH, BHD], chunk_hi - 1 - j, tl.int32) >= chunk_lo)
         b_ws = b_ws + (tl.load(W_ptr + (chunk_hi - 1 - j) * D + o_d, mask=m_w, other=0.0)[None, :, :],)
         b_dws = b_dws + (tl.zeros([BT, BH, BHD], dtype=tl.float32),)
-    b_w2s = ()
-    for j in tl.static_range(SB):
-        m_w = m_d & (tl.full([BH, BHD], carry_hi - 1 - j, tl.int32) >= carry_lo)
-        b_w2s = b_w2s + (tl.load(W2_ptr + (carry_hi - 1 - j) * D + o_d, mask=m_w, other=0.0)[None, :, :],)
 
     for i_t in range(i_p, num_tiles, n_p):
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
         m_v = m_t[:, None, None] & m_d[None, :, :]
-        m_th = m_t[:, None] & (o_h < H)[None, :]
         o_t64 = o_t.to(tl.int64)
         b_dos = ()
         b_wdos = ()  # (w_0, do_0, w_1, do_1, ...): the row's dots with both, batched
@@ -496,53 +445,37 @@ def _group_bwd_kernel(
             b_dos = b_dos + (b_do.to(tl.float32),)
             b_wdos = b_wdos + (b_ws[j], b_dos[j])
             p_th = o_gt[:, None] * H + o_h[None, :]
-            m_sh = m_s[:, None] & (o_h < H)[None, :]
-            b_lses = b_lses + (tl.load(LSE_ptr + p_th, mask=m_sh, other=float("inf")),)
-            b_deltas = b_deltas + (tl.load(DELTA_ptr + p_th, mask=m_sh, other=0.0),)
-        b_do2s = ()
-        for j in tl.static_range(SB):
-            m_s = m_t & (tl.full([BT], carry_hi - 1 - j, tl.int32) >= carry_lo)
-            o_gt = (carry_hi - 1 - j) * T + o_t64
-            p_do = DO2_ptr + o_gt[:, None, None] * D + o_d[None, :, :]
-            b_do2s = b_do2s + (tl.load(p_do, mask=m_s[:, None, None] & m_d[None, :, :], other=0.0).to(tl.float32),)
-        p_z = Z_ptr + o_t64[:, None] * stride_zt + o_h[None, :]
-        p_kv = KV_ptr + o_t64 * stride_kt
+            m_th = m_s[:, None] & (o_h < H)[None, :]
+            b_lses = b_lses + (tl.load(LSE_ptr + p_th, mask=m_th, other=float("inf")),)
+            b_deltas = b_deltas + (tl.load(DELTA_ptr + p_th, mask=m_th, other=0.0),)
         p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
-        # Rows below split: the sites' factors kept for the group below, dL/dw accumulated.
-        for _ in tl.range(0, split, num_stages=STAGES):
+        p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
+        for _ in tl.range(0, N, num_stages=STAGES):
             b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
-            b_kps, b_kws, b_kvs = _site_factors(b_v, b_wdos, b_lses, b_deltas, eps, scale, D, SG)
-            b_kv = tl.zeros([BT, 1, 1], dtype=tl.float32)
-            for j in tl.static_range(SG):
-                tl.store(p_z + j * H, tl.reshape(b_kps[j], [BT, BH]), mask=m_th)
-                tl.store(p_z + (SG + j) * H, tl.reshape(b_kws[j], [BT, BH]), mask=m_th)
-                b_kv += b_kvs[j]
-                b_dws = b_dws[:j] + (b_dws[j] + b_kws[j] * b_v,) + b_dws[j + 1 :]
-            tl.store(p_kv, tl.reshape(b_kv, [BT]), mask=m_t)
-            p_v += stride_vn
-            p_z += stride_zn
-            p_kv += stride_kn
-        p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + split * stride_dvn + o_d[None, :, :]
-        for _ in tl.range(split, N, num_stages=STAGES):
-            b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
+            b_r = _inv_rms((b_v,), eps, D, 1)
+            b_rs = b_r * scale
             if ACCUMULATE:
                 b_dv = tl.load(p_dv, mask=m_v, other=0.0)
             else:
                 b_dv = tl.zeros([BT, BH, BHD], dtype=tl.float32)
-            if SB > 0:  # the carried sites first: they ran before these in the backward
-                for j in tl.static_range(SB):
-                    b_dv += tl.load(p_z + j * H, mask=m_th, other=0.0)[:, :, None] * b_do2s[j]
-                    b_dv += tl.load(p_z + (SB + j) * H, mask=m_th, other=0.0)[:, :, None] * b_w2s[j]
-                b_dv -= tl.load(p_kv, mask=m_t, other=0.0)[:, None, None] * b_v
-                p_z += stride_zn
-                p_kv += stride_kn
-            if SG > 0:
-                b_kps, b_kws, b_kvs = _site_factors(b_v, b_wdos, b_lses, b_deltas, eps, scale, D, SG)
-                for j in tl.static_range(SG):
-                    b_dv += b_kps[j] * b_dos[j]
-                    b_dv += b_kws[j] * b_ws[j]
-                    b_dv -= b_kvs[j] * b_v
-                    b_dws = b_dws[:j] + (b_dws[j] + b_kws[j] * b_v,) + b_dws[j + 1 :]
+            b_ps = ()
+            b_dss = ()
+            b_cs = ()
+            b_dots = _head_dots(b_v, b_wdos, 2 * SG)  # slot j: v . w_j at 2j, v . do_j at 2j + 1
+            for j in tl.static_range(SG):
+                b_dot = b_dots[2 * j]
+                b_p = tl.exp(b_dot * b_rs[:, None] - b_lses[j])
+                b_ds = b_p * (b_dots[2 * j + 1] - b_deltas[j])
+                b_ps = b_ps + (b_p,)
+                b_dss = b_dss + (b_ds,)
+                b_cs = b_cs + (b_ds * b_dot,)
+            b_cs = _sums_over_heads(b_cs, SG)
+            for j in tl.static_range(SG):
+                b_kp, b_kw, b_kv = _grad_factors(b_ps[j], b_dss[j], b_cs[j], b_r, scale, D)
+                b_dv += b_kp * b_dos[j]
+                b_dv += b_kw * b_ws[j]
+                b_dv -= b_kv * b_v
+                b_dws = b_dws[:j] + (b_dws[j] + b_kw * b_v,) + b_dws[j + 1 :]
             tl.store(p_dv, b_dv, mask=m_v)
             p_v += stride_vn
             p_dv += stride_dvn
@@ -1491,36 +1424,6 @@ class RowFactors(NamedTuple):
     chunk_lo: int
     chunk_hi: int
 
-    @property
-    def rows(self) -> int:
-        """The rows ``[0, rows)`` whose gradients these factors owe."""
-        return self.z.shape[1]
-
-
-class LoopFactors(NamedTuple):
-    """The older rows' gradients a row-loop phase-1 backward leaves to the group below
-    (``group_backward_deferred(defer_rows=)``; README.md, "Paired groups"): per token, row
-    and slot the factors ``z`` [T, rows, 2, S, H] (k_p, then k_w, per model head; slot j is
-    site chunk_hi - 1 - j) and ``kv`` [T, rows] (the slots' k_v summed), fp32 (4 + 8 S H
-    bytes per token and row: 85 MB for 16 rows of 16K tokens at S = 5, H = 8), the sites' folded queries
-    [NG, D] fp32 and output gradients [NG, T, D], and the sites ``[chunk_lo, chunk_hi)``."""
-
-    z: torch.Tensor
-    kv: torch.Tensor
-    folded: torch.Tensor
-    grad_outs: torch.Tensor
-    chunk_lo: int
-    chunk_hi: int
-
-    @property
-    def rows(self) -> int:
-        """The rows ``[0, rows)`` whose gradients these factors owe."""
-        return self.z.shape[1]
-
-    @property
-    def slots(self) -> int:
-        return self.z.shape[3]
-
 
 # Entries of one _group_bwd_row_grads_kernel launch; more run in further launches, in order.
 _ROW_GRADS_ENTRIES = 16
@@ -1572,10 +1475,8 @@ def group_backward_deferred(
     tensor_cores: Optional[bool] = False,
     merge_dw: Optional[torch.Tensor] = None,
     accumulate: bool = True,
-    defer_rows: int = 0,
-    carried: Sequence = (),
     **loop,
-) -> Tuple[torch.Tensor, torch.Tensor, Tuple]:
+) -> Tuple[torch.Tensor, torch.Tensor, Tuple[RowFactors, ...]]:
     """Backward of phase 1 for the sites ``site_range`` (default all) over the old rows
     [T, N, D], each row read once per kernel. The row loop adds the rows' gradients into
     the fp32 view ``grad_sources`` [T, N, D]; the tensor-core kernels leave them as
@@ -1596,20 +1497,12 @@ def group_backward_deferred(
             parameters' gradients with phase 1's (zeros for a site that did not run).
         accumulate: False where ``grad_sources`` holds no gradient yet: the row loop then
             stores into it instead of adding (the tensor-core kernels do not touch it).
-        defer_rows: the row loop may leave the rows ``[0, defer_rows)`` as factors
-            (:class:`LoopFactors`, ``rows`` = defer_rows) for the group below to add in its
-            own row loop (``carried``); it does where its sites fit one launch and twice
-            as many fit a program (README.md, "Paired groups"). The rows above are added now.
-        carried: deferred factors owed to exactly these N rows (the group above's), added
-            into ``grad_sources`` before this call returns: a row loop's in this call's
-            row loop where the slots fit, anything else by :func:`add_row_grads` first.
         loop: :class:`LoopConfig` fields overriding the default launch (benchmarks).
 
     Returns:
         (grad_query, grad_norm_weight) fp32 [hi - lo, D] for the sites in ``site_range``
         (with the merges' share where ``merge_dw`` is given), and the deferred rows'
-        gradients, last chunk first: empty from the row loop unless it kept ``defer_rows``;
-        each element's ``rows`` is the rows it owes, ``[0, rows)``.
+        gradients (empty from the row loop), last chunk first.
     """
     _check_sources(sources, None, num_heads)
     t, n, d = sources.shape
@@ -1618,7 +1511,6 @@ def group_backward_deferred(
     if not (0 <= lo < hi <= g):
         raise ValueError(f"site_range {site_range} outside the group's {g} sites")
     _check_sites_per_program(sites_per_program)
-    carried = tuple(carried)
     if grad_sources.shape != sources.shape or grad_sources.dtype != torch.float32:
         raise ValueError(
             f"grad_sources must be an fp32 view of shape {tuple(sources.shape)}, got "
@@ -1637,8 +1529,6 @@ def group_backward_deferred(
                 f"tensor_cores=True takes only num_warps as a launch override, got {unused}; "
                 f"drop them or use tensor_cores=False"
             )
-        if carried:
-            add_row_grads([(carried, n)], sources, grad_sources, 0, accumulate=accumulate)
         return _group_backward_tensor_cores(
             grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, eps, logit_scale,
             lo, hi, loop.get("num_warps"), merge_dw,
@@ -1646,70 +1536,25 @@ def group_backward_deferred(
     head_dim, bh, bhd = _tile(d, num_heads)
     default_sites, config = _group_bwd_config(bh * bhd, g)
     sg = min(g, sites_per_program or default_sites)
-    device = sources.device
-    # The group above's factors (its defer_rows): added in this launch's row loop when both
-    # groups' slots fit one program (_pair_slots), else on their own first.
-    combine = (len(carried) == 1 and isinstance(carried[0], LoopFactors) and carried[0].rows == n
-               and t > 0 and sg + carried[0].slots <= _pair_slots(bh * bhd))  # fmt: skip
-    if carried and not combine:
-        add_row_grads([(carried, n)], sources, grad_sources, 0, accumulate=accumulate)
-        accumulate = True
-    carry = carried[0] if combine else None
-    if carry is not None:  # fewer tokens per program: the carried slots' tiles take registers
-        config = config._replace(block_t=max(1, min(config.block_t, _pair_slots(bh * bhd) // (sg + carry.slots))))
     block_t, num_warps, _, stages, _, programs_per_sm = config.override(**loop)
+    device = sources.device
     num_tiles = triton.cdiv(t, block_t)
     num_programs = _backward_programs(num_tiles, device, programs_per_sm)
     dw = torch.empty((num_programs, g, d), dtype=torch.float32, device=device)
     if t == 0:
         dw.zero_()
-    # Rows [0, defer_rows) left as factors for the group below, where one launch holds the
-    # sites and twice as many fit a program (README.md, "Paired groups").
-    kept = None
-    if 0 < defer_rows < n and t > 0 and carry is None and hi - lo <= sg and 2 * sg <= _pair_slots(bh * bhd):
-        kept = LoopFactors(
-            torch.empty((t, defer_rows, 2, sg, num_heads), dtype=torch.float32, device=device),
-            torch.empty((t, defer_rows), dtype=torch.float32, device=device),
-            folded, grad_outs, lo, hi,
-        )  # fmt: skip
     for chunk_hi in range(hi, lo, -sg) if t > 0 else ():  # chunks of sites, last first
         first = chunk_hi == hi
-        _row_loop_launch(
-            sources, grad_sources, folded, grad_outs, lse, delta, dw, (max(lo, chunk_hi - sg), chunk_hi), sg,
-            kept if first else None, carry if first else None, accumulate or not first,
-            eps, logit_scale, num_heads, LoopConfig(block_t, num_warps, False, stages), num_programs,
+        _group_bwd_kernel[(num_programs,)](
+            sources, folded, grad_outs, lse, delta, grad_sources, dw,
+            t, n, g, max(lo, chunk_hi - sg), chunk_hi, num_tiles,
+            sources.stride(0), sources.stride(1), grad_sources.stride(0), grad_sources.stride(1),
+            eps, float(logit_scale),
+            D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, SG=sg, STAGES=stages,
+            ACCUMULATE=accumulate or not first, num_warps=num_warps,
         )  # fmt: skip
     dq, dg = _reduce_dw(dw, sources, queries, norm_weights, merge_dw)
-    return dq[lo:hi], dg[lo:hi], (kept,) if kept is not None else ()
-
-
-def _pair_slots(padded_d: int) -> int:
-    """Sites one row-loop program holds at one token per program: 8K fp32 of each kind."""
-    return max(1, 8192 // padded_d)
-
-
-def _row_loop_launch(sources, grad_sources, folded, grad_outs, lse, delta, dw, sites, sg, kept, carry,
-                     accumulate, eps, logit_scale, num_heads, config, num_programs):  # fmt: skip
-    """One _group_bwd_kernel launch over rows [T, N, D] for the ``sites`` (lo, hi), in
-    ``sg`` slots: rows below ``kept.rows`` leave their factors in ``kept`` (a LoopFactors),
-    every row first adds the ``carry`` LoopFactors (over all N rows). sg = 0 adds only the carry."""
-    t, n, d = sources.shape
-    head_dim, bh, bhd = _tile(d, num_heads)
-    factors = kept if kept is not None else carry
-    z, kv = (factors.z, factors.kv) if factors is not None else (dw, dw)  # unused without factors
-    w2, do2, carry_sites = (carry.folded, carry.grad_outs, (carry.chunk_lo, carry.chunk_hi)) if carry else (
-        folded, grad_outs, (0, 0))  # fmt: skip
-    _group_bwd_kernel[(num_programs,)](
-        sources, folded, grad_outs, lse, delta, grad_sources, dw, z, kv, w2, do2,
-        t, n, folded.shape[0], sites[0], sites[1], kept.rows if kept is not None else 0, *carry_sites,
-        triton.cdiv(t, config.block_t),
-        sources.stride(0), sources.stride(1), grad_sources.stride(0), grad_sources.stride(1),
-        z.stride(0), z.stride(1), kv.stride(0), kv.stride(1),
-        eps, float(logit_scale),
-        D=d, H=num_heads, HD=head_dim, BT=config.block_t, BH=bh, BHD=bhd, SG=sg,
-        SB=carry.slots if carry is not None else 0, STAGES=config.stages, ACCUMULATE=accumulate,
-        num_warps=config.num_warps,
-    )  # fmt: skip
+    return dq[lo:hi], dg[lo:hi], ()
 
 
 def _group_backward_tensor_cores(
@@ -1781,16 +1626,6 @@ def add_row_grads(
     entries = [(f, owed) for factors, owed in deferred for f in factors if owed > start]
     if not entries or sources.shape[0] == 0:
         return
-    loop_entries = [(f, owed) for f, owed in entries if isinstance(f, LoopFactors)]
-    if loop_entries:  # a row loop's factors the group below did not take (_add_loop_factors)
-        if not accumulate:  # rows past an entry's owed would stay unwritten
-            grad_sources[:, start : max(owed for _, owed in entries)].zero_()
-        for f, owed in loop_entries:
-            _add_loop_factors(f, sources[:, start:owed], grad_sources[:, start:owed], start)
-        entries = [(f, owed) for f, owed in entries if not isinstance(f, LoopFactors)]
-        accumulate = True
-        if not entries:
-            return
     t, _, d = sources.shape
     num_heads = entries[0][0].z.shape[2]
     head_dim = d // num_heads
@@ -1807,16 +1642,3 @@ def add_row_grads(
             D=d, H=num_heads, HD=head_dim, BR=block_rows, KA=ka, KB=kb, J=len(batch),
             ACCUMULATE=accumulate or i > 0, num_warps=num_warps, num_stages=stages,
         )  # fmt: skip
-
-
-def _add_loop_factors(factors: LoopFactors, sources: torch.Tensor, grad_sources: torch.Tensor, start: int) -> None:
-    """Add kept row-loop factors to rows ``[start, start + N)`` ([T, N, D] views): the row
-    loop with the carried slots alone."""
-    t, n, d = sources.shape
-    num_heads = factors.z.shape[4]
-    head_dim, bh, bhd = _tile(d, num_heads)
-    _, config = _group_bwd_config(bh * bhd, factors.slots)
-    num_programs = _backward_programs(triton.cdiv(t, config.block_t), sources.device, config.programs_per_sm)
-    window = factors._replace(z=factors.z[:, start : start + n], kv=factors.kv[:, start : start + n])
-    _row_loop_launch(sources, grad_sources, factors.folded, factors.grad_outs, factors.kv, factors.kv, factors.kv,
-                     (0, 0), 0, None, window, True, 0.0, 1.0, num_heads, config, num_programs)  # fmt: skip

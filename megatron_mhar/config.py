@@ -7,9 +7,7 @@ VARIANTS = ("none", "full", "block", "delta")
 KERNEL_IMPLS = ("auto", "torch", "triton")
 ROUTING_SCHEDULES = ("per_site", "lookahead")
 LOOKAHEAD_KERNELS = ("auto", "row_loop", "tensor_cores")
-EXECUTION_FIELDS = (
-    "kernel_impl", "routing_schedule", "lookahead_group", "lookahead_kernels", "lookahead_pairs", "fused_writes",
-)
+EXECUTION_FIELDS = ("kernel_impl", "routing_schedule", "lookahead_group", "lookahead_kernels", "fused_writes")
 """MHARConfig fields that choose how routing runs, not what it computes: a checkpoint or a
 converted model may be loaded with other values."""
 
@@ -59,13 +57,6 @@ class MHARConfig:
     (tensor cores where the H200 measured them faster: kernels/README.md, "Tensor-core
     phase 1")."""
 
-    lookahead_pairs: bool = True
-    """Lookahead schedule: pair the phase-1 backwards from the top, so a group leaves its
-    older rows' gradients as factors that the group below adds in its own pass over those
-    rows (one read-modify-write of each such row's fp32 gradient for both). Takes effect
-    where both groups' sites fit one row-loop program (100M: groups of 5 at width 512;
-    kernels/README.md, "Paired groups")."""
-
     fused_writes: bool = False
     """Per-site schedule, full and block variants: store each completed history row inside
     the next site's routing kernel instead of a copy of its own (one launch and one
@@ -81,9 +72,8 @@ class MHARConfig:
                      "counts decoder layers and must be a positive integer")
         _require_int("lookahead_group", self.lookahead_group, 0,
                      "must be a non-negative integer (0 = auto)")
-        for flag in ("fused_writes", "lookahead_pairs"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"mhar.{flag} must be true or false, got {getattr(self, flag)!r}")
+        if not isinstance(self.fused_writes, bool):
+            raise ValueError(f"mhar.fused_writes must be true or false, got {self.fused_writes!r}")
         if self.eps is not None and not self.eps > 0:
             raise ValueError(f"mhar.eps must be positive (or None for the model's), got {self.eps}")
         if not self.logit_scale > 0:

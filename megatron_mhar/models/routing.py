@@ -156,7 +156,6 @@ class DepthStream:
                 num_heads=mhar.num_heads,
                 eps=eps,
                 logit_scale=mhar.logit_scale,
-                pair_groups=mhar.lookahead_pairs,
             )
         else:
             self.history = _history(layout.capacity, mhar, eps, like)

@@ -309,7 +309,6 @@ class SiteFactors(NamedTuple):
     delta: torch.Tensor
     eps: float
     logit_scale: float
-    rows: int  # owed to the rows [0, rows)
 
 
 def torch_group_backward(
@@ -352,19 +351,12 @@ def torch_group_backward(
 
 def torch_group_backward_deferred(
     grad_outs, sources, queries, norm_weights, lse, delta, num_heads, eps, logit_scale, grad_sources,
-    site_range=None, merge_dw=None, accumulate=True, defer_rows=0, carried=(),
+    site_range=None, merge_dw=None, accumulate=True,
 ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[SiteFactors, ...]]:  # fmt: skip
     """:func:`torch_group_backward`'s parameter gradients now, the rows' gradients left for
     :func:`torch_add_row_grads` (``grad_sources`` is not touched; the kernels' row loop
     adds into it, or with ``accumulate`` False, where it holds no gradient yet, stores into
-    it; their tensor-core path defers as this does). ``carried``: factors owed to exactly
-    these rows, added into ``grad_sources`` now; ``0 < defer_rows < N``: the rows
-    ``[defer_rows, N)`` get this call's gradients now and the factors owe ``[0, defer_rows)``
-    (the kernels' paired row loops: README.md beside them, "Paired groups")."""
-    n = sources.shape[1]
-    if carried:
-        torch_add_row_grads([(carried, n)], sources, grad_sources, 0, accumulate)
-        accumulate = True
+    it; their tensor-core path defers as this does)."""
     lo, hi = site_range if site_range is not None else (0, queries.shape[0])
     grad_outs, queries, norm_weights = grad_outs[lo:hi], queries[lo:hi], norm_weights[lo:hi]
     w = _folded(queries, norm_weights, sources.dtype, num_heads)
@@ -380,13 +372,8 @@ def torch_group_backward_deferred(
         dw = dw + merge_dw[:, lo:hi].sum(0).to(compute).unflatten(-1, (num_heads, -1))
     # Site by site, last first: each row's gradient receives the sites' contributions in
     # the same order whether or not a checkpointed chunk split the group's backward.
-    # Site by site, last first: each row's gradient receives the sites' contributions in
-    # the same order whether or not a checkpointed chunk split the group's backward.
-    factors = SiteFactors(w.flip(0), do.flip(0), lse.flip(0), delta.flip(0), eps, logit_scale, n)
-    if 0 < defer_rows < n:
-        torch_add_row_grads([((factors,), n)], sources, grad_sources, defer_rows, accumulate)
-        factors = factors._replace(rows=defer_rows)
-    return (*_weight_grads(dw, queries, norm_weights, sources.dtype), (factors,))
+    last_first = (w.flip(0), do.flip(0), lse.flip(0), delta.flip(0))
+    return (*_weight_grads(dw, queries, norm_weights, sources.dtype), (SiteFactors(*last_first, eps, logit_scale),))
 
 
 def torch_add_row_grads(
@@ -612,12 +599,7 @@ class LookaheadHistory(SourceHistory):
     the sites merged in its graph.
 
     Args:
-        lookahead: the two-phase backend.
-        pair_groups: let a group's phase-1 backward leave its older rows' gradients to the
-            group below it (``defer_rows``), which adds them in its own pass over those rows
-            (``carried``): groups pair from the top, each row's fp32 gradient read and
-            written once for both (kernels/README.md, "Paired groups"). The other arguments
-            are :class:`SourceHistory`'s.
+        lookahead: the two-phase backend; the other arguments are :class:`SourceHistory`'s.
     """
 
     def __init__(
@@ -629,13 +611,9 @@ class LookaheadHistory(SourceHistory):
         num_heads: int,
         eps: float,
         logit_scale: float,
-        pair_groups: bool = True,
     ):
         super().__init__(capacity, like, backend, num_heads, eps, logit_scale)
         self.lookahead = lookahead
-        self.pair_groups = pair_groups
-        # The owed entry a group left to the group below (pair_groups), until that one runs.
-        self.carry: Optional[list] = None
         self.group: Optional[RoutingGroup] = None
         self.group_token: Optional[torch.Tensor] = None
         # The old-row counts of every group run (its first row that phase 1 does not read).
@@ -661,26 +639,10 @@ class LookaheadHistory(SourceHistory):
         super().release()
         self.end_group()
 
-    def defer(self, deferred, old_rows: int) -> Optional[list]:
-        """Keep a phase-1 backward's deferred gradients of rows ``[0, old_rows)``; returns
-        the owed entry."""
+    def defer(self, deferred, old_rows: int) -> None:
+        """Keep a phase-1 backward's deferred gradients of rows ``[0, old_rows)``."""
         if deferred:
             self.owed.append([deferred, old_rows])
-            return self.owed[-1]
-        return None
-
-    def pairing(self, group: RoutingGroup) -> Tuple[tuple, int]:
-        """(carried, defer_rows) for ``group``'s phase-1 backward: the factors the group
-        above left owing exactly its old rows, taken out of the owed list (its pass adds
-        them), or, where it takes none, the rows below the next group start down that it
-        may leave to that group (0: none). Factors no group takes stay owed and are added
-        when due, so any order of backwards stays correct."""
-        entry, self.carry = self.carry, None
-        if entry is not None and entry[1] == group.old_rows and any(e is entry for e in self.owed):
-            self.owed = [e for e in self.owed if e is not entry]
-            return entry[0], 0
-        below = max((n for n in self.group_starts if n < group.old_rows), default=0)
-        return (), below if self.pair_groups else 0
 
     def _add_owed(self, start: int) -> None:
         """Add what the phase-1 backwards owe the rows from the nearest group start at or
@@ -701,8 +663,6 @@ class LookaheadHistory(SourceHistory):
             for entry in self.owed:
                 entry[1] = min(entry[1], block)
             self.owed = [entry for entry in self.owed if entry[1] > 0]
-            if not any(entry is self.carry for entry in self.owed):
-                self.carry = None
 
     def _finish_row(self, row: int, dtype: Optional[torch.dtype] = None, only=None) -> torch.Tensor:
         """Add the merges' factors of pending row ``row`` (of every group run, or of the run
@@ -815,22 +775,16 @@ class _GroupPartials(torch.autograd.Function):
         if group.deposited:
             lo, hi = group.backward_range()  # the sites merged in this graph
             grad_rows, accumulate = history.grad_rows_to_store(group.old_rows)
-            carried, defer_rows = history.pairing(group)
             # Each site's gradient from the old rows and, through merge_dw, from its new rows
             # (the merge): one reduction per group.
             dq, dg, deferred = history.lookahead.group_backward_deferred(
                 group.grad_outs, history.rows(group.old_rows), queries, norms, group.lse,
                 group.deltas, history.num_heads, history.eps, history.logit_scale,
                 grad_rows, (lo, hi), merge_dw=group.merge_dw, accumulate=accumulate,
-                defer_rows=defer_rows, carried=carried,
             )  # fmt: skip
-            # The rows the call added (stored) into: all with a carry, else those above what
-            # its factors owe.
-            owed = min((f.rows for f in deferred), default=0)
-            history.mark_stored(group.old_rows, 0 if carried else owed)
-            entry = history.defer(deferred, owed)
-            if defer_rows and owed == defer_rows:  # left to the group below
-                history.carry = entry
+            if not deferred:  # the rows' gradients were added (stored) now
+                history.mark_stored(group.old_rows)
+            history.defer(deferred, group.old_rows)
             sites = group.sites[lo:hi]
             params = [s.query for s in sites] + [s.norm_weight for s in sites]
             if fusable(params):  # into Megatron DDP's fp32 buffer, no cast, no hook add

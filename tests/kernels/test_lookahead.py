@@ -347,64 +347,6 @@ def test_deferred_row_grads(backend, d, heads):
         assert torch.equal(deferred_rows, at_once)
 
 
-PAIRS = [
-    # (D, H, sites above, sites below): both in one row-loop program at width 512 (16
-    # slots of one token); one head (Attention Residuals); at width 1024 (8 slots) the
-    # group below's 6 and the 3 carried do not fit, so the carry is added on its own first.
-    pytest.param(512, 8, 3, 2, id="512"),
-    pytest.param(512, 1, 3, 3, id="512-H1"),
-    pytest.param(1024, 8, 3, 6, id="1024-no-fit"),
-]
-
-
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
-@pytest.mark.parametrize("take", [True, False], ids=["taken", "flushed"])
-@pytest.mark.parametrize("d,heads,g_above,g_below", PAIRS)
-def test_paired_groups(backend, take, d, heads, g_above, g_below):
-    """Two phase-1 backwards as the history pairs them: the group above (old rows [0, 5))
-    adds rows [3, 5) at once and leaves rows [0, 3) (``defer_rows=3``) to the group below
-    (old rows [0, 3)), which adds them with its own terms (``carried``, "taken"), or, where
-    no group takes them, ``add_row_grads`` adds them when due ("flushed"). Into rows holding
-    no gradient yet (NaN, ``accumulate=False``, as at the top of the backward): the same
-    rows' gradients as each group's added at once, to rounding (the kept factors sum the
-    sites' RMS terms first), and bitwise the same parameter gradients. The row loop keeps
-    the factors where its launch fits twice its sites; the tensor-core path defers every
-    row, as without pairing."""
-    t = _tokens(3)
-    torch.manual_seed(d + heads)
-    buffer, queries, norms, grad_outs = _inputs(t, 5, g_above + g_below, d, heads, 1.0, torch.float32)
-    groups = [
-        (5, queries[:g_above], norms[:g_above], grad_outs[:g_above]),
-        (3, queries[g_above:] * 1.5, norms[g_above:], grad_outs[g_above:] * -0.5),
-    ]
-    b = BACKENDS[backend]
-    args = []
-    for n0, q, w, do in groups:
-        m, l, _ = b.group_forward(buffer[:, :n0], q, w, heads, EPS, 1.0)
-        lse, delta = (m + l.log()).contiguous(), torch.randn(m.shape, device=DEVICE)
-        args.append((do, buffer[:, :n0], q, w, lse, delta, heads, EPS, 1.0))
-    at_once = torch.zeros(buffer.shape, device=DEVICE)
-    param_grads = [b.group_backward(*a, at_once[:, : a[1].shape[1]]) for a in args]
-    paired = torch.full(buffer.shape, float("nan"), device=DEVICE)
-    *grads, kept = b.group_backward_deferred(*args[0], paired[:, :5], accumulate=False, defer_rows=3)
-    assert all(torch.equal(got, ref) for got, ref in zip(grads, param_grads[0]))
-    rows = {f.rows for f in kept}
-    assert rows == ({5} if backend == "triton-tensor-cores" else {3})
-    if rows == {3}:  # rows [3, 5) have this group's gradients, rows [0, 3) nothing yet
-        assert not paired[:, 3:5].isnan().any() and paired[:, :3].isnan().all()
-        assert torch.equal(paired[:, 3:5], at_once[:, 3:5])  # stored: the sums added to zeros
-    owed, carried = [[kept, min(rows)]], ()
-    if take and rows == {3}:
-        owed, carried = [], kept
-    *grads, deferred = b.group_backward_deferred(*args[1], paired[:, :3], accumulate=False, carried=carried)
-    assert all(torch.equal(got, ref) for got, ref in zip(grads, param_grads[1]))
-    owed.append([deferred, 3])
-    holding = bool(carried) or not deferred  # rows [0, 3) hold gradients now
-    assert paired[:, :3].isnan().all() != holding
-    b.add_row_grads(owed, buffer, paired, 0, accumulate=holding)
-    torch.testing.assert_close(paired[:, :5], at_once[:, :5], rtol=1e-5, atol=1e-5 * at_once.abs().max().item())
-
-
 def test_add_row_grads_spanning_blocks_and_owed_rows():
     """One flush over 40 rows (more than one 16-row block, as a pipeline stage's loaded rows
     are flushed) from three groups owing different rows ([0, 40), [0, 25), [0, 9)), one of
