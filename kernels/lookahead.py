@@ -1037,19 +1037,26 @@ def _group_bwd_dots_config(padded_heads: int, head_dim: int) -> Tuple[LoopConfig
 @functools.lru_cache(maxsize=None)
 def _group_bwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
     """(sites per launch, launch config) of the phase-1 backward. A program holds, per
-    site, w, do and a dL/dw accumulator of its token tile; up to 8K fp32 of each kind per
-    program, row loads pipelined three deep, 4 warps (8 at a 2048-wide tile). Sites beyond
-    that run in a further launch over the rows. Measured on H200 at each model's deepest
-    group: 0.78 / 1.40 / 2.63 ms at 100M / 350M / 1B with these settings (4 / 4 / 8 warps),
-    8 / 8 / 4 warps 0.80 / 1.91 / 2.95 ms, 2 sites per launch 1.85 ms at 350M and 2.88 at 1B
-    (benchmarks/results/routing_h200_lookahead_shared_reductions.json); before the sites
-    shared their cross-head reduction, 0.90 / 1.67 / 3.08 ms (routing_h200_lookahead.json);
-    in the sweep before, two stages (8 warps at 350M and 1B) 1.29 / 3.23 / 4.23 ms against
-    three 0.90 / 2.58 / 3.08 (routing_h200_lookahead_2stages.json); one site per launch
-    loses 2x."""
-    block_t = max(1, 1024 // padded_d)
-    sites_per_launch = max(1, min(sites, 8192 // (block_t * padded_d)))
-    return sites_per_launch, LoopConfig(block_t, 8 if padded_d >= 2048 else 4, False, 3)
+    site, w, do and a dL/dw accumulator of its token tile, up to 64 fp32 of each kind per
+    thread: one token of 512 at 2 warps (8 sites; narrower widths take two or more tokens),
+    of 1024 at 4 warps (8 sites), of 2048 at 8 warps (4 sites); row loads pipelined three
+    deep. Sites beyond that run in a further launch over the rows. Measured on H200,
+    ms per call (benchmarks/results/routing_h200_group_bwd_launch.json): at width 512 and
+    G = 5 over 21 / 11 rows, one token at 2 warps 0.695 / 0.395 against two tokens at 4
+    warps 0.876 / 0.488 (one head: 0.835 / 0.470 against 0.876 / 0.497); at width 1024,
+    G = 6 over 43 rows, one token at 4 warps 0.840, 2 warps 2.91, 8 warps 1.90. Earlier,
+    at each model's deepest group: 4 / 4 / 8 warps 0.78 / 1.40 / 2.63 ms at 100M / 350M /
+    1B, 8 / 8 / 4 warps 0.80 / 1.91 / 2.95 ms, 2 sites per launch 1.85 ms at 350M and 2.88
+    at 1B (routing_h200_lookahead_shared_reductions.json); before the sites shared their
+    cross-head reduction, 0.90 / 1.67 / 3.08 ms (routing_h200_lookahead.json); two stages
+    (8 warps at 350M and 1B) 1.29 / 3.23 / 4.23 ms against three 0.90 / 2.58 / 3.08
+    (routing_h200_lookahead_2stages.json); one site per launch loses 2x."""
+    if padded_d >= 1024:
+        block_t, num_warps, per_kind = 1, 8 if padded_d >= 2048 else 4, 8192
+    else:
+        block_t, num_warps, per_kind = max(1, 512 // padded_d), 2, 4096
+    sites_per_launch = max(1, min(sites, per_kind // (block_t * padded_d)))
+    return sites_per_launch, LoopConfig(block_t, num_warps, False, 3)
 
 
 @functools.lru_cache(maxsize=None)
