@@ -951,7 +951,8 @@ def _group_fwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
     tile, 64 per thread at 2 warps) and the sites that do not fit go to sibling programs,
     which read the same rows through L2."""
     sites_per_program = max(1, min(sites, 4096 // padded_d))
-    return sites_per_program, LoopConfig(_fwd_tokens(sites_per_program, padded_d), 2, False, 3)
+    num_warps = 1 if padded_d <= 512 else 2
+    return sites_per_program, LoopConfig(_fwd_tokens(sites_per_program, padded_d), num_warps, False, 3)
 
 
 def _fwd_tokens(sites_per_program: int, padded_d: int) -> int:
