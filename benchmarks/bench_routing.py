@@ -492,10 +492,15 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
             dict(programs_per_sm=1), dict(programs_per_sm=4), dict(programs_per_sm=8)]  # fmt: skip
         # The row-loop backward around its launch config, then the tensor-core kernels at
         # 4 and 8 warps.
+        # Half and double the tile at half and double the warps keep the fp32 per thread (one
+        # token of 512 at 2 warps beat two at 4 by a fifth at 100M: kernels/README.md).
         bwd_variants = [{}, dict(num_warps=12 - bwd.num_warps), dict(num_warps=2), dict(num_warps=16),
                         dict(programs_per_sm=1), dict(programs_per_sm=2), dict(programs_per_sm=8),
                         dict(block_t=2 * bwd.block_t), dict(sites_per_program=group, num_warps=16),
+                        dict(block_t=2 * bwd.block_t, num_warps=min(16, 2 * bwd.num_warps)),
                         dict(sites_per_program=group, num_warps=16, stages=2)]  # fmt: skip
+        if bwd.block_t > 1 and bwd.num_warps > 1:
+            bwd_variants.append(dict(block_t=bwd.block_t // 2, num_warps=bwd.num_warps // 2))
         bwd_variants += [dict(stages=k) for k in (1, 2, 4) if k != bwd.stages]
         bwd_variants += [dict(sites_per_program=k) for k in (1, 2, 4, 8) if k != bwd_spp and k <= group]  # fmt: skip
         # Row-loop variants name the family: the default picks the kernels by group size.
