@@ -1,8 +1,5 @@
-"""Package metadata for megatron_mhar.
-
-The Triton kernels live in ``kernels/`` and install under the import name
-``mhar_kernels`` (a different PyPI package is called ``kernels``).
-"""
+"""Package metadata for megatron_mhar and its Triton kernels, ``mhar_kernels`` (not
+``kernels``: that is Hugging Face's kernel hub package, a dependency of transformers)."""
 
 from setuptools import find_packages, setup
 
@@ -11,8 +8,7 @@ setup(
     version="0.1.0",
     description="Multi-Head Attention Residuals (MHAR) for Megatron-Core GPT models",
     python_requires=">=3.11",
-    packages=find_packages(include=["megatron_mhar", "megatron_mhar.*"]) + ["mhar_kernels"],
-    package_dir={"mhar_kernels": "kernels"},
+    packages=find_packages(include=["megatron_mhar", "megatron_mhar.*", "mhar_kernels"]),
     include_package_data=True,
     install_requires=[
         "torch>=2.4",

@@ -54,14 +54,14 @@ class MHARConfig:
     lookahead_kernels: str = "auto"
     """Triton kernels of the lookahead schedule's phase 1: ``row_loop`` (the sites in
     registers, one row at a time), ``tensor_cores`` (dots per token and head) or ``auto``
-    (tensor cores where the H200 measured them faster: kernels/README.md, "Tensor-core
+    (tensor cores where the H200 measured them faster: mhar_kernels/README.md, "Tensor-core
     phase 1")."""
 
     fused_writes: bool = False
     """Per-site schedule, full and block variants: store each completed history row inside
     the next site's routing kernel instead of a copy of its own (one launch and one
     autograd node fewer per site). Off by default: on the H200 its kernels measured slower
-    than the separate copy (kernels/README.md, "Fused history writes")."""
+    than the separate copy (mhar_kernels/README.md, "Fused history writes")."""
 
     def __post_init__(self):
         _require_choice("variant", self.variant, VARIANTS)

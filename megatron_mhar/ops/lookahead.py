@@ -455,7 +455,7 @@ def auto_group_size(num_sites: int) -> int:
     Bytes alone put the optimum at about sqrt(sites) (phase 1 reads ~S^2 / 2G rows, the
     merges ~S G / 2: benchmarks/routing_bytes.py), but a merge's row costs more than a
     phase-1 row (the merges are short, latency-bound kernels), which moves it lower. The
-    factor is fitted to the H200's training steps (kernels/README.md, "Group size"):
+    factor is fitted to the H200's training steps (mhar_kernels/README.md, "Group size"):
     350M measured 0.900 / 0.896 / 0.882 of the baseline at G = 6 / 7 / 8 and 0.892 / 0.880
     at 5 / 4, and 0.898 at both 6 and 7 (0.837 at 9) once phase 1 finished each group's
     first site; 1B 0.837 / 0.831 / 0.812 at 8 / 7 / 6; 100M 0.945 at 5 on the row loops
