@@ -491,9 +491,8 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
             {}, dict(num_warps=12 - dots.num_warps), dict(stages=2), dict(stages=3),
             dict(programs_per_sm=1), dict(programs_per_sm=4), dict(programs_per_sm=8)]  # fmt: skip
         # The row-loop backward around its launch config, then the tensor-core kernels at
-        # 4 and 8 warps.
-        # Half and double the tile at half and double the warps keep the fp32 per thread (one
-        # token of 512 at 2 warps beat two at 4 by a fifth at 100M: mhar_kernels/README.md).
+        # 4 and 8 warps. The tile halved or doubled with its warps keeps the fp32 per thread
+        # (one token of 512 at 2 warps beat two at 4 by a fifth at 100M: mhar_kernels/README.md).
         bwd_variants = [{}, dict(num_warps=12 - bwd.num_warps), dict(num_warps=2), dict(num_warps=16),
                         dict(programs_per_sm=1), dict(programs_per_sm=2), dict(programs_per_sm=8),
                         dict(block_t=2 * bwd.block_t), dict(sites_per_program=group, num_warps=16),
