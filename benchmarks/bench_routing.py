@@ -248,8 +248,8 @@ def lookahead_step(buf, gbuf, queries, norms, grad_out, tau, group):
     group's backward adds its old rows' gradients before the next (``group_backward``):
     where the tensor-core backward runs, the history instead defers them and adds every
     owing group's at once when the rows fall due. The merges leave their new rows'
-    gradients as factors; each new row's is formed by its first reader's merge, the last
-    to run (``finish_row``), in the rows' dtype, as the history hands it to its sublayer."""
+    gradients as factors; each new row's is formed (``merge_row_grad``) after the last
+    merge reading it, in the rows' dtype, as the history hands it to its sublayer."""
     sites = len(queries)
     plan = []
     for sites_of_group in group_ranges(1, sites, group):
@@ -274,11 +274,12 @@ def lookahead_step(buf, gbuf, queries, norms, grad_out, tau, group):
             factors = torch.empty((g, t, g - 1, HEADS, 2), device=buf.device)
             kv = torch.empty((g, t, g - 1), device=buf.device)
             for k in reversed(range(g)):
-                row = n0 + k - 1
-                finish = (gbuf[:, row], torch.empty_like(grad_out), grad_outs, qs, ws, factors, kv, (k, g), True)
                 LA.merge_backward(grad_out, outs[k], buf[:, n0 : n0 + k], qs[k], ws[k], lse[k], HEADS, EPS, tau,
-                                  (factors[k, :, :k], kv[k, :, :k]), deltas[k], grad_outs[k],
-                                  finish_row=finish if k > 0 else None)  # fmt: skip
+                                  (factors[k, :, :k], kv[k, :, :k]), deltas[k], grad_outs[k])  # fmt: skip
+                if k > 0:
+                    row = n0 + k - 1
+                    LA.merge_row_grad(buf[:, row], gbuf[:, row], torch.empty_like(grad_out), grad_outs, qs, ws,
+                                      factors, kv, k - 1, (k, g), HEADS)  # fmt: skip
             LA.group_backward(grad_outs, buf[:, :n0], qs, ws, lse, deltas, HEADS, EPS, tau, gbuf[:, :n0])
 
     return step
@@ -441,8 +442,7 @@ def run_sweep(copy_gbps):
     return rows
 
 
-LOOKAHEAD_SWEEP_MODES = ("group_fwd", "group_bwd", "merge_fwd", "merge_bwd", "merge_row_grad", "merge_bwd_finish",
-                         "row_grads")
+LOOKAHEAD_SWEEP_MODES = ("group_fwd", "group_bwd", "merge_fwd", "merge_bwd", "merge_row_grad", "row_grads")
 ROW_GRADS_ENTRIES = 5  # groups owing a block of rows in the middle of the 1B stack
 
 
@@ -604,21 +604,6 @@ def merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, padded_d, grou
                  for loop in dict.fromkeys(bwd_loops)]  # fmt: skip
     variants += [("merge_row_grad", row_grad_bytes, loop._asdict(), lambda loop=loop: row_grads(loop))
                  for loop in dict.fromkeys(row_grad_loops)]  # fmt: skip
-
-    def merges_bwd_finishing(loop):
-        """The merges with each new row finished by its first reader (the history's path):
-        the work of merge_bwd and merge_row_grad above, in G launches."""
-        for k in range(group):
-            finish = (gnew[:, k - 1], gnew[:, k - 1], grad_outs, qs, ws, factors, kv, (k, group), True)
-            LA.merge_backward(grad_outs[k], outs[k], new[:, :k], qs[k], ws[k], lse[k], HEADS, EPS, 1.0,
-                              (factors[k, :, :k], kv[k, :, :k]), None, grad_outs[k],
-                              finish_row=finish if k > 0 else None, **loop._asdict())  # fmt: skip
-
-    # Its bytes: the merges' and the new rows' less what the finish does not move (the
-    # last row's factors, and the row and this site's output gradient read again).
-    finish_bytes = bwd_bytes + row_grad_bytes - (group - 1) * t * (2 * pair_factors // t + 2 * d * es)
-    variants += [("merge_bwd_finish", finish_bytes, loop._asdict(), lambda loop=loop: merges_bwd_finishing(loop))
-                 for loop in dict.fromkeys(bwd_loops)]  # fmt: skip
     return variants
 
 

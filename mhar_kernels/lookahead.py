@@ -201,7 +201,7 @@ def _store_output(O_ptr, p_lse, b_m, b_l, b_acc, o_t64, o_d, stride_ot, m_v, m_t
     tl.store(p_lse, b_m + tl.log(b_l), mask=m_th)
 
 
-@triton.jit(do_not_specialize=["R", "site", "site_hi"])
+@triton.jit
 def _merge_bwd_kernel(
     V_ptr,  # [T, N, D] new rows, strides (stride_vt, stride_vn, 1)
     Q_ptr,  # [D] pseudo-query
@@ -214,15 +214,6 @@ def _merge_bwd_kernel(
     KV_ptr,  # [T, N] fp32 out: per new row tau r c, strides (stride_kt, 1)
     DW_ptr,  # [P, D] fp32 per-program partial dL/dw, P = number of programs, strides (stride_dwp, 1)
     DOC_ptr,  # [T, D] contiguous out (COPY_DO): a copy of the output gradient
-    # FINISH: the last new row's gradient (merge_row_grad's arguments; the group's tensors
-    # contiguous, this merge is site `site` of them and the row its new row N - 1)
-    RG_ptr,  # [T, D] fp32 the row's gradient from every other read, strides (stride_rgt, 1)
-    RO_ptr,  # [T, D] out: the finished gradient (may be RG_ptr), strides (stride_rot, 1)
-    GDO_ptr,  # [NG, T, D] the group's output gradients (the later sites' copies)
-    GQ_ptr,  # [NG, D] the group's queries
-    GN_ptr,  # [NG, D] the group's norm weights
-    GF_ptr,  # [NG, T, R, H, 2] fp32 the group's new rows' factors
-    GKV_ptr,  # [NG, T, R] fp32
     T,
     N,
     num_tiles,
@@ -234,11 +225,6 @@ def _merge_bwd_kernel(
     stride_fn,
     stride_kt,
     stride_dwp,
-    stride_rgt,
-    stride_rot,
-    R,
-    site,
-    site_hi,
     eps,
     scale,
     D: tl.constexpr,
@@ -250,8 +236,6 @@ def _merge_bwd_kernel(
     STAGES: tl.constexpr,
     COPY_DO: tl.constexpr,
     ONE_REDUCE: tl.constexpr,  # one reduction for the row's three head sums (one head: they span warps)
-    FINISH: tl.constexpr,
-    ACCUMULATE: tl.constexpr,  # FINISH: RG_ptr holds a gradient (otherwise it is not read)
 ):
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -282,38 +266,22 @@ def _merge_bwd_kernel(
         p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
         p_f = F_ptr + o_t64[:, None] * stride_ft + o_h[None, :] * 2
         p_kv = KV_ptr + o_t64 * stride_kt
-        if FINISH:  # the last new row is finished below, from registers
-            num_stored = N - 1
-        else:
-            num_stored = N
-        for _ in tl.range(0, num_stored, num_stages=STAGES):
+        for _ in tl.range(0, N, num_stages=STAGES):
             b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
-            b_p, b_rds, b_kv = _new_row_factors(b_v, b_w, b_do, b_lse, b_delta, eps, scale, D, ONE_REDUCE)
+            b_r, b_dot, b_s, b_dp = _bwd_head_sums((b_v,), (b_w,), (b_do,), eps, scale, D, 1, ONE_REDUCE)
+            b_p = tl.exp(b_s - b_lse)
+            b_ds = b_p * (b_dp - b_delta)
+            b_rs = b_r * scale
+            b_rds = b_rs[:, None] * b_ds
             # The row's gradient p do + tau r ds w - tau r c v as its factors, added when the
             # row is due (merge_row_grad): no read-modify-write of its fp32 gradient here.
             tl.store(p_f, b_p, mask=m_th)
             tl.store(p_f + 1, b_rds, mask=m_th)
-            tl.store(p_kv, b_kv, mask=m_t)
+            tl.store(p_kv, b_rs * tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D), mask=m_t)
             b_dw += b_rds[:, :, None] * b_v
             p_v += stride_vn
             p_f += stride_fn
             p_kv += 1
-        if FINISH:
-            # This site is the last new row's first reader, so the row is due once this merge
-            # is done: its gradient is formed here (merge_row_grad's sum, this site last)
-            # instead of in a launch of its own that would read the row and do again.
-            b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
-            b_p, b_rds, b_kv = _new_row_factors(b_v, b_w, b_do, b_lse, b_delta, eps, scale, D, ONE_REDUCE)
-            b_dw += b_rds[:, :, None] * b_v
-            if ACCUMULATE:
-                b_acc = tl.load(RG_ptr + o_t64[:, None, None] * stride_rgt + o_d[None, :, :], mask=m_v, other=0.0)
-            else:
-                b_acc = tl.zeros([BT, BH, BHD], dtype=tl.float32)
-            b_acc = _add_read_sites(b_acc, b_v, V_ptr, GDO_ptr, GQ_ptr, GN_ptr, GF_ptr, GKV_ptr, o_t64, o_h, o_d,
-                                    m_d, m_t, m_v, m_th, T, R, N - 1, site + 1, site_hi, D, H, BHD, STAGES)
-            b_acc = _add_row_term(b_acc, b_p, b_rds, b_kv, b_do, b_w, b_v)
-            tl.store(RO_ptr + o_t64[:, None, None] * stride_rot + o_d[None, :, :],
-                     b_acc.to(RO_ptr.dtype.element_ty), mask=m_v)  # fmt: skip
 
     tl.store(DW_ptr + i_p * stride_dwp + o_d, tl.sum(b_dw, axis=0), mask=m_d)
 
@@ -350,44 +318,13 @@ def _merge_bwd_row_grad_kernel(
     - tau r c v: one row's gradient from its factors, one token tile per program (g = 0,
     not read, without ACCUMULATE)."""
     _, o_h, o_d, m_d, m_t, m_v, m_th, o_t64 = _token_tile(tl.program_id(0), T, H, HD, BT, BH, BHD)
+    p_td = o_t64[:, None, None] * D + o_d[None, :, :]
     b_v = tl.load(V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :], mask=m_v, other=0.0)
     if ACCUMULATE:
         b_acc = tl.load(G_ptr + o_t64[:, None, None] * stride_gt + o_d[None, :, :], mask=m_v, other=0.0)
     else:
         b_acc = tl.zeros([BT, BH, BHD], dtype=tl.float32)
     b_v = b_v.to(tl.float32)
-    b_acc = _add_read_sites(b_acc, b_v, V_ptr, DO_ptr, Q_ptr, N_ptr, F_ptr, KV_ptr, o_t64, o_h, o_d, m_d, m_t, m_v,
-                            m_th, T, R, index, site_lo, site_hi, D, H, BHD, STAGES)  # fmt: skip
-    tl.store(O_ptr + o_t64[:, None, None] * stride_ot + o_d[None, :, :], b_acc.to(O_ptr.dtype.element_ty), mask=m_v)
-
-
-@triton.jit
-def _new_row_factors(b_v, b_w, b_do, b_lse, b_delta, eps, scale, D: tl.constexpr, ONE_REDUCE: tl.constexpr):
-    """A merge's factors of one new row: (p, tau r ds) [BT, BH] and tau r c [BT]; the row's
-    gradient from this site is p do + tau r ds w - tau r c v (README.md beside this file,
-    "New rows' gradients from the merges' factors")."""
-    b_r, b_dot, b_s, b_dp = _bwd_head_sums((b_v,), (b_w,), (b_do,), eps, scale, D, 1, ONE_REDUCE)
-    b_p = tl.exp(b_s - b_lse)
-    b_ds = b_p * (b_dp - b_delta)
-    b_rs = b_r * scale
-    b_rds = b_rs[:, None] * b_ds
-    return b_p, b_rds, b_rs * tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
-
-
-@triton.jit
-def _add_row_term(b_acc, b_p, b_rds, b_kv, b_do, b_w, b_v):
-    """b_acc plus one site's share of a new row's gradient, p do + tau r ds w - tau r c v."""
-    return b_acc + (b_p[:, :, None] * b_do + b_rds[:, :, None] * b_w[None, :, :] - b_kv[:, None, None] * b_v)
-
-
-@triton.jit
-def _add_read_sites(b_acc, b_v, V_ptr, DO_ptr, Q_ptr, N_ptr, F_ptr, KV_ptr, o_t64, o_h, o_d, m_d, m_t, m_v, m_th,
-                    T, R, index, site_lo, site_hi, D: tl.constexpr, H: tl.constexpr, BHD: tl.constexpr,
-                    STAGES: tl.constexpr):  # fmt: skip
-    """b_acc plus the shares of sites [site_lo, site_hi) of new row ``index``'s gradient
-    (row ``b_v``, of the dtype of V_ptr's elements), from the factors their merges left in
-    the group's contiguous tensors, last site first as the merges ran."""
-    p_td = o_t64[:, None, None] * D + o_d[None, :, :]
     for k in tl.range(0, site_hi - site_lo, num_stages=STAGES):
         j = site_hi - 1 - k
         b_w = _folded_query(Q_ptr + j * D, N_ptr + j * D, o_d, m_d, V_ptr.dtype.element_ty, BHD, 1)[0]
@@ -397,8 +334,8 @@ def _add_read_sites(b_acc, b_v, V_ptr, DO_ptr, Q_ptr, N_ptr, F_ptr, KV_ptr, o_t6
         b_p = tl.load(p_f, mask=m_th, other=0.0)
         b_rds = tl.load(p_f + 1, mask=m_th, other=0.0)
         b_kv = tl.load(KV_ptr + o_tr, mask=m_t, other=0.0)
-        b_acc = _add_row_term(b_acc, b_p, b_rds, b_kv, b_do, b_w, b_v)
-    return b_acc
+        b_acc += b_p[:, :, None] * b_do + b_rds[:, :, None] * b_w[None, :, :] - b_kv[:, None, None] * b_v
+    tl.store(O_ptr + o_t64[:, None, None] * stride_ot + o_d[None, :, :], b_acc.to(O_ptr.dtype.element_ty), mask=m_v)
 
 
 @triton.jit
@@ -1356,18 +1293,11 @@ def merge_backward(
     delta_out: Optional[torch.Tensor] = None,
     grad_out_copy: Optional[torch.Tensor] = None,
     dw_out: Optional[torch.Tensor] = None,
-    finish_row: Optional[tuple] = None,
     **loop,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Backward of :func:`merge_forward` in one pass over the new rows, whose gradients it
     leaves as factors in ``row_factors`` (fp32 views factors [T, n, H, 2] with unit stride
     over the last two dims, kv [T, n] with unit stride over n) for :func:`merge_row_grad`.
-    ``finish_row`` = (row_grad, out, grad_outs, queries, norm_weights, factors, kv,
-    (site, hi), accumulate): this merge is site ``site`` of its group, the first to read its
-    last new row (index n - 1 of the group's new rows), and finishes that row's gradient as
-    ``merge_row_grad(sources[:, -1], row_grad, out, grad_outs, queries, norm_weights,
-    factors, kv, n - 1, (site, hi), num_heads, accumulate)`` would after it, from the same
-    kernel (the row's own factors are then not stored).
     ``delta_out`` (fp32 [T, H]) receives delta and ``grad_out_copy`` (contiguous [T, D],
     grad_out's dtype) a copy of ``grad_out``, from the same kernel (the group's workspaces,
     no copy kernels). ``dw_out``: an fp32 [P, D] view (unit stride over D, P =
@@ -1409,32 +1339,16 @@ def merge_backward(
         raise ValueError(f"dw_out must be an fp32 [{num_programs}, {d}] view with unit stride over D "
                          f"(merge_dw_partials), got {tuple(dw_out.shape)} {dw_out.dtype} {dw_out.stride()}")  # fmt: skip
     dw = torch.empty((num_programs, d), dtype=torch.float32, device=device) if dw_out is None else dw_out
-    finish = finish_row is not None
-    if finish:
-        row_grad, row_out, grad_outs, queries, norm_weights, g_factors, g_kv, (site, hi), accumulate = finish_row
-        if grad_out_copy is None:
-            raise ValueError("finish_row needs grad_out_copy: the row's sum reads this site's output gradient "
-                             "from the group's grad_outs, as the later sites'")
-        if n == 0:
-            raise ValueError("finish_row needs a merge with new rows: the row it finishes is the last of them")
-        _check_row_grad(sources[:, n - 1], row_grad, row_out, grad_outs, queries, norm_weights, g_factors, g_kv,
-                        n - 1, (site, hi), num_heads)  # fmt: skip
-        r = g_factors.shape[2]
-    else:  # placeholders, never read
-        row_grad = row_out = grad_outs = queries = norm_weights = g_factors = g_kv = dw
-        site, hi, r, accumulate = 0, 0, 0, False
     if t > 0:
         src, f, k = (sources, factors, kv) if n > 0 else (out, dw, dw)  # no row: nothing is stored
         _merge_bwd_kernel[(num_programs,)](
             src, query, norm_weight, grad_out, out, lse, delta, f, k, dw,
-            grad_out_copy if copy_do else grad_out,
-            row_grad, row_out, grad_outs, queries, norm_weights, g_factors, g_kv,
-            t, n, num_tiles,
+            grad_out_copy if copy_do else grad_out, t, n, num_tiles,
             src.stride(0), src.stride(1) if n > 0 else 0, grad_out.stride(0), out.stride(0),
             f.stride(0) if n > 0 else 0, f.stride(1) if n > 0 else 0, k.stride(0) if n > 0 else 0,
-            dw.stride(0), row_grad.stride(0), row_out.stride(0), r, site, hi, eps, float(logit_scale),
+            dw.stride(0), eps, float(logit_scale),
             D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages, COPY_DO=copy_do,
-            ONE_REDUCE=num_heads == 1, FINISH=finish, ACCUMULATE=accumulate,
+            ONE_REDUCE=num_heads == 1,
             num_warps=num_warps,
         )  # fmt: skip
     else:
@@ -1450,30 +1364,6 @@ def merge_dw_partials(num_tokens: int, d: int, num_heads: int, device: torch.dev
     head_dim, bh, bhd = _tile(d, num_heads)
     config = _merge_bwd_config(bh * bhd)
     return _backward_programs(triton.cdiv(num_tokens, config.block_t), device, config.programs_per_sm)
-
-
-def _check_row_grad(row, row_grad, out, grad_outs, queries, norm_weights, factors, kv, index, site_range, num_heads):
-    """The arguments of :func:`merge_row_grad` (and of a merge's ``finish_row``)."""
-    t, d = row.shape
-    g, _, r, _, _ = factors.shape
-    lo, hi = site_range
-    if not (0 <= lo <= hi <= g and 0 <= index < r):
-        raise ValueError(f"site_range {site_range} / index {index} outside the group's {g} sites and {r} new rows")
-    shapes = {"row_grad": (row_grad, (t, d)), "out": (out, (t, d)), "grad_outs": (grad_outs, (g, t, d)),
-              "queries": (queries, (g, d)), "norm_weights": (norm_weights, (g, d)),
-              "factors": (factors, (g, t, r, num_heads, 2)), "kv": (kv, (g, t, r))}  # fmt: skip
-    for name, (x, shape) in shapes.items():
-        if tuple(x.shape) != shape:
-            raise ValueError(f"merge_row_grad: {name} must be {list(shape)} for a [{t}, {d}] row of a group of "
-                             f"{g} sites and {r} new rows at {num_heads} heads, got {list(x.shape)}")  # fmt: skip
-    if row_grad.dtype != torch.float32 or factors.dtype != torch.float32 or kv.dtype != torch.float32:
-        raise ValueError("merge_row_grad needs fp32 row_grad, factors and kv")
-    for name, x in (("grad_outs", grad_outs), ("queries", queries), ("norm_weights", norm_weights),
-                    ("factors", factors), ("kv", kv)):  # fmt: skip
-        if not x.is_contiguous():
-            raise ValueError(f"merge_row_grad needs a contiguous {name}")
-    if any(x.stride(1) != 1 for x in (row, row_grad, out)):
-        raise ValueError("merge_row_grad needs row, row_grad and out with unit stride over D")
 
 
 def merge_row_grad(
@@ -1499,10 +1389,26 @@ def merge_row_grad(
     (``megatron_mhar.ops.lookahead.torch_merge_row_grad``); ``row``, ``row_grad`` and
     ``out`` [T, D] with unit stride over D, the group's tensors contiguous. ``loop``:
     :class:`LoopConfig` fields overriding the default launch (benchmarks)."""
-    _check_row_grad(row, row_grad, out, grad_outs, queries, norm_weights, factors, kv, index, site_range, num_heads)
     t, d = row.shape
     g, _, r, _, _ = factors.shape
     lo, hi = site_range
+    if not (0 <= lo <= hi <= g and 0 <= index < r):
+        raise ValueError(f"site_range {site_range} / index {index} outside the group's {g} sites and {r} new rows")
+    shapes = {"row_grad": (row_grad, (t, d)), "out": (out, (t, d)), "grad_outs": (grad_outs, (g, t, d)),
+              "queries": (queries, (g, d)), "norm_weights": (norm_weights, (g, d)),
+              "factors": (factors, (g, t, r, num_heads, 2)), "kv": (kv, (g, t, r))}  # fmt: skip
+    for name, (x, shape) in shapes.items():
+        if tuple(x.shape) != shape:
+            raise ValueError(f"merge_row_grad: {name} must be {list(shape)} for a [{t}, {d}] row of a group of "
+                             f"{g} sites and {r} new rows at {num_heads} heads, got {list(x.shape)}")  # fmt: skip
+    if row_grad.dtype != torch.float32 or factors.dtype != torch.float32 or kv.dtype != torch.float32:
+        raise ValueError("merge_row_grad needs fp32 row_grad, factors and kv")
+    for name, x in (("grad_outs", grad_outs), ("queries", queries), ("norm_weights", norm_weights),
+                    ("factors", factors), ("kv", kv)):  # fmt: skip
+        if not x.is_contiguous():
+            raise ValueError(f"merge_row_grad needs a contiguous {name}")
+    if any(x.stride(1) != 1 for x in (row, row_grad, out)):
+        raise ValueError("merge_row_grad needs row, row_grad and out with unit stride over D")
     if t == 0:
         return
     head_dim, bh, bhd = _tile(d, num_heads)

@@ -213,18 +213,12 @@ def torch_merge_backward(
     delta_out: Optional[torch.Tensor] = None,
     grad_out_copy: Optional[torch.Tensor] = None,
     dw_out: Optional[torch.Tensor] = None,
-    finish_row: Optional[tuple] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Backward of the merge. The new rows' gradients are left as factors, which
     :func:`torch_merge_row_grad` adds when a row is due; ``delta_out`` receives delta
     and ``grad_out_copy`` a copy of ``grad_out`` if given; ``dw_out`` ([P, D] fp32, P =
     :func:`torch_merge_dw_partials` = 1) receives dL/dw of the folded query instead of the
     parameters' gradients, for the group's backward to add (``merge_dw``).
-    ``finish_row`` = (row_grad, out, grad_outs, queries, norm_weights, factors, kv,
-    site_range, accumulate), where this merge is the first site of ``site_range`` and the
-    first to read its last new row: that row is then due, and its gradient is finished by
-    :func:`torch_merge_row_grad` of the last new row (index n - 1) after the merge (the
-    fused kernel does it in the same pass, without storing that row's factors).
 
     Args:
         grad_out, out: [T, D] gradient and value of the site's routed output.
@@ -247,15 +241,6 @@ def torch_merge_backward(
     )
     if grad_out_copy is not None:
         grad_out_copy.copy_(grad_out)
-    if finish_row is not None:
-        row_grad, row_out, grad_outs, queries, norm_weights, factors, kv, site_range, accumulate = finish_row
-        if grad_out_copy is None:
-            raise ValueError("finish_row needs grad_out_copy: the row's sum reads this site's output gradient "
-                             "from the group's grad_outs, as the later sites'")
-        if sources.shape[1] == 0:
-            raise ValueError("finish_row needs a merge with new rows: the row it finishes is the last of them")
-        torch_merge_row_grad(sources[:, -1], row_grad, row_out, grad_outs, queries, norm_weights, factors, kv,
-                             sources.shape[1] - 1, site_range, num_heads, accumulate)  # fmt: skip
     delta = delta.float() if delta_out is None else delta_out.copy_(delta)
     if dw_out is not None:
         if dw_out.shape != (1, dw.shape[1] * dw.shape[2]):
@@ -638,8 +623,6 @@ class LookaheadHistory(SourceHistory):
         # Rows whose merges left their gradients as factors: row -> the group runs that did
         # (more than one where a checkpointed chunk split the group's sites between runs).
         self.pending: Dict[int, List[RoutingGroup]] = {}
-        # Rows whose gradient their first reader's merge formed in the rows' dtype: row -> it.
-        self.finished: Dict[int, torch.Tensor] = {}
 
     @property
     def num_tokens(self) -> int:
@@ -709,32 +692,6 @@ class LookaheadHistory(SourceHistory):
                 accumulate = True
         return out
 
-    def finish_in_merge(self, group: RoutingGroup, index: int) -> Optional[tuple]:
-        """``merge_backward``'s ``finish_row`` for site ``index`` of ``group`` (call after its
-        :meth:`RoutingGroup.workspace`), or None. Where the site is the first reader of its
-        last new row and the row's other readers are this run's, the row is due once the
-        merge is done, so the merge forms its gradient in the sublayer's dtype
-        (:meth:`due_row_grad` hands it out) instead of a launch of its own that would read
-        the row and this site's output gradient again. Elsewhere (a checkpointed chunk
-        splitting the group's sites between runs) the row stays pending."""
-        if index == 0:
-            return None
-        sites = group.sites
-        row = sites[index].num_rows - 1
-        if row < group.old_rows or sites[index - 1].num_rows > row:
-            return None  # not a new row, or an earlier site reads it too
-        if any(g is not group for g in self.pending.get(row, [])):
-            return None
-        self.pending.pop(row, None)
-        self._add_owed(row)  # what the phase-1 backwards above deferred (they have all run)
-        group.zero_unused(index + 1, len(sites))
-        grad, accumulate = self.grad_rows_to_store(row + 1, row)
-        grad = grad[:, 0]
-        out = torch.empty(grad.shape, dtype=self.buffer.dtype, device=grad.device)
-        self.finished[row] = out
-        return (grad, out, group.grad_outs, group.queries, group.norms, group.row_factors, group.row_kv,
-                (index, len(sites)), accumulate)  # fmt: skip
-
     def finish_rows(self, group: RoutingGroup) -> None:
         """Add the factors of ``group``'s rows still pending into their fp32 gradients, before
         the group releases its workspaces (the rows of a run whose phase-1 backward comes
@@ -745,12 +702,6 @@ class LookaheadHistory(SourceHistory):
     def due_grads(self, stop: int, start: int = 0) -> torch.Tensor:
         """The fp32 gradients of rows ``[start, stop)``, with what the phase-1 backwards owe
         them and the factors the merges left for them added."""
-        finished = [r for r in self.finished if start <= r < stop]
-        if finished:
-            raise RuntimeError(
-                f"rows {finished} were finished by their merges for the sublayers that wrote them; "
-                "their fp32 gradients are not kept"
-            )
         self._add_owed(start)
         for row in [r for r in self.pending if start <= r < stop]:
             self._finish_row(row)
@@ -760,8 +711,6 @@ class LookaheadHistory(SourceHistory):
         """Row ``row``'s gradient in ``dtype``; a row the merges left factors for gets it from
         one kernel that reads its fp32 gradient once and writes the sum in ``dtype``, instead
         of a read-modify-write per merge and a cast."""
-        if row in self.finished:  # formed by its first reader's merge (finish_in_merge)
-            return self.finished.pop(row).to(dtype).view(self.shape)
         if row not in self.pending:
             return super().due_row_grad(row, dtype)
         self._add_owed(row)
@@ -883,15 +832,14 @@ class _MergeSite(torch.autograd.Function):
         grad_out_slot, delta_slot, row_factors, dw_slot = group.workspace(
             index, flat_grad, history.num_heads, partials
         )
-        finish_row = history.finish_in_merge(group, index)
         history.lookahead.merge_backward(
             flat_grad, out.reshape(s * b, h), history.rows(rows, group.old_rows),
             query, norm_weight, group.site_lse[index],
             history.num_heads, history.eps, history.logit_scale,
-            row_factors, delta_slot, grad_out_slot, dw_slot, finish_row=finish_row,
+            row_factors, delta_slot, grad_out_slot, dw_slot,
         )  # fmt: skip
-        # The other new rows' gradients are added when each is due (LookaheadHistory.due_row_grad).
-        for row in range(group.old_rows, rows - (finish_row is not None)):
+        # The new rows' gradients are added when each is due (LookaheadHistory.due_row_grad).
+        for row in range(group.old_rows, rows):
             runs = history.pending.setdefault(row, [])
             if not any(g is group for g in runs):
                 runs.append(group)

@@ -121,19 +121,14 @@ def _grouped(backend, buffer, queries, norms, grad_outs, n0, heads, tau, site_ra
     dg = torch.zeros((g, d), device=DEVICE)
     for k in reversed(range(lo, hi)):
         # As the history calls it: delta, the output gradient and the dL/dw partials land in
-        # the group's workspaces. Row n0 + k - 1 is due after this merge (the sites from k on
-        # read it): a whole group's merge finishes it itself (finish_row), a split one's
-        # leaves it to merge_row_grad, the history's two paths.
-        row = n0 + k - 1
-        finish = (grad_rows[:, row], grad_rows[:, row], used, queries, norms, factors, kv, (k, g), True)
+        # the group's workspaces.
         delta, merge_dq, merge_dg = backend.merge_backward(
             grad_outs[k], outs[k], buffer[:, n0 : n0 + k], queries[k], norms[k], lse[k],
             heads, EPS, tau, (factors[k, :, :k], kv[k, :, :k]), deltas[k], used[k], merge_dw[:, k],
-            finish_row=finish if k > 0 and site_range is None else None,
         )  # fmt: skip
         assert torch.equal(delta, deltas[k]) and torch.equal(used[k], grad_outs[k])
         assert merge_dq is None and merge_dg is None
-        if k > 0 and site_range is not None:
+        if k > 0:  # row n0 + k - 1 is due: the sites from k on read it
             _finish_row(backend, buffer, grad_rows, used, queries, norms, factors, kv, n0, k - 1, heads)
     for i in range(max(lo - 1, 0)):  # rows these sites read that become due in an earlier range
         _finish_row(backend, buffer, grad_rows, used, queries, norms, factors, kv, n0, i, heads)
@@ -229,54 +224,6 @@ def test_merge_row_grad_matches_reference(d, heads):
         fused.merge_row_grad(row, row_grad, cast, *args)
         torch.testing.assert_close(cast, want.to(dtype), rtol=1e-5 if dtype == torch.float32 else 8e-3,
                                    atol=1e-5 * want.abs().max().item())  # fmt: skip
-
-
-@pytest.mark.parametrize("accumulate", [True, False], ids=["added", "stored"])
-@pytest.mark.parametrize("d,heads", [(768, 8), (1280, 1)], ids=["768", "1B-width-one-head"])
-def test_merge_finishes_its_last_row(d, heads, accumulate):
-    """A merge that finishes its last new row (``finish_row``) leaves what the merge and a
-    ``merge_row_grad`` after it leave: the kernel against that pair of kernels (bitwise, its
-    own factors then need not be stored) and against the reference, into the fp32
-    gradient in place and into a new tensor of the rows' dtype. Site 2 of 4 over 2 new rows
-    of 3; sites 3 deposited before it."""
-    t, n0, g, site = _tokens(5), 2, 4, 2
-    torch.manual_seed(d + heads + accumulate)
-    kw = dict(device=DEVICE)
-    for dtype in DTYPES:
-        buffer, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, dtype)
-        new = buffer[:, n0 : n0 + site]
-        lse = torch.randn(t, heads, **kw) + 2.0
-        out = torch.randn(t, d, **kw).to(dtype)
-        factors, kv = torch.randn(g, t, g - 1, heads, 2, **kw), torch.randn(g, t, g - 1, **kw)
-        row_grad = torch.randn(t, d, **kw)
-        used = grad_outs.clone()
-        used[site] = float("nan")  # the merge writes its copy before the row's sum reads it
-        results = {}
-        for name, backend in (("pair", fused), ("finish", fused), ("reference", TORCH_LOOKAHEAD)):
-            f, k, slot, grad = factors.clone(), kv.clone(), used.clone(), row_grad.clone()
-            cast = torch.empty(t, d, dtype=dtype, **kw)
-            for target in (grad, cast):
-                finish = (grad, target, slot, queries, norms, f, k, (site, g), accumulate)
-                args = (grad_outs[site], out, new, queries[site], norms[site], lse, heads, EPS, 1.0,
-                        (f[site, :, :site], k[site, :, :site]), None, slot[site])  # fmt: skip
-                if name == "pair":
-                    backend.merge_backward(*args)
-                    backend.merge_row_grad(new[:, -1], grad, target, slot, queries, norms, f, k, site - 1, (site, g),
-                                           heads, accumulate=accumulate)  # fmt: skip
-                else:
-                    backend.merge_backward(*args, finish_row=finish)
-            results[name] = (grad, cast, f[site, :, : site - 1], k[site, :, : site - 1])
-        for got, want in zip(results["finish"], results["pair"]):
-            assert torch.equal(got, want)
-        ref = results["reference"]
-        scale = ref[0].abs().max().item()
-        torch.testing.assert_close(results["finish"][0], ref[0], rtol=1e-5, atol=1e-5 * scale)
-        torch.testing.assert_close(results["finish"][1], ref[1], rtol=1e-5 if dtype == torch.float32 else 8e-3,
-                                   atol=1e-5 * scale)  # fmt: skip
-        with pytest.raises(ValueError, match="needs grad_out_copy"):
-            fused.merge_backward(*args[:-1], finish_row=finish)
-        with pytest.raises(ValueError, match="outside the group"):
-            fused.merge_backward(*args, finish_row=finish[:7] + ((site, g + 1), accumulate))
 
 
 @pytest.mark.parametrize("backend", ["triton-row-loop", "torch"])

@@ -20,15 +20,14 @@ def test_host_bench_runs_every_site_through_the_stubs(tmp_path):
     assert size["layers"] == 12 and sites == 25
     # Every routing site reads through the stubs once forward and once backward; the
     # baseline has none. Lookahead: groups of 5 (the auto size at 25 sites), 5 groups,
-    # whose new rows (a group's sites but its first) are each finished once, by the merge
-    # backward of their first reader; a group's first site merges no rows, so phase 1
-    # finishes it and only the others run a merge forward.
+    # whose new rows (a group's sites but its first) are each finished once; a group's first
+    # site merges no rows, so phase 1 finishes it and only the others run a merge forward.
     assert models["baseline"]["stub_calls"] == {}
     assert models["mhar"]["stub_calls"] == {"route_forward": sites, "route_backward": sites}
     groups = -(-sites // 5)
     assert models["mhar_lookahead"]["stub_calls"] == {
         "group_forward": groups, "merge_forward": sites - groups, "merge_backward": sites, "group_backward": groups,
-        "merge_backward_finishing_a_row": sites - groups,
+        "merge_row_grad": sites - groups,
     }  # fmt: skip
     for name in ("mhar", "mhar_lookahead"):
         entry = models[name]
