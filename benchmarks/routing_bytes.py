@@ -10,8 +10,10 @@ Per-site (mhar_kernels.depth_route history interface):
   backward  two passes over the rows (pass 1 for delta, pass 2 for the gradients), one
             read-modify-write of each row's fp32 gradient, grad_out read once.
 Lookahead (mhar_kernels.lookahead), groups of G consecutive sites, the remainder first:
-  forward   phase 1 reads the group's old rows [0, s0) once and writes the fp32
-            partials (acc [T, D], m and l [T, H]) of the G - 1 sites after the first;
+  forward   phase 1 reads the group's old rows [0, s0) once and writes the partials
+            (acc [T, D], m and l [T, H] fp32) of the G - 1 sites after the first, the
+            row loop its acc normalised in the rows' dtype, the tensor-core kernel in
+            fp32;
             the first site merges no rows, so phase 1 writes its output and log-sum-exp
             (the tensor-core kernel, where the kernels' rule picks it, writes its
             partial, which a merge of no rows reads);
@@ -88,8 +90,8 @@ def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:
         # phase 1 writes (acc, m, l) per site but the first, whose out and lse it writes;
         # each other site's merge reads its partial, writes out and lse. The tensor-core
         # forward writes the first site's partial too, for a merge of no new rows.
-        partial, output = row * F32 + 2 * stat * F32, row * ES + stat * F32
         dots = _use_tensor_cores(None, g, _dot_heads(d, h)[2], backward=False)
+        partial, output = row * (F32 if dots else ES) + 2 * stat * F32, row * ES + stat * F32
         fwd_other += (g if dots else g - 1) * (2 * partial + output) + (0 if dots else output)
         # merges: grad_out + out read, delta written, grad_out copied, each pair's factors
         # written; each new row: fp32 gradient read, per pair grad_out and factors read,
@@ -101,6 +103,9 @@ def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:
         bwd_other += s0 * row * (1 if first_in_backward else 2) * F32 + g * (row * ES + 2 * stat * F32)
     reads = old + new
     src = reads * row * ES
+    # The largest group's partials (fp32 acc where the tensor-core forward runs).
+    partials = max(g * (row * (F32 if _use_tensor_cores(None, g, _dot_heads(d, h)[2], backward=False) else ES)
+                        + 2 * stat * F32) for _, g in groups(sites, group))  # fmt: skip
     return {
         "group": group, "groups": len(groups(sites, group)),
         "row_reads_fwd": reads, "row_reads_bwd": reads, "row_reads_phase1": old, "row_reads_merge": new,
@@ -108,7 +113,7 @@ def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:
         "moved_bytes_fwd": src + fwd_other, "moved_bytes_bwd": src + bwd_other,
         "moved_bytes_step": 2 * src + fwd_other + bwd_other,
         "saved_bytes": sites * stat * F32,
-        "transient_partials_bytes": group * (row + 2 * stat) * F32,
+        "transient_partials_bytes": partials,
     }  # fmt: skip
 
 

@@ -75,7 +75,7 @@ def _group_fwd_kernel(
     G_ptr,  # [NG, D] norm weights, contiguous
     M_ptr,  # [NG, T, H] fp32 running max of the logits
     L_ptr,  # [NG, T, H] fp32 softmax denominators (relative to M)
-    A_ptr,  # [NG, T, D] fp32 unnormalised accumulators (relative to M)
+    A_ptr,  # [NG, T, D] fp32 unnormalised accumulators (relative to M), or NORMALISED: acc / L in half precision
     O_ptr,  # [T, D] FIRST: site 0's output in the sources' dtype, strides (stride_ot, 1)
     LSE_ptr,  # [T, H] FIRST: site 0's fp32 log-sum-exp
     T,
@@ -95,6 +95,7 @@ def _group_fwd_kernel(
     BG: tl.constexpr,
     STAGES: tl.constexpr,
     FIRST: tl.constexpr,  # site 0 finished here (it merges no new rows), its partials not stored
+    NORMALISED: tl.constexpr,  # A_ptr holds acc / L in its (half-precision) dtype
 ):
     # Site chunks vary fastest over the 1-D grid: the chunks of one token tile run side by
     # side, so a row the first reads from memory the others find in L2.
@@ -145,7 +146,10 @@ def _group_fwd_kernel(
         tl.store(M_ptr + p_ml, b_ms[j], mask=m_ml)
         tl.store(L_ptr + p_ml, b_ls[j], mask=m_ml)
         m_a = m_site[:, None, None] & m_d[None, :, :]
-        tl.store(A_ptr + o_gt[:, None, None] * D + o_d[None, :, :], b_accs[j], mask=m_a)
+        b_a = b_accs[j]
+        if NORMALISED:  # a convex combination of the rows: within their dtype's range
+            b_a = (b_a / b_ls[j][:, :, None]).to(A_ptr.dtype.element_ty)
+        tl.store(A_ptr + o_gt[:, None, None] * D + o_d[None, :, :], b_a, mask=m_a)
 
 
 @triton.jit
@@ -155,7 +159,7 @@ def _merge_fwd_kernel(
     G_ptr,  # [D] norm weight of the site
     M_ptr,  # [T, H] fp32 phase-1 running max
     L_ptr,  # [T, H] fp32 phase-1 denominator
-    A_ptr,  # [T, D] fp32 phase-1 accumulator
+    A_ptr,  # [T, D] fp32 phase-1 accumulator, or NORMALISED: acc / L in half precision
     O_ptr,  # [T, D] routed output in the sources' dtype, strides (stride_ot, 1)
     LSE_ptr,  # [T, H] fp32 log-sum-exp over all the site's sources
     T,
@@ -172,6 +176,7 @@ def _merge_fwd_kernel(
     BH: tl.constexpr,
     BHD: tl.constexpr,
     STAGES: tl.constexpr,
+    NORMALISED: tl.constexpr,
 ):
     _, o_h, o_d, m_d, m_t, m_v, m_th, o_t64 = _token_tile(tl.program_id(0), T, H, HD, BT, BH, BHD)
     b_w = _folded_query(Q_ptr, G_ptr, o_d, m_d, V_ptr.dtype.element_ty, BHD, 1)[0]
@@ -179,7 +184,9 @@ def _merge_fwd_kernel(
     p_ml = o_t64[:, None] * H + o_h[None, :]
     b_m = tl.load(M_ptr + p_ml, mask=m_th, other=0.0)
     b_l = tl.load(L_ptr + p_ml, mask=m_th, other=1.0)
-    b_acc = tl.load(A_ptr + o_t64[:, None, None] * D + o_d[None, :, :], mask=m_v, other=0.0)
+    b_acc = tl.load(A_ptr + o_t64[:, None, None] * D + o_d[None, :, :], mask=m_v, other=0.0).to(tl.float32)
+    if NORMALISED:
+        b_acc = b_acc * b_l[:, :, None]
     p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
     for _ in tl.range(0, N, num_stages=STAGES):
         b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
@@ -1146,7 +1153,11 @@ def group_forward(
         loop: :class:`LoopConfig` fields overriding the default launch (benchmarks).
 
     Returns:
-        (m [G, T, H], l [G, T, H], acc [G, T, D]) fp32 online-softmax partials.
+        (m [G, T, H], l [G, T, H], acc [G, T, D]) online-softmax partials: m and l fp32;
+        acc fp32 and unnormalised, except from the row loop over half-precision rows, where
+        it is ``acc / l`` in the rows' dtype (a convex combination of the rows, so within
+        their range), which :func:`merge_forward` takes back: half the partials' bytes
+        written and read (README.md beside this file, "Half-precision partials").
     """
     _check_sources(sources, None, num_heads)
     t, n, d = sources.shape
@@ -1168,7 +1179,8 @@ def group_forward(
     if sites_per_program:  # keep the tile's size: fewer sites, more tokens
         config = config._replace(block_t=_fwd_tokens(bg, bh * bhd))
     block_t, num_warps, _, stages, _, _ = config.override(**loop)
-    m, l, acc = _empty_partials(g, t, d, num_heads, sources.device)
+    normalised = sources.dtype in HALF
+    m, l, acc = _empty_partials(g, t, d, num_heads, sources.device, sources.dtype if normalised else torch.float32)
     if t == 0:
         return m, l, acc
     # Without first_out, placeholders the kernel never stores to (FIRST off).
@@ -1177,7 +1189,7 @@ def group_forward(
         sources, queries, norm_weights, m, l, acc, out, lse,
         t, n, g, sources.stride(0), sources.stride(1), out.stride(0), eps, float(logit_scale),
         D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, BG=bg, STAGES=stages,
-        FIRST=first_out is not None, num_warps=num_warps,
+        FIRST=first_out is not None, NORMALISED=normalised, num_warps=num_warps,
     )  # fmt: skip
     return m, l, acc
 
@@ -1201,11 +1213,14 @@ def _check_output(name: str, out: torch.Tensor, t: int, d: int, dtype: torch.dty
                          f"got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")  # fmt: skip
 
 
-def _empty_partials(g: int, t: int, d: int, num_heads: int, device: torch.device):
-    """Phase 1's outputs (m, l [G, T, H], acc [G, T, D]) fp32, uninitialised."""
+def _empty_partials(g: int, t: int, d: int, num_heads: int, device: torch.device, acc_dtype=torch.float32):
+    """Phase 1's outputs (m, l [G, T, H] fp32, acc [G, T, D] in ``acc_dtype``), uninitialised."""
     kw = dict(dtype=torch.float32, device=device)
     stats = (g, t, num_heads)
-    return torch.empty(stats, **kw), torch.empty(stats, **kw), torch.empty((g, t, d), **kw)
+    return torch.empty(stats, **kw), torch.empty(stats, **kw), torch.empty((g, t, d), dtype=acc_dtype, device=device)
+
+
+HALF = (torch.bfloat16, torch.float16)
 
 
 def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, logit_scale, first_out, config,
@@ -1255,13 +1270,17 @@ def merge_forward(
     out: Optional[torch.Tensor] = None,
     **loop,
 ) -> torch.Tensor:
-    """Fold the new rows [T, n, D] (n may be 0) into one site's partial (m, l [T, H],
-    acc [T, D], contiguous fp32); write its log-sum-exp into ``lse`` [T, H] and return
-    the output [T, D] in the sources' dtype, written into ``out`` where given (unit
-    stride over D). ``loop``: :class:`LoopConfig` fields overriding the default launch
-    (benchmarks)."""
+    """Fold the new rows [T, n, D] (n may be 0) into one site's partial (m, l [T, H] fp32,
+    acc [T, D]: fp32, or normalised in the sources' half-precision dtype as
+    :func:`group_forward` leaves it; contiguous); write its log-sum-exp into ``lse`` [T, H]
+    and return the output [T, D] in the sources' dtype, written into ``out`` where given
+    (unit stride over D). ``loop``: :class:`LoopConfig` fields overriding the default
+    launch (benchmarks)."""
     _check_sources(sources, None, num_heads)
     t, n, d = sources.shape
+    if acc.dtype not in (torch.float32, sources.dtype):
+        raise ValueError(f"merge_forward: acc must be fp32 or normalised in the sources' dtype {sources.dtype}, "
+                         f"got {acc.dtype}")  # fmt: skip
     head_dim, bh, bhd = _tile(d, num_heads)
     block_t, num_warps, _, stages, _, _ = _merge_fwd_config(bh * bhd).override(**loop)
     if out is None:
@@ -1274,7 +1293,8 @@ def merge_forward(
     _merge_fwd_kernel[(triton.cdiv(t, block_t),)](
         src, query, norm_weight, m, l, acc, out, lse,
         t, n, src.stride(0), src.stride(1) if n > 0 else 0, out.stride(0), eps, float(logit_scale),
-        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages, num_warps=num_warps,
+        D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages,
+        NORMALISED=acc.dtype != torch.float32, num_warps=num_warps,
     )  # fmt: skip
     return out
 

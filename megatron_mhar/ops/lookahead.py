@@ -183,7 +183,9 @@ def torch_merge_forward(
     """Merge: fold the new rows into one site's partial and normalise.
 
     Args:
-        m, l: [T, H] fp32 and acc: [T, D] fp32, the site's phase-1 partial.
+        m, l: [T, H] fp32 and acc: [T, D], the site's phase-1 partial: fp32 and
+            unnormalised, or ``acc / l`` in half precision (the fused row loop's form for
+            half-precision rows).
         sources: [T, n, D] view of the rows written since the group started (n may be 0).
         query, norm_weight: [D].
         lse: fp32 [T, H] that receives the site's log-sum-exp (saved for backward).
@@ -193,7 +195,11 @@ def torch_merge_forward(
     """
     w = _folded(query[None], norm_weight[None], sources.dtype, num_heads)
     compute = w.dtype
-    acc = acc.to(compute).unflatten(-1, (num_heads, -1))[None]
+    normalised = acc.dtype in (torch.bfloat16, torch.float16)
+    acc = acc.to(compute).unflatten(-1, (num_heads, -1))
+    if normalised:
+        acc = acc * l.to(compute)[..., None]
+    acc = acc[None]
     m, l, acc = _online(sources, w, m.to(compute)[None], l.to(compute)[None], acc, eps, logit_scale)
     lse.copy_((m + torch.log(l))[0])
     return (acc / l.unsqueeze(-1))[0].flatten(-2).to(sources.dtype)

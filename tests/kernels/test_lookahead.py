@@ -202,6 +202,47 @@ def test_group_matches_per_site(t, n0, g, d, heads, tau, dtype, backend):
         assert err <= 2 * err_lp + atol, f"{name}: lookahead err {err:.3e}, torch err {err_lp:.3e}"
 
 
+# Half-precision rows: CPU runs fp16 in the interpreter (numpy has no bfloat16).
+HALF_DTYPES = [torch.bfloat16, torch.float16] if CUDA else [torch.float16]
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("d,heads", [(512, 8), (768, 1)], ids=["512", "768-one-head"])
+def test_half_precision_partials(d, heads, dtype):
+    """Over half-precision rows the row loop leaves each site's accumulator normalised,
+    ``acc / l``, in the rows' dtype (half the bytes of fp32): within one rounding of the
+    reference's fp32 partial. A merge takes it back; its outputs match the reference merge
+    of the same partials to the output's rounding and the fp32 per-site reference as
+    closely as the torch reference run in the rows' dtype (plus that one rounding)."""
+    t, n0, g = _tokens(5), 4, 3
+    torch.manual_seed(d + heads)
+    buffer, queries, norms, _ = _inputs(t, n0, g, d, heads, 1.0, dtype)
+    m, l, acc = fused.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0, tensor_cores=False)
+    assert acc.dtype == dtype and m.dtype == l.dtype == torch.float32
+    rm, rl, racc = TORCH_LOOKAHEAD.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0)
+    normalised = (racc.unflatten(-1, (heads, -1)) / rl[..., None]).flatten(-2)
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(acc.float(), normalised, rtol=ulp, atol=ulp * normalised.abs().max().item())
+    torch.testing.assert_close(m, rm, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(l, rl, rtol=1e-5, atol=1e-5)
+    exact = buffer.float()
+    for k in range(g):
+        new = buffer[:, n0 : n0 + k]
+        lse, ref_lse = torch.empty((t, heads), device=DEVICE), torch.empty((t, heads), device=DEVICE)
+        out = fused.merge_forward(m[k], l[k], acc[k], new, queries[k], norms[k], heads, EPS, 1.0, lse)
+        same = TORCH_LOOKAHEAD.merge_forward(m[k], l[k], acc[k], new, queries[k], norms[k], heads, EPS, 1.0, ref_lse)
+        torch.testing.assert_close(out.float(), same.float(), rtol=ulp, atol=ulp * same.float().abs().max().item())
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+        want, _ = torch_route_forward(exact[:, : n0 + k], None, queries[k].float(), norms[k].float(), heads, EPS, 1.0)
+        low, _ = torch_route_forward(buffer[:, : n0 + k], None, queries[k], norms[k], heads, EPS, 1.0)
+        err, err_low = ((x.float() - want).abs().max().item() for x in (out, low))
+        assert err <= 2 * err_low + 2 * ulp * want.abs().max().item(), f"site {k}: err {err:.3e}, torch {err_low:.3e}"
+    wrong = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match="acc must be fp32 or normalised"):
+        fused.merge_forward(m[1], l[1], acc[1].to(wrong), buffer[:, n0 : n0 + 1], queries[1], norms[1], heads, EPS,
+                            1.0, torch.empty((t, heads), device=DEVICE))  # fmt: skip
+
+
 @pytest.mark.parametrize("d,heads", [(768, 8), (1280, 8), (1280, 1)], ids=["768", "1B-width", "1B-one-head"])
 def test_merge_row_grad_matches_reference(d, heads):
     """A new row's gradient from given factors: the kernel against the reference, into the
