@@ -28,7 +28,8 @@ bytes per training step.
 
 Memory. Saved for backward per site: the log-sum-exp (fp32 ``[T, H]``) and a reference
 to the routed output. Transient: the G accumulators of the current group, fp32
-``[G, T, D]`` (G * T * D * 4 bytes: 84 MB at the 1B shape, G = 8, T = 2048, D = 1280)
+``[G, T, D]`` (G * T * D * 4 bytes: 84 MB at the 1B shape, G = 8, T = 2048, D = 1280; the
+fused row loop keeps them normalised in the rows' half-precision dtype, half that)
 from the group's first site to its last merge, plus ``m`` and ``l`` (``2 G T H * 4``);
 during backward, the group's grad outputs ``[G, T, D]`` in the activation dtype and its new
 rows' gradient factors (fp32 ``[G, T, G - 1, H, 2]`` and ``[G, T, G - 1]``: 7.8 MB at the
