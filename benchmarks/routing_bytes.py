@@ -77,6 +77,12 @@ def groups(sites: int, group: int):
     return [(g.start, len(g)) for g in group_ranges(1, sites, group)]
 
 
+def dots_forward(g: int, d: int, h: int) -> bool:
+    """Whether a group of ``g`` sites runs the tensor-core phase-1 forward (the kernels'
+    rule), which keeps fp32 accumulators; the row loop's are in the rows' dtype."""
+    return _use_tensor_cores(None, g, _dot_heads(d, h)[2], backward=False)
+
+
 def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:
     row, stat = t * d, t * h
     old = new = 0
@@ -90,7 +96,7 @@ def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:
         # phase 1 writes (acc, m, l) per site but the first, whose out and lse it writes;
         # each other site's merge reads its partial, writes out and lse. The tensor-core
         # forward writes the first site's partial too, for a merge of no new rows.
-        dots = _use_tensor_cores(None, g, _dot_heads(d, h)[2], backward=False)
+        dots = dots_forward(g, d, h)
         partial, output = row * (F32 if dots else ES) + 2 * stat * F32, row * ES + stat * F32
         fwd_other += (g if dots else g - 1) * (2 * partial + output) + (0 if dots else output)
         # merges: grad_out + out read, delta written, grad_out copied, each pair's factors
@@ -104,8 +110,7 @@ def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:
     reads = old + new
     src = reads * row * ES
     # The largest group's partials (fp32 acc where the tensor-core forward runs).
-    partials = max(g * (row * (F32 if _use_tensor_cores(None, g, _dot_heads(d, h)[2], backward=False) else ES)
-                        + 2 * stat * F32) for _, g in groups(sites, group))  # fmt: skip
+    partials = max(g * (row * (F32 if dots_forward(g, d, h) else ES) + 2 * stat * F32) for _, g in groups(sites, group))
     return {
         "group": group, "groups": len(groups(sites, group)),
         "row_reads_fwd": reads, "row_reads_bwd": reads, "row_reads_phase1": old, "row_reads_merge": new,

@@ -1213,14 +1213,15 @@ def _check_output(name: str, out: torch.Tensor, t: int, d: int, dtype: torch.dty
                          f"got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")  # fmt: skip
 
 
+# Row dtypes whose phase-1 accumulators the row loop stores normalised, in that dtype.
+HALF = (torch.bfloat16, torch.float16)
+
+
 def _empty_partials(g: int, t: int, d: int, num_heads: int, device: torch.device, acc_dtype=torch.float32):
     """Phase 1's outputs (m, l [G, T, H] fp32, acc [G, T, D] in ``acc_dtype``), uninitialised."""
     kw = dict(dtype=torch.float32, device=device)
     stats = (g, t, num_heads)
     return torch.empty(stats, **kw), torch.empty(stats, **kw), torch.empty((g, t, d), dtype=acc_dtype, device=device)
-
-
-HALF = (torch.bfloat16, torch.float16)
 
 
 def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, logit_scale, first_out, config,
