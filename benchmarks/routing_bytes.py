@@ -11,9 +11,8 @@ Per-site (mhar_kernels.depth_route history interface):
             read-modify-write of each row's fp32 gradient, grad_out read once.
 Lookahead (mhar_kernels.lookahead), groups of G consecutive sites, the remainder first:
   forward   phase 1 reads the group's old rows [0, s0) once and writes the partials
-            (acc [T, D], m and l [T, H] fp32) of the G - 1 sites after the first, the
-            row loop its acc normalised in the rows' dtype, the tensor-core kernel in
-            fp32;
+            (acc [T, D] normalised in the rows' dtype, m and l [T, H] fp32) of the
+            G - 1 sites after the first;
             the first site merges no rows, so phase 1 writes its output and log-sum-exp
             (the tensor-core kernel, where the kernels' rule picks it, writes its
             partial, which a merge of no rows reads);
@@ -79,7 +78,7 @@ def groups(sites: int, group: int):
 
 def dots_forward(g: int, d: int, h: int) -> bool:
     """Whether a group of ``g`` sites runs the tensor-core phase-1 forward (the kernels'
-    rule), which keeps fp32 accumulators; the row loop's are in the rows' dtype."""
+    rule), which writes its first site's partial too (the row loop finishes that site)."""
     return _use_tensor_cores(None, g, _dot_heads(d, h)[2], backward=False)
 
 
@@ -97,7 +96,7 @@ def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:
         # each other site's merge reads its partial, writes out and lse. The tensor-core
         # forward writes the first site's partial too, for a merge of no new rows.
         dots = dots_forward(g, d, h)
-        partial, output = row * (F32 if dots else ES) + 2 * stat * F32, row * ES + stat * F32
+        partial, output = row * ES + 2 * stat * F32, row * ES + stat * F32  # acc / l in the rows' dtype
         fwd_other += (g if dots else g - 1) * (2 * partial + output) + (0 if dots else output)
         # merges: grad_out + out read, delta written, grad_out copied, each pair's factors
         # written; each new row: fp32 gradient read, per pair grad_out and factors read,
@@ -109,8 +108,8 @@ def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:
         bwd_other += s0 * row * (1 if first_in_backward else 2) * F32 + g * (row * ES + 2 * stat * F32)
     reads = old + new
     src = reads * row * ES
-    # The largest group's partials (fp32 acc where the tensor-core forward runs).
-    partials = max(g * (row * (F32 if dots_forward(g, d, h) else ES) + 2 * stat * F32) for _, g in groups(sites, group))
+    # The largest group's partials.
+    partials = max(g * (row * ES + 2 * stat * F32) for _, g in groups(sites, group))
     return {
         "group": group, "groups": len(groups(sites, group)),
         "row_reads_fwd": reads, "row_reads_bwd": reads, "row_reads_phase1": old, "row_reads_merge": new,

@@ -680,7 +680,7 @@ def _group_fwd_dots_kernel(
     M_ptr, L_ptr, A_ptr,  # as in _group_fwd_kernel: fp32 partials [NG, T, H], [NG, T, H], [NG, T, D]
     T, N, NG, stride_vt, stride_vn, eps, scale,
     D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BH: tl.constexpr, KA: tl.constexpr,
-    KB: tl.constexpr, BR: tl.constexpr, GH: tl.constexpr, STAGES: tl.constexpr,
+    KB: tl.constexpr, BR: tl.constexpr, GH: tl.constexpr, STAGES: tl.constexpr, NORMALISED: tl.constexpr,
 ):  # fmt: skip
     """Phase 1 as dots per token and head (README.md, "Tensor-core phase 1"): for
     a block X [BR, head width] of the token's rows, X @ [w_j] gives the head dots of SLOTS
@@ -689,7 +689,8 @@ def _group_fwd_dots_kernel(
     width is a chunk of KA channels plus, if it is not a power of two, one of KB (160 =
     128 + 32). Tokens in a grid-stride loop over program axis 0. H and HD are the dot
     heads (``_dot_heads``): a model head of GH > 1 of them sums their dots, and m and l
-    ([NG, T, H // GH]) are stored per model head."""
+    ([NG, T, H // GH]) are stored per model head. NORMALISED: A_ptr takes acc / l in its
+    half-precision dtype, as from _group_fwd_kernel."""
     BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
     o_h = tl.arange(0, BH)
     o_r = tl.arange(0, BR)
@@ -732,8 +733,12 @@ def _group_fwd_dots_kernel(
             b_m = b_mn
         o_st = site64 * T + t  # row of the [NG, T, .] outputs
         b_suma = _row_pair_sum(b_acca, BH, SLOTS, KA)
+        if NORMALISED:  # a convex combination of the rows: within their dtype's range
+            b_suma = (b_suma / b_l[:, :, None]).to(A_ptr.dtype.element_ty)
         if KB > 0:
             b_sumb = _row_pair_sum(b_accb, BH, SLOTS, KB)
+            if NORMALISED:
+                b_sumb = (b_sumb / b_l[:, :, None]).to(A_ptr.dtype.element_ty)
         p_ml = o_st[None, :] * (H // GH) + (o_h // GH)[:, None]
         m_ml = ((o_h < H) & (o_h % GH == 0))[:, None] & m_s[None, :]  # one dot head per model head
         tl.store(M_ptr + p_ml, b_m, mask=m_ml)
@@ -972,7 +977,8 @@ def _fwd_tokens(sites_per_program: int, padded_d: int) -> int:
     return 1 << (tokens.bit_length() - 1)
 
 
-def _use_tensor_cores(tensor_cores: Optional[bool], sites: int, head_dim: int, backward: bool) -> bool:
+def _use_tensor_cores(tensor_cores: Optional[bool], sites: int, head_dim: int, backward: bool,
+                      dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether phase 1 runs the tensor-core kernels: ``tensor_cores`` if given; None picks
     them where the H200 measured them faster (README.md, "Tensor-core phase 1"): groups of
     more than SLOTS / 2 sites (with fewer, half of every dot is idle; the 100M shape's
@@ -983,7 +989,13 @@ def _use_tensor_cores(tensor_cores: Optional[bool], sites: int, head_dim: int, b
     took 46 ms per training step against 44 for the row loop; at 1B's 160 the deepest
     group took 1.28 against 2.63 ms). ``head_dim`` is the dot heads' width
     (``_dot_heads``). Decided by the group's size, never a split's: a recomputed chunk
-    runs the kernels of the whole group."""
+    runs the kernels of the whole group. The dots take bf16 or fp32 rows: fp16 rows run
+    the row loops (``tensor_cores=True`` over them is an error)."""
+    if dtype == torch.float16:
+        if tensor_cores:
+            raise ValueError("tensor_cores=True takes bf16 or fp32 rows, got float16; "
+                             "use tensor_cores=None (auto) or False, which run the row loops")
+        return False
     if tensor_cores is not None:
         return tensor_cores
     wide_enough = head_dim > (128 if backward else 64)
@@ -1154,8 +1166,8 @@ def group_forward(
 
     Returns:
         (m [G, T, H], l [G, T, H], acc [G, T, D]) online-softmax partials: m and l fp32;
-        acc fp32 and unnormalised, except from the row loop over half-precision rows, where
-        it is ``acc / l`` in the rows' dtype (a convex combination of the rows, so within
+        acc fp32 and unnormalised, except over half-precision rows, where it is
+        ``acc / l`` in the rows' dtype (a convex combination of the rows, so within
         their range), which :func:`merge_forward` takes back: half the partials' bytes
         written and read (README.md beside this file, "Half-precision partials").
     """
@@ -1168,7 +1180,7 @@ def group_forward(
     _check_first_out(first_out, sources, num_heads)
     queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
     _, _, dot_dim, dot_bh = _dot_heads(d, num_heads)
-    use_dots = _use_tensor_cores(tensor_cores, g, dot_dim, backward=False)
+    use_dots = _use_tensor_cores(tensor_cores, g, dot_dim, backward=False, dtype=sources.dtype)
     dots = _group_fwd_dots_config(dot_bh, dot_dim) if use_dots else None
     if dots is not None:
         return _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, logit_scale,
@@ -1239,7 +1251,8 @@ def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, 
         )
     t, n, d = sources.shape
     g = queries.shape[0]
-    m, l, acc = _empty_partials(g, t, d, num_heads, sources.device)
+    normalised = sources.dtype in HALF
+    m, l, acc = _empty_partials(g, t, d, num_heads, sources.device, sources.dtype if normalised else torch.float32)
     if t == 0:
         return m, l, acc
     split, heads, head_dim, padded_heads = _dot_heads(d, num_heads)
@@ -1249,7 +1262,7 @@ def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, 
         sources, queries, norm_weights, m, l, acc,
         t, n, g, sources.stride(0), sources.stride(1), eps, float(logit_scale),
         D=d, H=heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, GH=split, STAGES=config.stages,
-        num_warps=config.num_warps,
+        NORMALISED=normalised, num_warps=config.num_warps,
     )  # fmt: skip
     if first_out is not None:  # a merge of no new rows, launched here: the kernel's registers are full
         merge_forward(m[0], l[0], acc[0], sources[:, :0], queries[0], norm_weights[0], num_heads, eps,
@@ -1554,7 +1567,7 @@ def group_backward_deferred(
     folded = queries.float() * norm_weights.to(sources.dtype).float()
     _, _, dot_dim, _ = _dot_heads(d, num_heads)
     # A wider head's tiles outgrow registers and shared memory.
-    if _use_tensor_cores(tensor_cores, g, dot_dim, backward=True) and triton.next_power_of_2(dot_dim) <= 256:
+    if _use_tensor_cores(tensor_cores, g, dot_dim, backward=True, dtype=sources.dtype) and triton.next_power_of_2(dot_dim) <= 256:
         unused = sorted(set(loop) - {"num_warps"}) + (["sites_per_program"] if sites_per_program else [])
         if unused:
             raise ValueError(

@@ -206,18 +206,23 @@ def test_group_matches_per_site(t, n0, g, d, heads, tau, dtype, backend):
 HALF_DTYPES = [torch.bfloat16, torch.float16] if CUDA else [torch.float16]
 
 
-@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: str(d).split(".")[-1])
+# The dots take bf16 or fp32 rows (test_fp16_rows_run_the_row_loops): on CPU only the row loop.
+HALF_KERNELS = [(dtype, False) for dtype in HALF_DTYPES] + [(torch.bfloat16, True)] * CUDA
+
+
+@pytest.mark.parametrize("dtype,tensor_cores", HALF_KERNELS,
+                         ids=lambda x: {False: "row-loop", True: "dots"}.get(x) if isinstance(x, bool) else str(x).split(".")[-1])
 @pytest.mark.parametrize("d,heads", [(512, 8), (768, 1)], ids=["512", "768-one-head"])
-def test_half_precision_partials(d, heads, dtype):
-    """Over half-precision rows the row loop leaves each site's accumulator normalised,
-    ``acc / l``, in the rows' dtype (half the bytes of fp32): within one rounding of the
-    reference's fp32 partial. A merge takes it back; its outputs match the reference merge
+def test_half_precision_partials(d, heads, tensor_cores, dtype):
+    """Over half-precision rows phase 1 (the row loop and the tensor-core kernel) leaves
+    each site's accumulator normalised, ``acc / l``, in the rows' dtype (half the bytes of
+    fp32): within one rounding of the reference's fp32 partial. A merge takes it back; its outputs match the reference merge
     of the same partials to the output's rounding and the fp32 per-site reference as
     closely as the torch reference run in the rows' dtype (plus that one rounding)."""
     t, n0, g = _tokens(5), 4, 3
     torch.manual_seed(d + heads)
     buffer, queries, norms, _ = _inputs(t, n0, g, d, heads, 1.0, dtype)
-    m, l, acc = fused.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0, tensor_cores=False)
+    m, l, acc = fused.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0, tensor_cores=tensor_cores)
     assert acc.dtype == dtype and m.dtype == l.dtype == torch.float32
     rm, rl, racc = TORCH_LOOKAHEAD.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0)
     normalised = (racc.unflatten(-1, (heads, -1)) / rl[..., None]).flatten(-2)
@@ -241,6 +246,32 @@ def test_half_precision_partials(d, heads, dtype):
     with pytest.raises(ValueError, match="acc must be fp32 or normalised"):
         fused.merge_forward(m[1], l[1], acc[1].to(wrong), buffer[:, n0 : n0 + 1], queries[1], norms[1], heads, EPS,
                             1.0, torch.empty((t, heads), device=DEVICE))  # fmt: skip
+
+
+def test_fp16_rows_run_the_row_loops():
+    """The dots take bf16 or fp32 rows. Over fp16 rows, at a shape where ``auto`` picks
+    them for bf16 (a group of 5 sites, 160-wide heads: the 1B width), phase 1 runs the row
+    loops forward and backward, bitwise as ``tensor_cores=False``; ``tensor_cores=True``
+    is an error."""
+    t, n0, g, d, heads = _tokens(3), 3, 5, 1280, 8
+    assert all(fused._use_tensor_cores(None, g, d // heads, backward) for backward in (False, True))
+    torch.manual_seed(0)
+    buffer, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float16)
+    rows = buffer[:, :n0]
+    want = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, tensor_cores=False)
+    got = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, tensor_cores=None)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    lse, delta = torch.randn(g, t, heads, device=DEVICE), torch.randn(g, t, heads, device=DEVICE)
+    args = (grad_outs, rows, queries, norms, lse, delta, heads, EPS, 1.0)
+    grads = [torch.zeros(rows.shape, device=DEVICE) for _ in range(2)]
+    backward = [fused.group_backward_deferred(*args, grad, tensor_cores=tc) for grad, tc in zip(grads, (False, None))]
+    for a, b in zip(backward[0][:2] + (grads[0],), backward[1][:2] + (grads[1],)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="tensor_cores=True takes bf16 or fp32 rows, got float16"):
+        fused.group_forward(rows, queries, norms, heads, EPS, 1.0, tensor_cores=True)
+    with pytest.raises(ValueError, match="tensor_cores=True takes bf16 or fp32 rows, got float16"):
+        fused.group_backward_deferred(*args, grads[0], tensor_cores=True)
 
 
 @pytest.mark.parametrize("d,heads", [(768, 8), (1280, 8), (1280, 1)], ids=["768", "1B-width", "1B-one-head"])
