@@ -39,6 +39,8 @@ import math
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_mhar.ops.lookahead import auto_group_size, group_ranges  # noqa: E402
@@ -79,7 +81,7 @@ def groups(sites: int, group: int):
 def dots_forward(g: int, d: int, h: int) -> bool:
     """Whether a group of ``g`` sites runs the tensor-core phase-1 forward (the kernels'
     rule), which writes its first site's partial too (the row loop finishes that site)."""
-    return _use_tensor_cores(None, g, _dot_heads(d, h)[2], backward=False)
+    return _use_tensor_cores(None, g, _dot_heads(d, h)[2], backward=False, dtype=torch.bfloat16)
 
 
 def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:

@@ -977,8 +977,8 @@ def _fwd_tokens(sites_per_program: int, padded_d: int) -> int:
     return 1 << (tokens.bit_length() - 1)
 
 
-def _use_tensor_cores(tensor_cores: Optional[bool], sites: int, head_dim: int, backward: bool,
-                      dtype: torch.dtype = torch.bfloat16) -> bool:
+def _use_tensor_cores(tensor_cores: Optional[bool], sites: int, head_dim: int, backward: bool, *,
+                      dtype: torch.dtype) -> bool:
     """Whether phase 1 runs the tensor-core kernels: ``tensor_cores`` if given; None picks
     them where the H200 measured them faster (README.md, "Tensor-core phase 1"): groups of
     more than SLOTS / 2 sites (with fewer, half of every dot is idle; the 100M shape's
@@ -1191,8 +1191,7 @@ def group_forward(
     if sites_per_program:  # keep the tile's size: fewer sites, more tokens
         config = config._replace(block_t=_fwd_tokens(bg, bh * bhd))
     block_t, num_warps, _, stages, _, _ = config.override(**loop)
-    normalised = sources.dtype in HALF
-    m, l, acc = _empty_partials(g, t, d, num_heads, sources.device, sources.dtype if normalised else torch.float32)
+    m, l, acc = _empty_partials(g, num_heads, sources)
     if t == 0:
         return m, l, acc
     # Without first_out, placeholders the kernel never stores to (FIRST off).
@@ -1201,7 +1200,7 @@ def group_forward(
         sources, queries, norm_weights, m, l, acc, out, lse,
         t, n, g, sources.stride(0), sources.stride(1), out.stride(0), eps, float(logit_scale),
         D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, BG=bg, STAGES=stages,
-        FIRST=first_out is not None, NORMALISED=normalised, num_warps=num_warps,
+        FIRST=first_out is not None, NORMALISED=acc.dtype != torch.float32, num_warps=num_warps,
     )  # fmt: skip
     return m, l, acc
 
@@ -1225,15 +1224,19 @@ def _check_output(name: str, out: torch.Tensor, t: int, d: int, dtype: torch.dty
                          f"got {tuple(out.shape)} {out.dtype} with strides {out.stride()}")  # fmt: skip
 
 
-# Row dtypes whose phase-1 accumulators the row loop stores normalised, in that dtype.
+# Row dtypes over which phase 1 stores its accumulators normalised, in that dtype.
 HALF = (torch.bfloat16, torch.float16)
 
 
-def _empty_partials(g: int, t: int, d: int, num_heads: int, device: torch.device, acc_dtype=torch.float32):
-    """Phase 1's outputs (m, l [G, T, H] fp32, acc [G, T, D] in ``acc_dtype``), uninitialised."""
-    kw = dict(dtype=torch.float32, device=device)
+def _empty_partials(g: int, num_heads: int, sources: torch.Tensor):
+    """Phase 1's outputs over the rows ``sources`` [T, N, D], uninitialised: m, l [G, T, H]
+    fp32 and acc [G, T, D], in the rows' dtype where it is in HALF (the kernels then store
+    acc / l: ``NORMALISED`` is ``acc.dtype != torch.float32``), otherwise fp32."""
+    t, _, d = sources.shape
+    kw = dict(dtype=torch.float32, device=sources.device)
+    acc_dtype = sources.dtype if sources.dtype in HALF else torch.float32
     stats = (g, t, num_heads)
-    return torch.empty(stats, **kw), torch.empty(stats, **kw), torch.empty((g, t, d), dtype=acc_dtype, device=device)
+    return torch.empty(stats, **kw), torch.empty(stats, **kw), sources.new_empty((g, t, d), dtype=acc_dtype)
 
 
 def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, logit_scale, first_out, config,
@@ -1251,8 +1254,7 @@ def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, 
         )
     t, n, d = sources.shape
     g = queries.shape[0]
-    normalised = sources.dtype in HALF
-    m, l, acc = _empty_partials(g, t, d, num_heads, sources.device, sources.dtype if normalised else torch.float32)
+    m, l, acc = _empty_partials(g, num_heads, sources)
     if t == 0:
         return m, l, acc
     split, heads, head_dim, padded_heads = _dot_heads(d, num_heads)
@@ -1262,7 +1264,7 @@ def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, 
         sources, queries, norm_weights, m, l, acc,
         t, n, g, sources.stride(0), sources.stride(1), eps, float(logit_scale),
         D=d, H=heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, GH=split, STAGES=config.stages,
-        NORMALISED=normalised, num_warps=config.num_warps,
+        NORMALISED=acc.dtype != torch.float32, num_warps=config.num_warps,
     )  # fmt: skip
     if first_out is not None:  # a merge of no new rows, launched here: the kernel's registers are full
         merge_forward(m[0], l[0], acc[0], sources[:, :0], queries[0], norm_weights[0], num_heads, eps,
@@ -1567,7 +1569,8 @@ def group_backward_deferred(
     folded = queries.float() * norm_weights.to(sources.dtype).float()
     _, _, dot_dim, _ = _dot_heads(d, num_heads)
     # A wider head's tiles outgrow registers and shared memory.
-    if _use_tensor_cores(tensor_cores, g, dot_dim, backward=True, dtype=sources.dtype) and triton.next_power_of_2(dot_dim) <= 256:
+    use_dots = _use_tensor_cores(tensor_cores, g, dot_dim, backward=True, dtype=sources.dtype)
+    if use_dots and triton.next_power_of_2(dot_dim) <= 256:
         unused = sorted(set(loop) - {"num_warps"}) + (["sites_per_program"] if sites_per_program else [])
         if unused:
             raise ValueError(

@@ -207,18 +207,19 @@ HALF_DTYPES = [torch.bfloat16, torch.float16] if CUDA else [torch.float16]
 
 
 # The dots take bf16 or fp32 rows (test_fp16_rows_refuse_the_dots): on CPU only the row loop.
-HALF_KERNELS = [(dtype, False) for dtype in HALF_DTYPES] + [(torch.bfloat16, True)] * CUDA
+HALF_KERNELS = [pytest.param(dtype, False, id=f"row-loop-{str(dtype)[6:]}") for dtype in HALF_DTYPES]
+HALF_KERNELS += [pytest.param(torch.bfloat16, True, id="dots-bfloat16")] * CUDA
 
 
-@pytest.mark.parametrize("dtype,tensor_cores", HALF_KERNELS,
-                         ids=lambda x: {False: "row-loop", True: "dots"}.get(x) if isinstance(x, bool) else str(x).split(".")[-1])
+@pytest.mark.parametrize("dtype,tensor_cores", HALF_KERNELS)
 @pytest.mark.parametrize("d,heads", [(512, 8), (768, 1)], ids=["512", "768-one-head"])
 def test_half_precision_partials(d, heads, tensor_cores, dtype):
     """Over half-precision rows phase 1 (the row loop and the tensor-core kernel) leaves
     each site's accumulator normalised, ``acc / l``, in the rows' dtype (half the bytes of
-    fp32): within one rounding of the reference's fp32 partial. A merge takes it back; its outputs match the reference merge
-    of the same partials to the output's rounding and the fp32 per-site reference as
-    closely as the torch reference run in the rows' dtype (plus that one rounding)."""
+    fp32): within one rounding of the reference's fp32 partial. A merge takes it back; its
+    outputs match the reference merge of the same partials to the output's rounding and
+    the fp32 per-site reference as closely as the torch reference run in the rows' dtype
+    (plus that one rounding)."""
     t, n0, g = _tokens(5), 4, 3
     torch.manual_seed(d + heads)
     buffer, queries, norms, _ = _inputs(t, n0, g, d, heads, 1.0, dtype)
