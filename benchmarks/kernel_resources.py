@@ -30,7 +30,8 @@ from mhar_kernels import lookahead as fused  # noqa: E402
 
 H200_SHARED_BYTES = 232448  # the most shared memory one program may use on sm_90 (227 KiB)
 ROWS = ("V_ptr", "DO_ptr", "Q_ptr", "G_ptr")  # pointers to tensors in the rows' dtype
-HALF_ROWS = ("A_ptr",)  # ... where the rows are bf16 (phase 1's normalised accumulators)
+HALF_ROWS = ("A_ptr",)
+ELEMENT_SIZE = {"bf16": 2, "fp32": 4}  # ... where the rows are bf16 (phase 1's normalised accumulators)
 
 # (width, heads, rows dtype): the 1B and 350M widths in bf16, one head at the 1B width (as
 # eight dot heads), and in fp32 (twice the tiles) the 1B width and the kernel tests' width.
@@ -110,7 +111,8 @@ def shape_rows(d, model_heads, dtype, launch, sizes):
     forward = fused._group_fwd_dots_config(padded_heads, head_dim)
     rows, per_head = fused._group_bwd_dots_config(padded_heads, head_dim)
     kernels = [
-        (fused._group_fwd_dots_kernel, dict(chunks, STAGES=forward.stages, NORMALISED=dtype != "fp32"),
+        (fused._group_fwd_dots_kernel, dict(chunks, STAGES=forward.stages, NORMALISED=dtype != "fp32",
+                                            QUERIES_LEFT=fused._queries_left(padded_heads, head_dim, ELEMENT_SIZE[dtype])),
          forward.num_warps),
         (fused._group_bwd_rows_kernel, dict(chunks, STAGES=rows.stages), rows.num_warps),
         (fused._group_bwd_heads_kernel, dict(head_tile, STAGES=per_head.stages), per_head.num_warps),

@@ -604,28 +604,22 @@ def _row_tile(p, mask, BF16: tl.constexpr):
 
 
 @triton.jit
-def _interleaved_split(x, A: tl.constexpr, B: tl.constexpr, S: tl.constexpr, BF16: tl.constexpr):
-    """An fp32 [A, B, S] tile as one [A, B, 2S] dot operand whose element 2j + 1 holds what
-    element 2j (x[..., j] rounded to bf16) misses, so a dot that then adds the pairs
-    (``_pair_sum``) sums x to about 2^-16 relative in one product; fp32 rows: x and zeros."""
+def _interleaved_split(x, A: tl.constexpr, S: tl.constexpr, B: tl.constexpr, BF16: tl.constexpr):
+    """An fp32 [A, S, B] tile as one [A, 2S, B] dot operand whose row 2j + 1 holds what
+    row 2j (x[:, j] rounded to bf16) misses, so a dot that then adds the row pairs
+    (``_row_pair_sum``) sums x to about 2^-16 relative in one product; fp32 rows: x and zeros."""
     if BF16:
         hi = x.to(tl.bfloat16)
         lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
     else:
         hi = x
         lo = tl.zeros_like(x)
-    return tl.reshape(tl.join(hi, lo), [A, B, 2 * S])
-
-
-@triton.jit
-def _pair_sum(x, A: tl.constexpr, B: tl.constexpr, S: tl.constexpr):
-    """[A, B, 2S] -> [A, B, S]: the sum of each (hi, lo) pair of ``_interleaved_split``."""
-    return tl.sum(tl.reshape(x, [A, B, S, 2]), axis=3)
+    return tl.reshape(tl.permute(tl.join(hi, lo), (0, 1, 3, 2)), [A, 2 * S, B])
 
 
 @triton.jit
 def _row_pair_sum(x, A: tl.constexpr, S: tl.constexpr, K: tl.constexpr):
-    """[A, 2S, K] -> [A, S, K]: the sum of each (hi, lo) pair of rows."""
+    """[A, 2S, K] -> [A, S, K]: the sum of each (hi, lo) pair of rows of ``_interleaved_split``."""
     return tl.sum(tl.reshape(x, [A, S, 2, K]), axis=2)
 
 
@@ -640,16 +634,16 @@ def _head_sums(x, BH: tl.constexpr, GH: tl.constexpr, B: tl.constexpr, S: tl.con
 
 
 @triton.jit
-def _query_columns(Q_ptr, G_ptr, site, m_s, o_h, k0, BH: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
-                   HD: tl.constexpr, D: tl.constexpr, dtype: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
-    """[BH, K, 2 * SLOTS] columns of the folded queries w = q * g^ (g^ rounded to ``dtype``)
-    over the head channels [k0, k0 + K): column 2j (and its remainder 2j + 1) is site[j]."""
+def _query_rows(Q_ptr, G_ptr, site, m_s, o_h, k0, BH: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+                HD: tl.constexpr, D: tl.constexpr, dtype: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+    """[BH, 2 * SLOTS, K] rows of the folded queries w = q * g^ (g^ rounded to ``dtype``)
+    over the head channels [k0, k0 + K): row 2j (and its remainder 2j + 1) is site[j]."""
     o_k = k0 + tl.arange(0, K)
-    mask = (o_h < H)[:, None, None] & (o_k < HD)[None, :, None] & m_s[None, None, :]
-    p = site[None, None, :] * D + o_h[:, None, None] * HD + o_k[None, :, None]
+    mask = (o_h < H)[:, None, None] & m_s[None, :, None] & (o_k < HD)[None, None, :]
+    p = site[None, :, None] * D + o_h[:, None, None] * HD + o_k[None, None, :]
     b_q = tl.load(Q_ptr + p, mask=mask, other=0.0).to(tl.float32)
     b_w = b_q * tl.load(G_ptr + p, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    return _interleaved_split(b_w, BH, K, SLOTS, BF16)
+    return _interleaved_split(b_w, BH, SLOTS, K, BF16)
 
 
 @triton.jit
@@ -681,10 +675,12 @@ def _group_fwd_dots_kernel(
     T, N, NG, stride_vt, stride_vn, eps, scale,
     D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BH: tl.constexpr, KA: tl.constexpr,
     KB: tl.constexpr, BR: tl.constexpr, GH: tl.constexpr, STAGES: tl.constexpr, NORMALISED: tl.constexpr,
+    QUERIES_LEFT: tl.constexpr,
 ):  # fmt: skip
     """Phase 1 as dots per token and head (README.md, "Tensor-core phase 1"): for
-    a block X [BR, head width] of the token's rows, X @ [w_j] gives the head dots of SLOTS
-    sites (program axis 1 picks the sites), and P^T @ X adds the block to the sites'
+    a block X [BR, head width] of the token's rows, X @ [w_j] (QUERIES_LEFT: its transpose
+    [w_j]^T @ X^T, ``_queries_left``) gives the head dots of SLOTS sites (program axis 1
+    picks the sites), and P^T @ X adds the block to the sites'
     accumulators after the online-softmax rescale, one rescale per block of rows. The head
     width is a chunk of KA channels plus, if it is not a power of two, one of KB (160 =
     128 + 32). Tokens in a grid-stride loop over program axis 0. H and HD are the dot
@@ -699,10 +695,14 @@ def _group_fwd_dots_kernel(
     m_s = site < NG
     site64 = site.to(tl.int64)
     dtype = V_ptr.dtype.element_ty
-    b_wa = _query_columns(Q_ptr, G_ptr, site, m_s, o_h, 0, BH, KA, H, HD, D, dtype, BF16)
+    b_wa = _query_rows(Q_ptr, G_ptr, site, m_s, o_h, 0, BH, KA, H, HD, D, dtype, BF16)
+    if not QUERIES_LEFT:
+        b_wa = tl.permute(b_wa, (0, 2, 1))
     if KB > 0:
         o_kb = KA + tl.arange(0, KB)
-        b_wb = _query_columns(Q_ptr, G_ptr, site, m_s, o_h, KA, BH, KB, H, HD, D, dtype, BF16)
+        b_wb = _query_rows(Q_ptr, G_ptr, site, m_s, o_h, KA, BH, KB, H, HD, D, dtype, BF16)
+        if not QUERIES_LEFT:
+            b_wb = tl.permute(b_wb, (0, 2, 1))
     for t in range(tl.program_id(0), T, tl.num_programs(0)):
         p_t = V_ptr + tl.cast(t, tl.int64) * stride_vt
         b_m = tl.full([BH, SLOTS], float("-inf"), tl.float32)
@@ -714,18 +714,26 @@ def _group_fwd_dots_kernel(
             rows = i0 + o_r
             m_r = rows < N
             b_xa, b_xb, b_sq = _row_block(p_t, rows, m_r, stride_vn, BH, H, HD, KA, KB)
-            b_s = _dot(b_xa, b_wa, tl.zeros([BH, BR, 2 * SLOTS], dtype=tl.float32), BF16)
-            if KB > 0:
-                b_s = _dot(b_xb, b_wb, b_s, BF16)
-            b_s = _head_sums(b_s, BH, GH, BR, 2 * SLOTS)
+            # The logits as [heads, 2 sites, rows] (site pairs as the queries' split), the
+            # orientation of P^T in the second dot; _queries_left picks the form of the first.
+            if QUERIES_LEFT:
+                b_s = _dot(b_wa, tl.permute(b_xa, (0, 2, 1)), tl.zeros([BH, 2 * SLOTS, BR], dtype=tl.float32), BF16)
+                if KB > 0:
+                    b_s = _dot(b_wb, tl.permute(b_xb, (0, 2, 1)), b_s, BF16)
+            else:
+                b_s = _dot(b_xa, b_wa, tl.zeros([BH, BR, 2 * SLOTS], dtype=tl.float32), BF16)
+                if KB > 0:
+                    b_s = _dot(b_xb, b_wb, b_s, BF16)
+                b_s = tl.permute(b_s, (0, 2, 1))
+            b_s = _head_sums(b_s, BH, GH, 2 * SLOTS, BR)
             b_rs = tl.rsqrt(b_sq / D + eps) * scale
-            b_z = _pair_sum(b_s, BH, BR, SLOTS) * b_rs[None, :, None]
-            b_z = tl.where(m_r[None, :, None], b_z, float("-inf"))
-            b_mn = tl.maximum(b_m, tl.max(b_z, axis=1))
+            b_z = _row_pair_sum(b_s, BH, SLOTS, BR) * b_rs[None, None, :]
+            b_z = tl.where(m_r[None, None, :], b_z, float("-inf"))
+            b_mn = tl.maximum(b_m, tl.max(b_z, axis=2))
             b_alpha = tl.exp(b_m - b_mn)
-            b_p = tl.exp(b_z - b_mn[:, None, :])
-            b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-            b_pt = tl.permute(_interleaved_split(b_p, BH, BR, SLOTS, BF16), (0, 2, 1))  # [BH, 2 SLOTS, BR]
+            b_p = tl.exp(b_z - b_mn[:, :, None])
+            b_l = b_l * b_alpha + tl.sum(b_p, axis=2)
+            b_pt = _interleaved_split(b_p, BH, SLOTS, BR, BF16)  # [BH, 2 SLOTS, BR]
             b_scale = tl.reshape(tl.join(b_alpha, b_alpha), [BH, 2 * SLOTS])[:, :, None]
             b_acca = _dot(b_pt, b_xa, b_acca * b_scale, BF16)
             if KB > 0:
@@ -1045,6 +1053,28 @@ def _group_fwd_dots_config(padded_heads: int, head_dim: int) -> Optional[LoopCon
     return LoopConfig(1, 4, False, 1, programs_per_sm=2)
 
 
+# Shared memory of one Hopper SM (228 KB) and what the driver reserves per program: two
+# programs per SM may each use (233472 - 2 * 1024) / 2 bytes.
+_SM_SHARED_BYTES, _PROGRAM_RESERVED_BYTES = 233472, 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _queries_left(padded_heads: int, head_dim: int, element_size: int) -> bool:
+    """Which form the tensor-core forward's first dot takes. Rows left (X @ W) holds the
+    row block twice in shared memory, once per dot's operand layout, next to the queries:
+    BH (KA + KB) (2 SLOTS + 2 BR) bf16 elements, 120 KB at the 1B width, so one program
+    fits an SM. Queries left (W^T @ X^T) feeds both dots from one copy (90 KB there, two
+    programs per SM) but transposes the block in registers. Queries left where rows left
+    would not fit two programs per SM. H200 (CUDA graphs, triton 3.6, same run): 1B deepest
+    group 0.409 -> 0.327 ms; at 350M, where both forms fit two programs and the transpose
+    only costs, 0.244 -> 0.271 ms. fp32 rows (IEEE dots) keep rows left: one program per
+    SM either way, and queries left took more shared memory (229 against 173 KB at the 1B
+    width, sm_90 compile)."""
+    ka, kb = _head_chunks(head_dim)
+    rows_left = element_size * padded_heads * (ka + kb) * (2 * SLOTS + 2 * 16)
+    return bool(element_size == 2 and rows_left > _SM_SHARED_BYTES // 2 - _PROGRAM_RESERVED_BYTES)
+
+
 @functools.lru_cache(maxsize=None)
 def _group_bwd_dots_config(padded_heads: int, head_dim: int) -> Tuple[LoopConfig, LoopConfig]:
     """Launch configs of the tensor-core phase-1 backward's (rows, heads) kernels: the rows
@@ -1264,7 +1294,8 @@ def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, 
         sources, queries, norm_weights, m, l, acc,
         t, n, g, sources.stride(0), sources.stride(1), eps, float(logit_scale),
         D=d, H=heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, GH=split, STAGES=config.stages,
-        NORMALISED=acc.dtype != torch.float32, num_warps=config.num_warps,
+        NORMALISED=acc.dtype != torch.float32,
+        QUERIES_LEFT=_queries_left(padded_heads, head_dim, sources.element_size()), num_warps=config.num_warps,
     )  # fmt: skip
     if first_out is not None:  # a merge of no new rows, launched here: the kernel's registers are full
         merge_forward(m[0], l[0], acc[0], sources[:, :0], queries[0], norm_weights[0], num_heads, eps,

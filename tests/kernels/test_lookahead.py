@@ -249,6 +249,31 @@ def test_half_precision_partials(d, heads, tensor_cores, dtype):
                             1.0, torch.empty((t, heads), device=DEVICE))  # fmt: skip
 
 
+@pytest.mark.parametrize("queries_left", [True, False], ids=["queries-left", "rows-left"])
+@pytest.mark.parametrize("d,heads,n0", [(1280, 8, 19), (768, 1, 5)], ids=["1B-width", "768-one-head"])
+def test_dot_forward_forms(d, heads, n0, queries_left, monkeypatch):
+    """The tensor-core forward's two forms of its first dot (``_queries_left``: W^T @ X^T
+    where X @ W would not fit two programs per SM) give the reference's partials, over a
+    row block and a remainder (n0 = 19), for every dtype the dots take. The rule picks
+    queries left at the 1B width in bf16 only."""
+    assert fused._queries_left(8, 160, 2) and not fused._queries_left(8, 128, 2)
+    assert not fused._queries_left(8, 160, 4)
+    monkeypatch.setattr(fused, "_queries_left", lambda *shape: queries_left)
+    t, g = _tokens(3), 6
+    torch.manual_seed(n0 + heads)
+    for dtype in DTYPES:
+        buffer, queries, norms, _ = _inputs(t, n0, g, d, heads, 1.0, dtype)
+        m, l, acc = fused.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0, tensor_cores=True)
+        rm, rl, racc = TORCH_LOOKAHEAD.group_forward(buffer[:, :n0].float(), queries.float(), norms.float(),
+                                                     heads, EPS, 1.0)  # fmt: skip
+        if acc.dtype != torch.float32:  # normalised half-precision partials
+            acc = (acc.float().unflatten(-1, (heads, -1)) * l[..., None]).flatten(-2)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(m, rm, rtol=tol, atol=tol)
+        torch.testing.assert_close(l, rl, rtol=tol, atol=tol)
+        torch.testing.assert_close(acc, racc, rtol=tol, atol=tol * racc.abs().max().item())
+
+
 def test_fp16_rows_refuse_the_dots():
     """The dots take bf16 or fp32 rows: ``tensor_cores=True`` over fp16 rows is an error
     that names the way out (``auto`` runs the row loops: test_tensor_cores_auto)."""
