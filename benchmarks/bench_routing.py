@@ -477,7 +477,8 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
         group, n0, buf, gbuf, qs, ws, grad_outs = deepest_group(case)
         m, l, acc = LA.group_forward(buf, qs, ws, HEADS, EPS, 1.0)
         lse = (m + l.log()).contiguous()
-        deltas = torch.randn(group, case.t, HEADS, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+        seeded = torch.Generator(device="cuda").manual_seed(1)
+        deltas = torch.randn(group, case.t, HEADS, device="cuda", generator=seeded)
         _, bh, bhd = K._tile(case.d, HEADS)
         spp, fwd = LA._group_fwd_config(bh * bhd, group)
         bwd_spp, bwd = LA._group_bwd_config(bh * bhd, group)
@@ -577,8 +578,9 @@ def merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, padded_d, grou
         return K.LoopConfig(max(1, elements // padded_d), warps, False, stages, **extra)
 
     mf, mb = LA._merge_fwd_config(padded_d), LA._merge_bwd_config(padded_d)
-    fwd_loops = [mf, mf.override(stages=2), mf.override(stages=3), tile(8192, 8, 3), tile(4096, 4, 3),
-                 tile(4096, 2, 1), tile(4096, 2, 3), tile(2048, 1, 3), tile(2048, 1, 4),
+    # The default, the former default (8K at 4 warps, unpipelined), then tiles around them.
+    fwd_loops = [mf, mf.override(stages=2), mf.override(stages=4), tile(8192, 4, 1), tile(8192, 4, 3),
+                 tile(8192, 8, 3), tile(4096, 4, 3), tile(4096, 2, 1), tile(4096, 2, 3),
                  K._fwd_config(padded_d)]  # fmt: skip
     bwd_loops = [mb, mb.override(stages=2), mb.override(stages=2, programs_per_sm=8),
                  mb.override(num_warps=2, stages=2), tile(1024, 2, 2, programs_per_sm=8),
