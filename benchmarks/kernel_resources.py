@@ -29,7 +29,9 @@ from triton.compiler import ASTSource  # noqa: E402
 from mhar_kernels import lookahead as fused  # noqa: E402
 
 H200_SHARED_BYTES = 232448  # the most shared memory one program may use on sm_90 (227 KiB)
-ROWS = ("V_ptr", "DO_ptr", "Q_ptr", "G_ptr")  # pointers to tensors in the rows' dtype
+# Pointers to tensors in the rows' dtype (W_ptr: the rows kernel's folded queries, bf16 pairs
+# or fp32 as lookahead._folded_operand leaves them).
+ROWS = ("V_ptr", "DO_ptr", "Q_ptr", "G_ptr", "W_ptr")
 HALF_ROWS = ("A_ptr",)
 ELEMENT_SIZE = {"bf16": 2, "fp32": 4}  # ... where the rows are bf16 (phase 1's normalised accumulators)
 
@@ -43,8 +45,9 @@ LAUNCHES = {
 }
 
 
-# The row-gradient kernel's per-entry tuples: (element type, the launch size each element takes).
-ENTRY_TUPLES = {"Z": ("*fp32", None), "KV": ("*fp32", None), "W": ("*fp32", None), "DO": ("rows", None),
+# The row-gradient kernel's per-entry tuples: (element type, the launch size each element takes);
+# the folded queries W come in the rows' dtype (bf16 pairs, or fp32: lookahead._folded_operand).
+ENTRY_TUPLES = {"Z": ("*fp32", None), "KV": ("*fp32", None), "W": ("rows", None), "DO": ("rows", None),
                 "N": ("i32", "N"), "OWED": ("i32", "N"), "CHUNK_LO": ("i32", "chunk_lo"),
                 "CHUNK_HI": ("i32", "chunk_hi")}  # fmt: skip
 

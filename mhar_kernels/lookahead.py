@@ -542,15 +542,25 @@ def _dot_split(a_hi, a_lo, b_hi, b_lo, acc, A_EXACT: tl.constexpr, B_EXACT: tl.c
 @triton.jit
 def _slot_operand(W_ptr, DO_ptr, t, T, o_c, o_d, mask, D: tl.constexpr, chunk_lo, chunk_hi,
                   BF16: tl.constexpr):  # fmt: skip
-    """The backward's Y operand of token t, _split, at broadcastable slot columns ``o_c``
-    and channel offsets ``o_d``: column 2j is w of slot j (site chunk_hi - 1 - j), column
-    2j + 1 its output gradient; slots below chunk_lo and ``mask``ed channels are zero."""
+    """The backward's Y operand of token t as a _split pair, at broadcastable slot columns
+    ``o_c`` and channel offsets ``o_d``: column 2j is w of slot j (site chunk_hi - 1 - j),
+    column 2j + 1 its output gradient; slots below chunk_lo and ``mask``ed channels are
+    zero. W_ptr: the folded queries as ``_folded_operand`` leaves them. bf16 rows: the
+    pair is loaded as the dots take it, w's rounding and the output gradients by one load,
+    w's remainder by another, without the fp32 arithmetic of a _split in every program
+    (bitwise the same pair)."""
     site = chunk_hi - 1 - o_c // 2
     mask = mask & (site >= chunk_lo)
     is_do = o_c % 2 == 1
-    b_w = tl.load(W_ptr + site * D + o_d, mask=mask & ~is_do, other=0.0)
     p_do = DO_ptr + (site.to(tl.int64) * T + t) * D + o_d
-    return _split(b_w + tl.load(p_do, mask=mask & is_do, other=0.0).to(tl.float32), BF16)
+    if BF16:
+        p_w = W_ptr + site * (2 * D) + o_d
+        pair = (tl.load(tl.where(is_do, p_do, p_w), mask=mask, other=0.0),
+                tl.load(p_w + D, mask=mask & ~is_do, other=0.0))  # fmt: skip
+    else:
+        b_w = tl.load(W_ptr + site * D + o_d, mask=mask & ~is_do, other=0.0)
+        pair = _split(b_w + tl.load(p_do, mask=mask & is_do, other=0.0).to(tl.float32), BF16)
+    return pair
 
 
 @triton.jit
@@ -765,7 +775,7 @@ def _group_fwd_dots_kernel(
 @triton.jit(do_not_specialize=["T", "N", "chunk_lo", "chunk_hi"])
 def _group_bwd_rows_kernel(
     V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
-    W_ptr,  # [NG, D] fp32 folded queries
+    W_ptr,  # folded queries (_folded_operand)
     DO_ptr,  # [NG, T, D] gradients of the sites' outputs
     LSE_ptr,  # [NG, T, H] fp32
     DELTA_ptr,  # [NG, T, H] fp32
@@ -862,8 +872,8 @@ def _group_bwd_row_grads_kernel(
     V_ptr,  # [T, R, D] the history's rows from row 0, strides (stride_vt, stride_vn, 1)
     DV_ptr,  # [T, R, D] fp32 their gradients (+=), strides (stride_dvt, stride_dvn, 1)
     Z, KV, W, DO,  # J-tuples, per entry (one chunk of a phase-1 backward): its rows kernel's
-    # Z [T, N_j, H, 2 * SLOTS] and kv [T, N_j] fp32, folded queries [NG_j, D] fp32 and the
-    # sites' output gradients [NG_j, T, D]
+    # Z [T, N_j, H, 2 * SLOTS] and kv [T, N_j] fp32, folded queries (_folded_operand) and
+    # the sites' output gradients [NG_j, T, D]
     N, OWED, CHUNK_LO, CHUNK_HI,  # J-tuples of ints: N_j, the entry adds to rows [start, OWED_j), its sites
     T, start, stop, stride_vt, stride_vn, stride_dvt, stride_dvn,
     D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BR: tl.constexpr, KA: tl.constexpr,
@@ -875,13 +885,14 @@ def _group_bwd_row_grads_kernel(
     without ACCUMULATE, where dv holds nothing yet). Every entry's
     operands are whole tiles (Z [BR, 2 * SLOTS], Y [2 * SLOTS, head width]) loaded at
     once and multiplied as one dot, so a program has a few independent loads per entry in
-    flight instead of a chain of small ones per slot. Measured in the 1B training step on
-    the H200: 59.5 ms per step (160 launches), against 64.5 ms for the same kernel over the
-    head padded to 256 columns and unpipelined, and 91.1 ms for per-slot fp32 outer
-    products. Five entries over a block of 8 rows at the 1B shape: 0.281 ms, 0.39 of copy
-    bandwidth on its bytes (benchmarks/results/routing_h200_row_grads_sweep.json; 2 warps
-    unpipelined tie, 8 warps lose 1.5-3x). At 4 warps and two stages the sm_90 compile takes
-    135 registers and 16 KB of shared memory per program at the 1B width."""
+    flight instead of a chain of small ones per slot. The folded queries come as the bf16
+    pair the dots take (_folded_operand), so no program forms it. Measured in the 1B
+    training step on the H200: 49.2 ms per step, against 58.0 with each program splitting
+    fp32 queries (benchmarks/results/training_h200_graph_row_grads_folded_operand.json),
+    64.5 ms for the head padded to 256 columns and unpipelined, and 91.1 ms for per-slot
+    fp32 outer products. Unpipelined it took 67.7 ms (entries of different groups miss the
+    cache). At 4 warps and two stages the sm_90 compile takes 11 KB of shared memory per
+    program at the 1B width (16 KB with fp32 queries)."""
     BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
     t = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -1496,8 +1507,8 @@ class RowFactors(NamedTuple):
     """The rows' gradients one chunk of a tensor-core phase-1 backward leaves to
     :func:`add_row_grads`: its rows kernel's factors ``z`` [T, N, H, 2 * SLOTS] (H the
     dot heads) and ``kv`` [T, N] fp32 (transient workspace: 69 MB at the 1B shape's
-    deepest group), the sites' folded queries [NG, D] fp32 and output gradients
-    [NG, T, D], and the chunk's sites ``[chunk_lo, chunk_hi)``."""
+    deepest group), the sites' folded queries as ``_folded_operand`` leaves them and
+    their output gradients [NG, T, D], and the chunk's sites ``[chunk_lo, chunk_hi)``."""
 
     z: torch.Tensor
     kv: torch.Tensor
@@ -1505,6 +1516,17 @@ class RowFactors(NamedTuple):
     grad_outs: torch.Tensor
     chunk_lo: int
     chunk_hi: int
+
+
+def _folded_operand(folded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The folded queries [NG, D] fp32 as the row-gradient kernel reads them: for bf16 rows
+    [NG, 2, D] bf16, their rounding and what it misses (the pair _split forms in the
+    kernel, formed once per group here instead of in each of its T x H programs);
+    otherwise the fp32 queries themselves."""
+    if dtype != torch.bfloat16:
+        return folded
+    hi = folded.to(torch.bfloat16)
+    return torch.stack((hi, (folded - hi.float()).to(torch.bfloat16)), 1)
 
 
 # Entries of one _group_bwd_row_grads_kernel launch; more run in further launches, in order.
@@ -1660,13 +1682,14 @@ def _group_backward_tensor_cores(
     ka, kb = _head_chunks(head_dim)
     rows_config, heads_config = _group_bwd_dots_config(padded_heads, head_dim)
     rows_programs = _backward_programs(t, device, rows_config.programs_per_sm)
+    folded_rows = _folded_operand(folded, sources.dtype)
     deferred = []
     for chunk_hi in range(hi, lo, -SLOTS) if t > 0 else ():
         chunk_lo = max(lo, chunk_hi - SLOTS)
         factors = torch.empty((t, n, heads, 2 * SLOTS), dtype=torch.float32, device=device)
         rms_term = torch.empty((t, n), dtype=torch.float32, device=device)
         _group_bwd_rows_kernel[(rows_programs,)](
-            sources, folded, grad_outs, lse, delta, factors, rms_term, t, n, chunk_lo, chunk_hi,
+            sources, folded_rows, grad_outs, lse, delta, factors, rms_term, t, n, chunk_lo, chunk_hi,
             sources.stride(0), sources.stride(1), eps, float(logit_scale),
             D=d, H=heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, GH=split,
             STAGES=rows_config.stages, num_warps=rows_config.num_warps,
@@ -1676,7 +1699,7 @@ def _group_backward_tensor_cores(
             D=d, H=heads, HD=head_dim, BR=16, BHD=bhd, STAGES=heads_config.stages,
             num_warps=num_warps or heads_config.num_warps,
         )  # fmt: skip
-        deferred.append(RowFactors(factors, rms_term, folded, grad_outs, chunk_lo, chunk_hi))
+        deferred.append(RowFactors(factors, rms_term, folded_rows, grad_outs, chunk_lo, chunk_hi))
     dq, dg = _reduce_dw(dw, sources, queries, norm_weights, merge_dw)
     return dq[lo:hi], dg[lo:hi], tuple(deferred)
 
