@@ -1519,14 +1519,17 @@ class RowFactors(NamedTuple):
 
 
 def _folded_operand(folded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The folded queries [NG, D] fp32 as the row-gradient kernel reads them: for bf16 rows
-    [NG, 2, D] bf16, their rounding and what it misses (the pair _split forms in the
-    kernel, formed once per group here instead of in each of its T x H programs);
+    """The folded queries [NG, D] fp32 as the dot backward's rows and row-gradient kernels
+    read them: for bf16 rows [NG, 2, D] bf16, their rounding and what it misses (the pair
+    _split forms in a kernel, formed once per group here instead of in each program; two
+    elementwise launches, the difference taken in fp32 and rounded once on writing);
     otherwise the fp32 queries themselves."""
     if dtype != torch.bfloat16:
         return folded
-    hi = folded.to(torch.bfloat16)
-    return torch.stack((hi, (folded - hi.float()).to(torch.bfloat16)), 1)
+    pair = torch.empty((folded.shape[0], 2, folded.shape[1]), dtype=torch.bfloat16, device=folded.device)
+    pair[:, 0].copy_(folded)
+    torch.sub(folded, pair[:, 0], out=pair[:, 1])
+    return pair
 
 
 # Entries of one _group_bwd_row_grads_kernel launch; more run in further launches, in order.

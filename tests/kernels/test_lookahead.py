@@ -717,3 +717,17 @@ def test_tensor_cores_reject_row_loop_overrides():
             fused.group_backward(grad_outs, rows, queries, norms, stats, stats, heads, EPS, 1.0,
                                  grad_rows, tensor_cores=True, **override)  # fmt: skip
     assert not grad_rows.any()  # nothing written before the error
+
+
+def test_folded_operand_is_the_kernels_split():
+    """The dot backward's queries over bf16 rows: [NG, 2, D] holding their bf16 rounding and
+    the rounding of what it misses, bitwise the pair the kernels' _split formed in fp32
+    (round to nearest even, the difference exact in fp32); other dtypes keep fp32."""
+    folded = torch.randn(3, 320, generator=torch.Generator().manual_seed(0)) * torch.logspace(-20, 20, 320)
+    pair = fused._folded_operand(folded, torch.bfloat16)
+    hi = folded.to(torch.bfloat16)
+    assert pair.shape == (3, 2, 320) and pair.dtype == torch.bfloat16
+    assert torch.equal(pair[:, 0].view(torch.int16), hi.view(torch.int16))
+    assert torch.equal(pair[:, 1].view(torch.int16), (folded - hi.float()).to(torch.bfloat16).view(torch.int16))
+    assert (pair.float().sum(1) - folded).abs().le(folded.abs() * 2.0**-16).all()
+    assert fused._folded_operand(folded, torch.float32) is folded
