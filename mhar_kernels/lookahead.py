@@ -68,38 +68,12 @@ def _token_tile(i_t, T, H: tl.constexpr, HD: tl.constexpr, BT: tl.constexpr, BH:
     return o_t, o_h, o_d, m_d, m_t, m_v, m_th, o_t.to(tl.int64)
 
 
-# Phase 1's running max is raised only where a row's logit passes it by more than this
-# (nats). Every partial (m, l, acc) is exact relative to its own m, whichever m that is (the
-# merges and the lse take any), and below the margin the weights exp(s - m) stay under
-# e^8 ~ 3e3, far inside fp32; rows that raise no max skip the accumulators' rescale, one
-# multiply per element and site of the row loop's arithmetic (flash attention 4's lazy
-# rescaling).
-RESCALE_MARGIN = tl.constexpr(8.0)
-
-
-@triton.jit
-def _softmax_step_lazy(b_v, b_s, b_m, b_l, b_acc):
-    """One row ``b_v`` [BT, BH, BHD] with logits ``b_s`` [BT, BH] into a site's running
-    (max, denominator, accumulator): the online-softmax step where a logit of the tile
-    passes the max by more than RESCALE_MARGIN, else the weights against the kept max and
-    no rescale. Decided per site and tile, so a site's partials do not depend on the
-    sites that share its program."""
-    if tl.max(tl.max(b_s - b_m, axis=1), axis=0) > RESCALE_MARGIN:
-        b_m, b_l, b_accs = _softmax_step((b_v,), b_s, b_m, b_l, (b_acc,), 1)
-        b_acc = b_accs[0]
-    else:
-        b_p = tl.exp(b_s - b_m)
-        b_l = b_l + b_p
-        b_acc = b_acc + b_p[:, :, None] * b_v
-    return b_m, b_l, b_acc
-
-
 @triton.jit
 def _group_fwd_kernel(
     V_ptr,  # [T, N, D] old rows, strides (stride_vt, stride_vn, 1)
     Q_ptr,  # [NG, D] pseudo-queries of the group's sites, contiguous
     G_ptr,  # [NG, D] norm weights, contiguous
-    M_ptr,  # [NG, T, H] fp32 running max of the logits (the row loop's: within RESCALE_MARGIN below it)
+    M_ptr,  # [NG, T, H] fp32 running max of the logits
     L_ptr,  # [NG, T, H] fp32 softmax denominators (relative to M)
     A_ptr,  # [NG, T, D] fp32 unnormalised accumulators (relative to M), or NORMALISED: acc / L in half precision
     O_ptr,  # [T, D] FIRST: site 0's output in the sources' dtype, strides (stride_ot, 1)
@@ -151,10 +125,10 @@ def _group_fwd_kernel(
         b_rs = (_inv_rms((b_v,), eps, D, 1) * scale)[:, None]
         b_dots = _head_dots(b_v, b_ws, BG)
         for j in tl.static_range(BG):
-            b_m, b_l, b_acc = _softmax_step_lazy(b_v, b_dots[j] * b_rs, b_ms[j], b_ls[j], b_accs[j])
+            b_m, b_l, b_acc = _softmax_step((b_v,), b_dots[j] * b_rs, b_ms[j], b_ls[j], (b_accs[j],), 1)
             b_ms = b_ms[:j] + (b_m,) + b_ms[j + 1 :]
             b_ls = b_ls[:j] + (b_l,) + b_ls[j + 1 :]
-            b_accs = b_accs[:j] + (b_acc,) + b_accs[j + 1 :]
+            b_accs = b_accs[:j] + b_acc + b_accs[j + 1 :]
         p_v += stride_vn
 
     for j in tl.static_range(BG):
@@ -1236,10 +1210,8 @@ def group_forward(
         loop: :class:`LoopConfig` fields overriding the default launch (benchmarks).
 
     Returns:
-        (m [G, T, H], l [G, T, H], acc [G, T, D]) online-softmax partials: m and l fp32
-        (m the logits' max, or on the row loop a max kept up to RESCALE_MARGIN below it:
-        l and acc are relative to m, so m + log l is the log-sum-exp either way); acc fp32
-        and unnormalised, except over half-precision rows, where it is
+        (m [G, T, H], l [G, T, H], acc [G, T, D]) online-softmax partials: m and l fp32;
+        acc fp32 and unnormalised, except over half-precision rows, where it is
         ``acc / l`` in the rows' dtype (a convex combination of the rows, so within
         their range), which :func:`merge_forward` takes back: half the partials' bytes
         written and read (README.md beside this file, "Half-precision partials").
