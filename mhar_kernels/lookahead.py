@@ -42,6 +42,7 @@ from .depth_route import (
     LoopConfig,
     _bwd_head_sums,
     _check_sources,
+    _exp,
     _folded_query,
     _grad_factors,
     _inv_rms,
@@ -276,7 +277,7 @@ def _merge_bwd_kernel(
         for _ in tl.range(0, N, num_stages=STAGES):
             b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
             b_r, b_dot, b_s, b_dp = _bwd_head_sums((b_v,), (b_w,), (b_do,), eps, scale, D, 1, ONE_REDUCE)
-            b_p = tl.exp(b_s - b_lse)
+            b_p = _exp(b_s - b_lse)
             b_ds = b_p * (b_dp - b_delta)
             b_rs = b_r * scale
             b_rds = b_rs[:, None] * b_ds
@@ -471,7 +472,7 @@ def _group_bwd_kernel(
             b_dots = _head_dots(b_v, b_wdos, 2 * SG)  # slot j: v . w_j at 2j, v . do_j at 2j + 1
             for j in tl.static_range(SG):
                 b_dot = b_dots[2 * j]
-                b_p = tl.exp(b_dot * b_rs[:, None] - b_lses[j])
+                b_p = _exp(b_dot * b_rs[:, None] - b_lses[j])
                 b_ds = b_p * (b_dots[2 * j + 1] - b_deltas[j])
                 b_ps = b_ps + (b_p,)
                 b_dss = b_dss + (b_ds,)
@@ -740,8 +741,8 @@ def _group_fwd_dots_kernel(
             b_z = _row_pair_sum(b_s, BH, SLOTS, BR) * b_rs[None, None, :]
             b_z = tl.where(m_r[None, None, :], b_z, float("-inf"))
             b_mn = tl.maximum(b_m, tl.max(b_z, axis=2))
-            b_alpha = tl.exp(b_m - b_mn)
-            b_p = tl.exp(b_z - b_mn[:, :, None])
+            b_alpha = _exp(b_m - b_mn)
+            b_p = _exp(b_z - b_mn[:, :, None])
             b_l = b_l * b_alpha + tl.sum(b_p, axis=2)
             b_pt = _interleaved_split(b_p, BH, SLOTS, BR, BF16)  # [BH, 2 SLOTS, BR]
             b_scale = tl.reshape(tl.join(b_alpha, b_alpha), [BH, 2 * SLOTS])[:, :, None]
@@ -817,7 +818,7 @@ def _group_bwd_rows_kernel(
             b_r = tl.rsqrt(b_sq / D + eps)
             b_rs = (b_r * scale)[None, :, None]
             b_a, b_dp = tl.split(tl.reshape(b_ad, [BH, BR, SLOTS, 2]))
-            b_p = tl.where(m_r[None, :, None], tl.exp(b_a * b_rs - b_lse[:, None, :]), 0.0)
+            b_p = tl.where(m_r[None, :, None], _exp(b_a * b_rs - b_lse[:, None, :]), 0.0)
             b_ds = b_p * (b_dp - b_delta[:, None, :])
             b_c = tl.sum(tl.sum(b_ds * b_a, axis=2), axis=0) / GH  # each model head counted GH times
             o_tr = tl.cast(t, tl.int64) * N + rows
@@ -1004,9 +1005,9 @@ def _use_tensor_cores(tensor_cores: Optional[bool], sites: int, head_dim: int, b
     groups of 4 ran faster on the row loops), heads of at most 256 padded columns (one
     1024-wide head took 112 ms per 350M training step in the dot forward), forward, heads
     wider than 64 (100M's 64 in groups of 5: 11.2 ms per training step against 6.5 for
-    the row loop) and, backward, heads wider than 128 (at 350M's 128 the two dot kernels
-    took 46 ms per training step against 44 for the row loop; at 1B's 160 the deepest
-    group took 1.28 against 2.63 ms). ``head_dim`` is the dot heads' width
+    the row loop) and, backward, heads wider than 128 (at 350M's 128 the three dot
+    kernels took 43.9 ms per training step against 28.1 for the row loop at stop 36; at
+    1B's 160 the deepest group took 1.28 against 2.63 ms). ``head_dim`` is the dot heads' width
     (``_dot_heads``). Decided by the group's size, never a split's: a recomputed chunk
     runs the kernels of the whole group. The dots take bf16 or fp32 rows: fp16 rows run
     the row loops (``tensor_cores=True`` over them is an error)."""
