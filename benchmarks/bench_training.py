@@ -33,10 +33,18 @@ CUDA time into the routing kernels' forward and backward and everything else, ne
 step's wall time (their ratio shows how far the host, not the GPU, bounds the step),
 and one profiled micro-batch's host time by operator and CUDA runtime call
 (``host_profile``).
+
+A kernel change is timed against the kernels of another revision in the same run: a model
+marked ``@kernels=base`` trains on the ``mhar_kernels`` tree given by ``--base-kernels``
+(``benchmarks/base_kernels.py`` writes one from a git revision), interleaved with the
+same model on this checkout's kernels, which reports ``throughput_vs_base_kernels``
+(above 1: this checkout's kernels are faster) and its round median.
 """
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -97,6 +105,22 @@ MODELS = {
                                               lookahead_kernels="tensor_cores"),
     "attnres_lookahead": MHARConfig(variant="full", num_heads=1, routing_schedule="lookahead"),
 }
+
+
+# A --models entry's token that runs the model with --base-kernels' tree (benchmarks/base_kernels.py).
+BASE_KERNELS = "kernels=base"
+
+
+def split_kernels(spec: str):
+    """(the entry without its ``@kernels=base`` token, whether it had one): such an entry
+    trains the same model with another revision's kernels (``--base-kernels``)."""
+    name, *tokens = spec.split("@")
+    bad = [t for t in tokens if t.startswith("kernels=") and t != BASE_KERNELS]
+    if bad:
+        raise ValueError(f"model {spec!r}: {bad[0]!r}: the kernels token takes only base "
+                         f"(the --base-kernels tree)")
+    kept = [t for t in tokens if t != BASE_KERNELS]
+    return "@".join([name, *kept]), len(kept) != len(tokens)
 
 
 def parse_model(spec: str) -> MHARConfig:
@@ -190,11 +214,12 @@ def _step(trainer, case: SizeCase, schedule=None):
     ddp, optimizer, batches = trainer.ddp, trainer.optimizer, trainer.batches
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    result = (schedule or trainer.schedule)(
-        forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
-        num_microbatches=case.num_microbatches, seq_length=case.model.seq_length,
-        micro_batch_size=case.micro_batch, forward_only=False,
-    )
+    with trainer.kernels():
+        result = (schedule or trainer.schedule)(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
+            num_microbatches=case.num_microbatches, seq_length=case.model.seq_length,
+            micro_batch_size=case.micro_batch, forward_only=False,
+        )
     optimizer.step()
     return sum(r["loss"].item() for r in result) / len(result)
 
@@ -266,12 +291,13 @@ def _host_split(trainer, device: str, repeats: int = 3):
     for _ in range(repeats):
         _sync(device)
         start = time.perf_counter()
-        loss = _micro_batch_loss(trainer.ddp, batch).float().mean()
-        issued = time.perf_counter()
-        _sync(device)
-        done = time.perf_counter()
-        loss.backward()
-        back_issued = time.perf_counter()
+        with trainer.kernels():
+            loss = _micro_batch_loss(trainer.ddp, batch).float().mean()
+            issued = time.perf_counter()
+            _sync(device)
+            done = time.perf_counter()
+            loss.backward()
+            back_issued = time.perf_counter()
         _sync(device)
         times.append((issued - start, done - start, back_issued - done, time.perf_counter() - done))
     trainer.ddp.zero_grad_buffer()  # the next step starts from zero gradients anyway
@@ -287,7 +313,7 @@ def _host_profile(trainer, top: int = 40):
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, trainer.kernels():
         _micro_batch_loss(trainer.ddp, trainer.batches[0]).float().mean().backward()
         torch.cuda.synchronize()
     trainer.ddp.zero_grad_buffer()
@@ -306,6 +332,9 @@ class _Trainer:
     optimizer: object
     batches: list
     schedule: object  # Megatron's forward/backward function, or a FullIterationGraph
+    # Entered around everything that runs the model: base_kernels.active for a model on
+    # another revision's kernels (the routing imports them every forward).
+    kernels: object = contextlib.nullcontext
 
 
 def _timed_step(trainer: _Trainer, case: SizeCase, device: str):
@@ -337,7 +366,7 @@ def _schedule(cuda_graph: str):
 
 
 def _build_and_warm(case: SizeCase, mhar: MHARConfig, device: str, warmup: int,
-                    cuda_graph: str = "none"):
+                    cuda_graph: str = "none", kernels=contextlib.nullcontext):
     """Builds one model and runs its warmup steps: (trainer, warmup losses, own peak GiB
     or None on CPU). The models built before stay idle, so the peak over this phase minus
     the bytes allocated before it is this model's own."""
@@ -348,7 +377,7 @@ def _build_and_warm(case: SizeCase, mhar: MHARConfig, device: str, warmup: int,
     torch.manual_seed(0)
     trainer = _Trainer(*_train_setup(case, mhar, device),
                        _batches(case, device, case.model.padded_vocab_size()),
-                       _schedule(cuda_graph))
+                       _schedule(cuda_graph), kernels)
     losses = [_timed_step(trainer, case, device)[1] for _ in range(warmup)]
     if device != "cuda":
         return trainer, losses, None
@@ -387,6 +416,13 @@ def _add_ratios(results: dict, times: dict):
             entry["throughput_ratio_round_median"] = statistics.median(rounds)
             if "peak_memory_gib" in entry:
                 entry["memory_ratio"] = entry["peak_memory_gib"] / base["peak_memory_gib"]
+    # A model on this checkout's kernels against the same model on --base-kernels' tree.
+    for name, entry in results.items():
+        twin, on_base = split_kernels(name)
+        if on_base and twin in results:
+            results[twin]["throughput_vs_base_kernels"] = entry["step_s_median"] / results[twin]["step_s_median"]
+            results[twin]["throughput_vs_base_kernels_round_median"] = statistics.median(
+                _round_ratios(times[name], times[twin]))
     # AttnRes against MHAR on the same schedule ("the heads must be free").
     for attnres_name, mhar_name in (("attnres", "mhar"), ("attnres_lookahead", "mhar_lookahead")):
         if attnres_name in results and mhar_name in results:
@@ -397,15 +433,18 @@ def _add_ratios(results: dict, times: dict):
 
 
 def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profile: bool,
-             cuda_graph: str = "none"):
+             cuda_graph: str = "none", kernels=None):
+    """Trains ``models`` ({name: MHARConfig}) of one size; ``kernels`` ({name: context
+    manager factory}) gives a model the kernels to run under (default: this checkout's)."""
+    kernels = kernels or {}
     vocab = case.model.padded_vocab_size()
     if cuda_graph != "none":
         reset_static_inputs()
     tokens = case.micro_batch * case.model.seq_length * case.num_microbatches
     trainers, warm_losses, peaks = {}, {}, {}
     for name, mhar in models.items():
-        trainers[name], warm_losses[name], peaks[name] = _build_and_warm(case, mhar, device, warmup,
-                                                                          cuda_graph)
+        trainers[name], warm_losses[name], peaks[name] = _build_and_warm(
+            case, mhar, device, warmup, cuda_graph, kernels.get(name, contextlib.nullcontext))
     times, losses = _timed_rounds(trainers, case, device, steps)
     results = {}
     for name, trainer in trainers.items():
@@ -466,7 +505,12 @@ def main(argv=None):
     parser.add_argument("--sizes", default="100m,350m,1b", help="comma list of " + ",".join(SIZES))
     parser.add_argument("--models", default="baseline,attnres,mhar",
                         help="comma list of " + ",".join(MODELS) + "; a name may carry "
-                             "MHARConfig overrides: mhar_lookahead@lookahead_group=8")
+                             "MHARConfig overrides: mhar_lookahead@lookahead_group=8, and @"
+                             + BASE_KERNELS + " to run on --base-kernels' tree")
+    parser.add_argument("--base-kernels", metavar="DIR",
+                        help="another revision's mhar_kernels (python benchmarks/base_kernels.py REV "
+                             "DIR) for the models marked @" + BASE_KERNELS + "; each such model is "
+                             "compared with the same model on this checkout's kernels")
     parser.add_argument("--steps", type=int, default=8,
                         help="timed rounds (one optimizer step per model each)")
     parser.add_argument("--warmup", type=int, default=3,
@@ -485,9 +529,24 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown sizes {unknown}; choose from {list(SIZES)}")
     try:
-        models = {spec: parse_model(spec) for spec in args.models.split(",")}
+        specs = {spec: split_kernels(spec) for spec in args.models.split(",")}
+        models = {spec: parse_model(config) for spec, (config, _) in specs.items()}
     except ValueError as err:
         parser.error(str(err))
+    on_base = [spec for spec, (_, base) in specs.items() if base]
+    if on_base and not args.base_kernels:
+        parser.error(f"{on_base} run on another revision's kernels: give their tree with --base-kernels DIR")
+    if args.base_kernels and not on_base:
+        parser.error(f"--base-kernels is used only by models marked @{BASE_KERNELS}, and none is")
+    kernels = {}
+    if on_base:
+        from benchmarks import base_kernels
+
+        try:
+            tree = base_kernels.load(args.base_kernels)
+        except ValueError as err:
+            parser.error(str(err))
+        kernels = {spec: functools.partial(base_kernels.active, tree) for spec in on_base}
     if args.cuda_graph != "none" and (not torch.cuda.is_available() or args.warmup < 2):
         parser.error("--cuda-graph needs CUDA and --warmup >= 2 (one eager step, then the "
                      "capture, both inside the warmup whose peak memory is reported)")
@@ -503,6 +562,12 @@ def main(argv=None):
     models = {m: dataclasses.replace(mhar, kernel_impl=args.kernel_impl) if mhar.enabled else mhar
               for m, mhar in models.items()}
     report = {"environment": environment(), "args": vars(args), "sizes": {}}
+    if on_base:
+        report["kernel_trees"] = {"base": base_kernels.describe(args.base_kernels),
+                                  "checkout": base_kernels.describe(base_kernels.ROOT)}
+        if device != "cuda" or args.kernel_impl == "torch":
+            print("--base-kernels: the routing runs the torch reference here, so both trees' "
+                  "models run the same code", flush=True)
     try:
         with capture_stream(args.cuda_graph):
             if device == "cuda":  # on the stream the models run on: cuBLAS keys its workspaces by stream
@@ -510,7 +575,7 @@ def main(argv=None):
             for size in args.sizes.split(","):
                 report["sizes"][size] = run_size(SIZES[size], models, args.steps, args.warmup,
                                                  device, profile=not args.no_profile,
-                                                 cuda_graph=args.cuda_graph)
+                                                 cuda_graph=args.cuda_graph, kernels=kernels)
                 if args.out:
                     with open(args.out, "w") as f:
                         json.dump(report, f, indent=1)
@@ -518,7 +583,8 @@ def main(argv=None):
         destroy()
     print(json.dumps({s: {m: {k: round(v, 3) for k, v in e.items() if k in (
         "tokens_per_s", "throughput_ratio", "throughput_ratio_round_median", "throughput_vs_mhar",
-        "throughput_vs_mhar_round_median", "memory_ratio", "mfu", "peak_memory_gib")}
+        "throughput_vs_mhar_round_median", "throughput_vs_base_kernels", "throughput_vs_base_kernels_round_median",
+        "memory_ratio", "mfu", "peak_memory_gib")}
         for m, e in r["models"].items()} for s, r in report["sizes"].items()}, indent=1))
 
 

@@ -83,3 +83,98 @@ def test_model_overrides_name_their_errors():
         parse_model("mhar_lookahead@lookahead_group=eight")
     with pytest.raises(ValueError, match="lookahead_kernels"):  # MHARConfig's own check
         parse_model("mhar_lookahead@lookahead_kernels=dots")
+
+
+def _git(*args):
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture
+def base_kernels_module():
+    """benchmarks/base_kernels.py, with the other tree it loads dropped from sys.modules afterwards."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import base_kernels
+    finally:
+        sys.path.remove(str(ROOT))
+    yield base_kernels
+    for name in [n for n in sys.modules if n == base_kernels.ALIAS or n.startswith(base_kernels.ALIAS + ".")]:
+        del sys.modules[name]
+
+
+def test_base_kernels_export_and_swap(tmp_path, base_kernels_module, monkeypatch):
+    """A revision's kernels are written once (never over an existing tree), load beside the
+    installed package, and replace it for imports inside ``active`` only: there the
+    routing backends a model builds every forward hold the other tree's functions."""
+    from megatron_mhar.ops.history import get_backend
+    from megatron_mhar.ops.lookahead import get_lookahead_backend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # impl='triton' on CPU; nothing is launched
+    cpu = torch.device("cpu")
+    bk = base_kernels_module
+    import mhar_kernels.lookahead as installed
+
+    head = _git("rev-parse", "HEAD")
+    assert bk.export("HEAD", tmp_path) == head
+    assert (tmp_path / "REVISION").read_text().strip() == head
+    assert bk.describe(tmp_path)["revision"] == head
+    with pytest.raises(FileExistsError, match="exists"):
+        bk.export("HEAD", tmp_path)
+    with pytest.raises(ValueError, match="'no-such-revision' is not a commit"):
+        bk.export("no-such-revision", tmp_path / "other")
+    with pytest.raises(ValueError, match="benchmarks/base_kernels.py REV"):
+        bk.load(tmp_path / "other")
+    tree = bk.load(tmp_path)
+    assert tree["mhar_kernels.lookahead"].__name__ == "mhar_kernels_base.lookahead"
+    # Its relative imports stay inside the other tree.
+    assert tree["mhar_kernels.lookahead"].merge_row_grad.__module__ == "mhar_kernels_base.lookahead"
+    assert tree["mhar_kernels.lookahead"]._exp is tree["mhar_kernels.depth_route"]._exp
+    with bk.active(tree):
+        from mhar_kernels import lookahead as inside
+        from mhar_kernels.depth_route import route_forward
+
+        assert inside is tree["mhar_kernels.lookahead"]
+        assert route_forward is tree["mhar_kernels.depth_route"].route_forward
+        assert get_lookahead_backend("triton", cpu).merge_forward is inside.merge_forward
+        assert get_backend("triton", cpu).forward is route_forward
+    from mhar_kernels import lookahead as after
+
+    assert after is installed and after is not tree["mhar_kernels.lookahead"]
+    assert get_lookahead_backend("triton", cpu).merge_forward is installed.merge_forward
+
+
+def _bench(*args):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--sizes", "tiny",
+                           "--steps", "2", "--warmup", "1", "--no-profile", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def test_base_kernels_models_in_one_run(tmp_path, base_kernels_module):
+    """A model marked @kernels=base trains beside the same model on this checkout's kernels,
+    which reports its throughput against it; the trees' provenance is in the report. (On
+    CPU the routing runs the torch reference, so this checks the wiring, not a speed.)"""
+    tree = tmp_path / "base"
+    head = base_kernels_module.export("HEAD", tree)
+    out = tmp_path / "ab.json"
+    run = _bench("--models", "baseline,mhar_lookahead,mhar_lookahead@kernels=base", "--base-kernels", str(tree),
+                 "--out", str(out))  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["kernel_trees"]["base"]["revision"] == head
+    assert report["kernel_trees"]["checkout"]["sha256"] == base_kernels_module.describe(ROOT)["sha256"]
+    models = report["sizes"]["tiny"]["models"]
+    assert set(models) == {"baseline", "mhar_lookahead", "mhar_lookahead@kernels=base"}
+    assert models["mhar_lookahead@kernels=base"]["losses"] == models["mhar_lookahead"]["losses"]
+    assert models["mhar_lookahead"]["throughput_vs_base_kernels"] > 0
+    assert len(models["mhar_lookahead"]["throughput_ratio_rounds"]) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--models", "baseline,mhar@kernels=base"), "give their tree with --base-kernels"),
+    (("--models", "baseline,mhar", "--base-kernels", "."), "none is"),
+    (("--models", "mhar@kernels=old", "--base-kernels", "."), "takes only base"),
+    (("--models", "mhar@kernels=base", "--base-kernels", "no-such-dir"), "holds no mhar_kernels/__init__.py"),
+])  # fmt: skip
+def test_base_kernels_arguments_name_their_errors(args, message):
+    run = _bench(*args)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
