@@ -565,7 +565,9 @@ def main(argv=None):
     if on_base:
         report["kernel_trees"] = {"base": base_kernels.describe(args.base_kernels),
                                   "checkout": base_kernels.describe(base_kernels.ROOT)}
-        if device != "cuda" or args.kernel_impl == "torch":
+        from megatron_mhar.ops.depth_route import resolve_impl
+
+        if resolve_impl(args.kernel_impl, torch.device(device)) == "torch":
             print("--base-kernels: the routing runs the torch reference here, so both trees' "
                   "models run the same code", flush=True)
     try:

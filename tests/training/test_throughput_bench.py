@@ -1,6 +1,7 @@
 """``benchmarks/bench_training.py`` on CPU: the report a GPU run fills, at the tiny size."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -167,6 +168,24 @@ def test_base_kernels_models_in_one_run(tmp_path, base_kernels_module):
     assert models["mhar_lookahead@kernels=base"]["losses"] == models["mhar_lookahead"]["losses"]
     assert models["mhar_lookahead"]["throughput_vs_base_kernels"] > 0
     assert len(models["mhar_lookahead"]["throughput_ratio_rounds"]) == 2
+
+
+def test_base_kernels_model_routes_with_the_other_tree(tmp_path, base_kernels_module):
+    """Through the Triton interpreter a model marked @kernels=base routes with the other
+    tree's kernels: a tree whose merge_forward raises stops that model's first step."""
+    tree = tmp_path / "base"
+    base_kernels_module.export("HEAD", tree)
+    path = tree / "mhar_kernels" / "lookahead.py"
+    source = path.read_text()
+    path.write_text(source.replace("def merge_forward(", 'def merge_forward(*args, **kwargs):\n'
+                                   '    raise RuntimeError("the base tree ran")\n\n\ndef _unused_merge_forward(', 1))
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--sizes", "tiny", "--steps", "1",
+         "--warmup", "1", "--no-profile", "--kernel-impl", "triton", "--models", "mhar_lookahead@kernels=base",
+         "--base-kernels", str(tree)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert run.returncode != 0 and "RuntimeError: the base tree ran" in run.stderr, run.stderr[-2000:]
 
 
 @pytest.mark.parametrize("args, message", [
