@@ -79,14 +79,17 @@ def load(directory) -> Dict[str, ModuleType]:
                          f"there with: python benchmarks/base_kernels.py REV {directory}")
     if ALIAS in sys.modules:
         raise RuntimeError(f"{ALIAS} is already imported: one other kernel tree per process")
+    stems = sorted(path.stem for path in package_dir.glob("*.py") if path.stem != "__init__")
+    for stem in stems:  # the installed modules first, so that ``active`` has them to restore
+        if importlib.util.find_spec(f"{PACKAGE}.{stem}") is not None:
+            importlib.import_module(f"{PACKAGE}.{stem}")
     spec = importlib.util.spec_from_file_location(ALIAS, init, submodule_search_locations=[str(package_dir)])
     package = importlib.util.module_from_spec(spec)
     sys.modules[ALIAS] = package
     spec.loader.exec_module(package)
     modules = {PACKAGE: package}
-    for path in sorted(package_dir.glob("*.py")):
-        if path.stem != "__init__":  # imported as ALIAS.<name>: its relative imports stay in the tree
-            modules[f"{PACKAGE}.{path.stem}"] = importlib.import_module(f"{ALIAS}.{path.stem}")
+    for stem in stems:  # imported as ALIAS.<name>: its relative imports stay in the tree
+        modules[f"{PACKAGE}.{stem}"] = importlib.import_module(f"{ALIAS}.{stem}")
     return modules
 
 
@@ -94,8 +97,6 @@ def load(directory) -> Dict[str, ModuleType]:
 def active(modules: Dict[str, ModuleType]) -> Iterator[None]:
     """Inside, ``import mhar_kernels`` and its modules resolve to ``modules``; the
     installed ones are back afterwards."""
-    import mhar_kernels  # noqa: F401  (the installed package is what is restored)
-
     saved = {name: sys.modules.get(name) for name in modules}
     sys.modules.update(modules)
     try:

@@ -538,6 +538,12 @@ def main(argv=None):
         parser.error(f"{on_base} run on another revision's kernels: give their tree with --base-kernels DIR")
     if args.base_kernels and not on_base:
         parser.error(f"--base-kernels is used only by models marked @{BASE_KERNELS}, and none is")
+    if args.cuda_graph != "none" and (not torch.cuda.is_available() or args.warmup < 2):
+        parser.error("--cuda-graph needs CUDA and --warmup >= 2 (one eager step, then the "
+                     "capture, both inside the warmup whose peak memory is reported)")
+    if args.warmup < 1:
+        parser.error("--warmup must be >= 1: the first step creates the optimizer states, "
+                     "which the peak memory (taken over the warmup) must include")
     kernels = {}
     if on_base:
         from benchmarks import base_kernels
@@ -547,12 +553,6 @@ def main(argv=None):
         except ValueError as err:
             parser.error(str(err))
         kernels = {spec: functools.partial(base_kernels.active, tree) for spec in on_base}
-    if args.cuda_graph != "none" and (not torch.cuda.is_available() or args.warmup < 2):
-        parser.error("--cuda-graph needs CUDA and --warmup >= 2 (one eager step, then the "
-                     "capture, both inside the warmup whose peak memory is reported)")
-    if args.warmup < 1:
-        parser.error("--warmup must be >= 1: the first step creates the optimizer states, "
-                     "which the peak memory (taken over the warmup) must include")
 
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
 
