@@ -71,6 +71,10 @@ CASES = [
     # A narrow model, G = 3: the row-loop forward's 4K accumulators hold 5 tokens of three
     # sites, and its tile takes 4 (a tile's token axis is a power of two).
     pytest.param(6, 3, 3, 256, 8, 1.0, id="D256-G3"),
+    # The first group at the 100M width: one old row (the embedding's), G = 4, eight heads
+    # and one.
+    pytest.param(7, 1, 4, 512, 8, 1.0, id="D512-N1-G4"),
+    pytest.param(5, 1, 3, 512, 1, 8.0, id="D512-N1-G3-H1"),
 ]
 
 
