@@ -86,7 +86,6 @@ def _inv_rms(b_v, eps, D: tl.constexpr, C: tl.constexpr):
 
 
 LOG2_E = tl.constexpr(1.4426950408889634)
-LN_2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -117,18 +116,12 @@ def _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D: tl.constexpr, C: t
 
 
 @triton.jit
-def _softmax_step(b_v, b_s, b_m, b_l, b_acc, C: tl.constexpr, LOG2: tl.constexpr = False):
+def _softmax_step(b_v, b_s, b_m, b_l, b_acc, C: tl.constexpr):
     """Merge one source tile with logits ``b_s`` [BT, BH] into the running (max,
-    denominator, weighted sum). With LOG2 the logits and the max are in units of log2 (the
-    natural logits times log2 e, folded by the caller into a per-row scale): the weights
-    are then one exp2 each, without the multiply of _exp."""
+    denominator, weighted sum)."""
     b_m_new = tl.maximum(b_m, b_s)
-    if LOG2:
-        b_alpha = tl.math.exp2(b_m - b_m_new)
-        b_p = tl.math.exp2(b_s - b_m_new)
-    else:
-        b_alpha = _exp(b_m - b_m_new)
-        b_p = _exp(b_s - b_m_new)
+    b_alpha = _exp(b_m - b_m_new)
+    b_p = _exp(b_s - b_m_new)
     b_l = b_l * b_alpha + b_p
     acc = ()
     for c in tl.static_range(C):

@@ -39,8 +39,6 @@ import triton
 import triton.language as tl
 
 from .depth_route import (
-    LN_2,
-    LOG2_E,
     LoopConfig,
     _bwd_head_sums,
     _check_sources,
@@ -122,17 +120,13 @@ def _group_fwd_kernel(
         b_ms = b_ms + (tl.full([BT, BH], float("-inf"), tl.float32),)
         b_ls = b_ls + (tl.zeros([BT, BH], dtype=tl.float32),)
         b_accs = b_accs + (tl.zeros([BT, BH, BHD], dtype=tl.float32),)
-    # The logits and maxima are kept in units of log2 (log2 e folded into the row's scale,
-    # one multiply per row), so each weight is a bare exp2; the maxima are converted back
-    # to natural units where they are stored.
-    scale2 = scale * LOG2_E
     p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
     for _ in tl.range(0, N, num_stages=STAGES):
         b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
-        b_rs = (_inv_rms((b_v,), eps, D, 1) * scale2)[:, None]
+        b_rs = (_inv_rms((b_v,), eps, D, 1) * scale)[:, None]
         b_dots = _head_dots(b_v, b_ws, BG)
         for j in tl.static_range(BG):
-            b_m, b_l, b_acc = _softmax_step((b_v,), b_dots[j] * b_rs, b_ms[j], b_ls[j], (b_accs[j],), 1, True)
+            b_m, b_l, b_acc = _softmax_step((b_v,), b_dots[j] * b_rs, b_ms[j], b_ls[j], (b_accs[j],), 1)
             b_ms = b_ms[:j] + (b_m,) + b_ms[j + 1 :]
             b_ls = b_ls[:j] + (b_l,) + b_ls[j + 1 :]
             b_accs = b_accs[:j] + b_acc + b_accs[j + 1 :]
@@ -141,17 +135,16 @@ def _group_fwd_kernel(
     for j in tl.static_range(BG):
         i_site = i_g * BG + j
         o_gt = i_site * T + o_t64  # row of the [NG, T, .] outputs
-        b_m = b_ms[j] * LN_2
         m_site = m_t & (tl.full([BT], i_site, tl.int32) < NG)
         if FIRST and j == 0:  # the first chunk holds site 0: masks pick the store
             m_first = m_site & (tl.full([BT], i_site, tl.int32) == 0)
             m_site = m_site & (tl.full([BT], i_site, tl.int32) != 0)
             m_fh = m_first[:, None] & (o_h < H)[None, :]
-            _store_output(O_ptr, LSE_ptr + o_t64[:, None] * H + o_h[None, :], b_m, b_ls[j], b_accs[j],
+            _store_output(O_ptr, LSE_ptr + o_t64[:, None] * H + o_h[None, :], b_ms[j], b_ls[j], b_accs[j],
                           o_t64, o_d, stride_ot, m_fh[:, :, None] & m_d[None, :, :], m_fh)  # fmt: skip
         m_ml = m_site[:, None] & (o_h < H)[None, :]
         p_ml = o_gt[:, None] * H + o_h[None, :]
-        tl.store(M_ptr + p_ml, b_m, mask=m_ml)
+        tl.store(M_ptr + p_ml, b_ms[j], mask=m_ml)
         tl.store(L_ptr + p_ml, b_ls[j], mask=m_ml)
         m_a = m_site[:, None, None] & m_d[None, :, :]
         b_a = b_accs[j]
@@ -1107,7 +1100,7 @@ def _group_bwd_dots_config(padded_heads: int, head_dim: int) -> Tuple[LoopConfig
 
 
 @functools.lru_cache(maxsize=None)
-def _group_bwd_config(padded_d: int, sites: int, rows: int = 2, one_head: bool = False) -> Tuple[int, LoopConfig]:
+def _group_bwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
     """(sites per launch, launch config) of the phase-1 backward. A program holds, per
     site, w, do and a dL/dw accumulator of its token tile, up to 64 fp32 of each kind per
     thread: one token of 512 at 2 warps (8 sites; narrower widths take two or more tokens),
@@ -1122,22 +1115,12 @@ def _group_bwd_config(padded_d: int, sites: int, rows: int = 2, one_head: bool =
     at 1B (routing_h200_lookahead_shared_reductions.json); before the sites shared their
     cross-head reduction, 0.90 / 1.67 / 3.08 ms (routing_h200_lookahead.json); two stages
     (8 warps at 350M and 1B) 1.29 / 3.23 / 4.23 ms against three 0.90 / 2.58 / 3.08
-    (routing_h200_lookahead_2stages.json); one site per launch loses 2x.
-
-    A group over one old row (the first group at width 512: the embedding's row) is its
-    prologue: every site's do, lse and delta loaded for one row's work, a chain of loads
-    that no row pipeline covers. More programs per SM keep more of it in flight: at width
-    512, G = 5, one row, eight heads two tokens per program at 2 warps, 8 programs per SM
-    0.169 ms against 0.243 for the default; one head one token, two stages, 8 programs per
-    SM 0.151 against 0.221 (routing_h200_group_bwd_launch.json, stop 31)."""
+    (routing_h200_lookahead_2stages.json); one site per launch loses 2x."""
     if padded_d >= 1024:
         block_t, num_warps, per_kind = 1, 8 if padded_d >= 2048 else 4, 8192
     else:
         block_t, num_warps, per_kind = max(1, 512 // padded_d), 2, 4096
     sites_per_launch = max(1, min(sites, per_kind // (block_t * padded_d)))
-    if rows <= 1 and padded_d <= 512:  # the sites per launch of the default tile
-        return sites_per_launch, LoopConfig(block_t if one_head else 2 * block_t, 2, False, 2 if one_head else 3,
-                                            programs_per_sm=8)  # fmt: skip
     return sites_per_launch, LoopConfig(block_t, num_warps, False, 3)
 
 
@@ -1660,7 +1643,7 @@ def group_backward_deferred(
             lo, hi, loop.get("num_warps"), merge_dw,
         )  # fmt: skip
     head_dim, bh, bhd = _tile(d, num_heads)
-    default_sites, config = _group_bwd_config(bh * bhd, g, n, bh == 1)
+    default_sites, config = _group_bwd_config(bh * bhd, g)
     sg = min(g, sites_per_program or default_sites)
     block_t, num_warps, _, stages, _, programs_per_sm = config.override(**loop)
     device = sources.device
