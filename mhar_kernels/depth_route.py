@@ -517,13 +517,20 @@ def _bwd_config(padded_d: int, one_head: bool = False) -> LoopConfig:
     register prefetch 10%, the L2 hints tie. At D = 4096 one token, 8 warps, plain loops,
     L2 eviction hints (pass 2 rereads what pass 1 asked L2 to keep; the gradient streams)
     and 2 programs per SM: 1.22 ms at the 8B shape, against 1.31 ms without the hints,
-    1.38 ms with three stages and 1.55 ms with the register prefetch."""
+    1.38 ms with three stages and 1.55 ms with the register prefetch.
+
+    At the 1B width (1280 padded to 2048) the source loops are pipelined three deep: 1B
+    final site 0.858 -> 0.672 ms (0.63 -> 0.81 of copy bandwidth), N = 9 0.117 -> 0.095 ms
+    (0.58 -> 0.72), from CUDA graphs (routing_h200_bwd_stages_1b.json, stop 37; the earlier
+    sweep had tried three stages there only at 2, 3 and 6 programs per SM). At 350M, N = 9,
+    three stages lose (0.142 -> 0.162 ms)."""
     if padded_d > 2048:
         return LoopConfig(1, 8, False, 1, l2_reuse=True, programs_per_sm=2)
     if one_head and padded_d >= 1024:
         return LoopConfig(4096 // padded_d, 2, False, 2, programs_per_sm=4)
     block_t = max(1, 1024 // padded_d)
-    return LoopConfig(block_t, 2, False, 2, programs_per_sm=8 if block_t * padded_d <= 1024 else 4)
+    stages = 3 if padded_d == 2048 else 2
+    return LoopConfig(block_t, 2, False, stages, programs_per_sm=8 if block_t * padded_d <= 1024 else 4)
 
 
 def _with_next_row(rows: torch.Tensor) -> torch.Tensor:
