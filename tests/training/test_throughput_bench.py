@@ -144,10 +144,10 @@ def test_base_kernels_export_and_swap(tmp_path, base_kernels_module, monkeypatch
     assert get_lookahead_backend("triton", cpu).merge_forward is installed.merge_forward
 
 
-def _bench(*args):
+def _bench(*args, env=None):
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--sizes", "tiny",
                            "--steps", "2", "--warmup", "1", "--no-profile", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
 
 
 def test_base_kernels_models_in_one_run(tmp_path, base_kernels_module):
@@ -179,12 +179,8 @@ def test_base_kernels_model_routes_with_the_other_tree(tmp_path, base_kernels_mo
     source = path.read_text()
     path.write_text(source.replace("def merge_forward(", 'def merge_forward(*args, **kwargs):\n'
                                    '    raise RuntimeError("the base tree ran")\n\n\ndef _unused_merge_forward(', 1))
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--sizes", "tiny", "--steps", "1",
-         "--warmup", "1", "--no-profile", "--kernel-impl", "triton", "--models", "mhar_lookahead@kernels=base",
-         "--base-kernels", str(tree)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"},
-    )  # fmt: skip
+    run = _bench("--kernel-impl", "triton", "--models", "mhar_lookahead@kernels=base", "--base-kernels", str(tree),
+                 env={**os.environ, "TRITON_INTERPRET": "1"})  # fmt: skip
     assert run.returncode != 0 and "RuntimeError: the base tree ran" in run.stderr, run.stderr[-2000:]
 
 
