@@ -482,7 +482,7 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
         deltas = torch.randn(group, case.t, HEADS, device="cuda", generator=seeded)
         _, bh, bhd = K._tile(case.d, HEADS)
         spp, fwd = LA._group_fwd_config(bh * bhd, group)
-        bwd_spp, bwd = LA._group_bwd_config(bh * bhd, group)
+        bwd_spp, bwd = LA._group_bwd_config(bh * bhd, group, bh)
         es = buf.element_size()
         read = n0 * case.t * case.d * es
         partials = group * case.t * (case.d + 2 * HEADS) * 4

@@ -842,7 +842,10 @@ def _group_bwd_heads_kernel(
     """dL/dw of one head (program axis 1) over a token stride (axis 0) from the rows
     kernel's factors Z: Z^T @ X accumulates in a [16, BHD] dot accumulator, whose even
     rows (tau r ds) are the sites' partials. The rows' gradients are left to
-    _group_bwd_row_grads_kernel, which may add several groups' factors at once."""
+    _group_bwd_row_grads_kernel, which may add several groups' factors at once.
+    One loop runs over the program's (token, row block) pairs, token-major as nested
+    loops would, so the pipelined loads also cross from one token's blocks to the next
+    token's (a token has only N / BR of them: 5 at the 1B shape's deepest group)."""
     BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
     i_p = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -853,16 +856,18 @@ def _group_bwd_heads_kernel(
     site = chunk_hi - 1 - tl.arange(0, SLOTS)
     m_s = site >= chunk_lo
     b_dw = tl.zeros([2 * SLOTS, BHD], dtype=tl.float32)
-    for t in range(i_p, T, tl.num_programs(0)):
+    num_p = tl.num_programs(0)
+    blocks = tl.cdiv(N, BR)
+    for j in tl.range(0, tl.cdiv(T - i_p, num_p) * blocks, num_stages=STAGES):
+        t = i_p + (j // blocks) * num_p
+        rows = (j % blocks) * BR + o_r
+        m_r = rows < N
         p_t = V_ptr + tl.cast(t, tl.int64) * stride_vt + i_h * HD
-        for i0 in tl.range(0, N, BR, num_stages=STAGES):
-            rows = i0 + o_r
-            m_r = rows < N
-            b_xh, b_xl = _row_tile(p_t + rows[:, None] * stride_vn + o_k[None, :], m_r[:, None] & m_k[None, :], BF16)
-            o_tr = tl.cast(t, tl.int64) * N + rows
-            p_z = Z_ptr + (o_tr[:, None] * H + i_h) * (2 * SLOTS) + o_c[None, :]
-            b_zh, b_zl = _split(tl.load(p_z, mask=m_r[:, None], other=0.0), BF16)
-            b_dw = _dot_split(tl.trans(b_zh), tl.trans(b_zl), b_xh, b_xl, b_dw, False, BF16, BF16)
+        b_xh, b_xl = _row_tile(p_t + rows[:, None] * stride_vn + o_k[None, :], m_r[:, None] & m_k[None, :], BF16)
+        o_tr = tl.cast(t, tl.int64) * N + rows
+        p_z = Z_ptr + (o_tr[:, None] * H + i_h) * (2 * SLOTS) + o_c[None, :]
+        b_zh, b_zl = _split(tl.load(p_z, mask=m_r[:, None], other=0.0), BF16)
+        b_dw = _dot_split(tl.trans(b_zh), tl.trans(b_zl), b_xh, b_xl, b_dw, False, BF16, BF16)
     b_dw, _ = tl.split(tl.permute(tl.reshape(b_dw, [SLOTS, 2, BHD]), [0, 2, 1]))
     p_w = DW_ptr + (i_p * NG + site)[:, None] * D + (i_h * HD + o_k)[None, :]
     tl.store(p_w, b_dw, mask=m_s[:, None] & m_k[None, :])
@@ -1096,11 +1101,11 @@ def _group_bwd_dots_config(padded_heads: int, head_dim: int) -> Tuple[LoopConfig
     against 1.288), row blocks pipelined two deep, ``4 * SMs / H`` token programs per head."""
     ka, kb = _head_chunks(head_dim)
     rows = LoopConfig(1, 4 if padded_heads * (ka + kb) <= 1024 else 8, False, 1, programs_per_sm=2)
-    return rows, LoopConfig(1, 4, False, 2)
+    return rows, LoopConfig(1, 4, False, 4)
 
 
 @functools.lru_cache(maxsize=None)
-def _group_bwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
+def _group_bwd_config(padded_d: int, sites: int, padded_heads: int = 8) -> Tuple[int, LoopConfig]:
     """(sites per launch, launch config) of the phase-1 backward. A program holds, per
     site, w, do and a dL/dw accumulator of its token tile, up to 64 fp32 of each kind per
     thread: one token of 512 at 2 warps (8 sites; narrower widths take two or more tokens),
@@ -1115,13 +1120,20 @@ def _group_bwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
     at 1B (routing_h200_lookahead_shared_reductions.json); before the sites shared their
     cross-head reduction, 0.90 / 1.67 / 3.08 ms (routing_h200_lookahead.json); two stages
     (8 warps at 350M and 1B) 1.29 / 3.23 / 4.23 ms against three 0.90 / 2.58 / 3.08
-    (routing_h200_lookahead_2stages.json); one site per launch loses 2x."""
+    (routing_h200_lookahead_2stages.json); one site per launch loses 2x.
+    At width 1024 (350M) two programs per SM, and four stages with eight heads: a joint
+    sweep of stages and programs per SM (the sweeps above moved one at a time) measured
+    the deepest / middle group at 0.968 / 0.965 of the former launch for eight heads, and
+    three stages at 0.995 / 0.988 for one head, where four lose (routing_h200_joint_sweep.json)."""
+    stages, programs_per_sm = 3, 4
     if padded_d >= 1024:
         block_t, num_warps, per_kind = 1, 8 if padded_d >= 2048 else 4, 8192
+        if padded_d == 1024:
+            stages, programs_per_sm = (4 if padded_heads > 1 else 3), 2
     else:
         block_t, num_warps, per_kind = max(1, 512 // padded_d), 2, 4096
     sites_per_launch = max(1, min(sites, per_kind // (block_t * padded_d)))
-    return sites_per_launch, LoopConfig(block_t, num_warps, False, 3)
+    return sites_per_launch, LoopConfig(block_t, num_warps, False, stages, programs_per_sm=programs_per_sm)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1643,7 +1655,7 @@ def group_backward_deferred(
             lo, hi, loop.get("num_warps"), merge_dw,
         )  # fmt: skip
     head_dim, bh, bhd = _tile(d, num_heads)
-    default_sites, config = _group_bwd_config(bh * bhd, g)
+    default_sites, config = _group_bwd_config(bh * bhd, g, bh)
     sg = min(g, sites_per_program or default_sites)
     block_t, num_warps, _, stages, _, programs_per_sm = config.override(**loop)
     device = sources.device
