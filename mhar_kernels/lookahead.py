@@ -885,10 +885,15 @@ def _group_bwd_row_grads_kernel(
     D: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, BR: tl.constexpr, KA: tl.constexpr,
     KB: tl.constexpr, J: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):  # fmt: skip
-    """The rows' gradients of J phase-1 backwards at once: for a block of BR rows in
-    [start, stop) of one token (program axis 0) and head (axis 1), dv += sum_j (Z_j @ Y_j^T
-    - kv_j v), one read-modify-write of the fp32 gradient for all entries (a write only,
-    without ACCUMULATE, where dv holds nothing yet). Every entry's
+    """The rows' gradients of J phase-1 backwards at once: for each block of BR rows in
+    [start, stop) of a token and head (axis 1), dv += sum_j (Z_j @ Y_j^T - kv_j v), one
+    read-modify-write of the fp32 gradient for all entries (a write only, without
+    ACCUMULATE, where dv holds nothing yet). The token programs (axis 0) stride over the
+    tokens and run one loop over their (token, block, entry) triples, so the pipeline
+    does not drain at every block: H200, five entries at the 1B shape, 0.310 -> 0.257 ms
+    against one program per token and head looping over its block's entries, bitwise the
+    same sums (benchmarks/results/routing_h200_row_grads_persistent_ab.json; sm_90
+    compile, Triton 3.6: 86 registers against 168, 19 KB of shared memory). Every entry's
     operands are whole tiles (Z [BR, 2 * SLOTS], Y [2 * SLOTS, head width]) loaded at
     once and multiplied as one dot, so a program has a few independent loads per entry in
     flight instead of a chain of small ones per slot. The folded queries come as the bf16
@@ -897,47 +902,56 @@ def _group_bwd_row_grads_kernel(
     fp32 queries (benchmarks/results/training_h200_graph_row_grads_folded_operand.json),
     64.5 ms for the head padded to 256 columns and unpipelined, and 91.1 ms for per-slot
     fp32 outer products. Unpipelined it took 67.7 ms (entries of different groups miss the
-    cache). At 4 warps and two stages the sm_90 compile takes 11 KB of shared memory per
-    program at the 1B width (16 KB with fp32 queries)."""
+    cache). Those figures predate the persistent programs."""
     BF16: tl.constexpr = V_ptr.dtype.element_ty == tl.bfloat16  # bf16 rows: bf16 dots
-    t = tl.program_id(0)
+    i_p = tl.program_id(0)
     i_h = tl.program_id(1)
-    t64 = tl.cast(t, tl.int64)
+    num_p = tl.num_programs(0)
     o_r = tl.arange(0, BR)
     o_c = tl.arange(0, 2 * SLOTS)
-    p_t = V_ptr + t64 * stride_vt + i_h * HD
-    p_dt = DV_ptr + t64 * stride_dvt + i_h * HD
-    for i0 in range(start, stop, BR):
-        rows = i0 + o_r
-        # The head's channels as a chunk of KA plus one of KB where the width is not a power
-        # of two (160 = 128 + 32): no dot column and no register on padding.
-        b_acca = tl.zeros([BR, KA], dtype=tl.float32)
-        b_accb = tl.zeros([BR, KB if KB > 0 else 16], dtype=tl.float32)
-        b_kv = tl.zeros([BR], dtype=tl.float32)
-        # A runtime loop over the entries: unrolled, every entry's dot operands took their
-        # own shared memory (35 KB each at the 1B width, sm_90 compile).
-        for j in range(J):
-            p_z, p_kv, p_w, p_do = Z[0], KV[0], W[0], DO[0]
-            n, owed, lo, hi = N[0], OWED[0], CHUNK_LO[0], CHUNK_HI[0]
-            for e in tl.static_range(1, J):
-                pick = j == e
-                p_z, p_kv, p_w, p_do = (tl.where(pick, Z[e], p_z), tl.where(pick, KV[e], p_kv),
-                                        tl.where(pick, W[e], p_w), tl.where(pick, DO[e], p_do))  # fmt: skip
-                n, owed = tl.where(pick, N[e], n), tl.where(pick, OWED[e], owed)
-                lo, hi = tl.where(pick, CHUNK_LO[e], lo), tl.where(pick, CHUNK_HI[e], hi)
-            m_j = rows < owed
-            o_tr = t64 * n + rows
-            b_kv += tl.load(p_kv + o_tr, mask=m_j, other=0.0)
-            p_zt = p_z + (o_tr[:, None] * H + i_h) * (2 * SLOTS) + o_c[None, :]
-            b_zh, b_zl = _split(tl.load(p_zt, mask=m_j[:, None], other=0.0), BF16)
-            b_yh, b_yl = _head_site_rows(p_w, p_do, t, T, i_h, 0, KA, HD, D, lo, hi, BF16)
-            b_acca = _dot_split(b_zh, b_zl, b_yh, b_yl, b_acca, False, False, BF16)
-            if KB > 0:
-                b_yh, b_yl = _head_site_rows(p_w, p_do, t, T, i_h, KA, KB, HD, D, lo, hi, BF16)
-                b_accb = _dot_split(b_zh, b_zl, b_yh, b_yl, b_accb, False, False, BF16)
-        _update_row_block(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_acca, 0, KA, HD, ACCUMULATE)
+    blocks = tl.cdiv(stop - start, BR)
+    # The head's channels as a chunk of KA plus one of KB where the width is not a power
+    # of two (160 = 128 + 32): no dot column and no register on padding.
+    b_acca = tl.zeros([BR, KA], dtype=tl.float32)
+    b_accb = tl.zeros([BR, KB if KB > 0 else 16], dtype=tl.float32)
+    b_kv = tl.zeros([BR], dtype=tl.float32)
+    # One loop over the program's (token, row block, entry) triples, in the order of nested
+    # loops, so the pipelined loads of the next entries cross into the next block or token.
+    for step in range(0, tl.cdiv(T - i_p, num_p) * blocks * J):
+        j = step % J
+        rows = start + (step // J) % blocks * BR + o_r
+        t = i_p + step // (J * blocks) * num_p
+        t64 = tl.cast(t, tl.int64)
+        # The entry's tensors picked at run time: unrolled, every entry's dot operands took
+        # their own shared memory (35 KB each at the 1B width, sm_90 compile).
+        p_z, p_kv, p_w, p_do = Z[0], KV[0], W[0], DO[0]
+        n, owed, lo, hi = N[0], OWED[0], CHUNK_LO[0], CHUNK_HI[0]
+        for e in tl.static_range(1, J):
+            pick = j == e
+            p_z, p_kv, p_w, p_do = (tl.where(pick, Z[e], p_z), tl.where(pick, KV[e], p_kv),
+                                    tl.where(pick, W[e], p_w), tl.where(pick, DO[e], p_do))  # fmt: skip
+            n, owed = tl.where(pick, N[e], n), tl.where(pick, OWED[e], owed)
+            lo, hi = tl.where(pick, CHUNK_LO[e], lo), tl.where(pick, CHUNK_HI[e], hi)
+        m_j = rows < owed
+        o_tr = t64 * n + rows
+        b_kv += tl.load(p_kv + o_tr, mask=m_j, other=0.0)
+        p_zt = p_z + (o_tr[:, None] * H + i_h) * (2 * SLOTS) + o_c[None, :]
+        b_zh, b_zl = _split(tl.load(p_zt, mask=m_j[:, None], other=0.0), BF16)
+        b_yh, b_yl = _head_site_rows(p_w, p_do, t, T, i_h, 0, KA, HD, D, lo, hi, BF16)
+        b_acca = _dot_split(b_zh, b_zl, b_yh, b_yl, b_acca, False, False, BF16)
         if KB > 0:
-            _update_row_block(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_accb, KA, KB, HD, ACCUMULATE)
+            b_yh, b_yl = _head_site_rows(p_w, p_do, t, T, i_h, KA, KB, HD, D, lo, hi, BF16)
+            b_accb = _dot_split(b_zh, b_zl, b_yh, b_yl, b_accb, False, False, BF16)
+        if j == J - 1:  # the block's last entry: one read-modify-write of its gradient
+            p_t = V_ptr + t64 * stride_vt + i_h * HD
+            p_dt = DV_ptr + t64 * stride_dvt + i_h * HD
+            _update_row_block(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_acca, 0, KA, HD, ACCUMULATE)
+            if KB > 0:
+                _update_row_block(p_t, p_dt, rows, stop, stride_vn, stride_dvn, b_kv, b_accb, KA, KB, HD,
+                                  ACCUMULATE)  # fmt: skip
+            b_acca = tl.zeros([BR, KA], dtype=tl.float32)
+            b_accb = tl.zeros([BR, KB if KB > 0 else 16], dtype=tl.float32)
+            b_kv = tl.zeros([BR], dtype=tl.float32)
 
 
 @triton.jit
@@ -1098,7 +1112,11 @@ def _group_bwd_dots_config(padded_heads: int, head_dim: int) -> Tuple[LoopConfig
     kernel at 4 warps up to 1K channels over its heads' chunks (8 above, the 1B width),
     unpipelined, two programs per SM striding over the tokens; the heads kernel at 4 warps
     (at 1B 1.284 ms for the deepest group against 1.828 at 8; at 350M 8 warps took 1.222
-    against 1.288), row blocks pipelined two deep, ``4 * SMs / H`` token programs per head."""
+    against 1.288), ``4 * SMs / H`` token programs per head, its one loop over (token, row
+    block) pipelined four deep: the 1B backward (rows, heads, reduction) of the deepest /
+    middle group 0.564 / 0.348 ms with nested loops at two stages, 0.523 / 0.323 now
+    (benchmarks/results/routing_h200_heads_flat_ab.json); 13.5 -> 9.9 ms per 1B training
+    step (training_h200_graph_stop38_1b.json)."""
     ka, kb = _head_chunks(head_dim)
     rows = LoopConfig(1, 4 if padded_heads * (ka + kb) <= 1024 else 8, False, 1, programs_per_sm=2)
     return rows, LoopConfig(1, 4, False, 4)
@@ -1733,6 +1751,7 @@ def add_row_grads(
     accumulate: bool = True,
     num_warps: int = 4,
     stages: int = 2,
+    programs_per_sm: int = 4,
 ) -> None:
     """Add deferred phase-1 gradients to rows ``[start, owed)`` of the history.
 
@@ -1742,8 +1761,10 @@ def add_row_grads(
         sources, grad_sources: [T, R, D] the rows from row 0 and their fp32 gradients.
         accumulate: False where the rows ``[start, max owed)`` hold no gradient yet: the
             sums are stored, the gradients not read.
-        num_warps, stages: the launch (benchmarks). Two stages overlap an entry's loads
-            with the previous entry's dots (the sweep in the kernel's docstring).
+        num_warps, stages, programs_per_sm: the launch (benchmarks). Two stages overlap
+            an entry's loads with the previous entry's dots (the sweep in the kernel's
+            docstring); ``programs_per_sm * SMs / H`` token programs per head stride over
+            the tokens.
     """
     entries = [(f, owed) for factors, owed in deferred for f in factors if owed > start]
     if not entries or sources.shape[0] == 0:
@@ -1754,10 +1775,11 @@ def add_row_grads(
     ka, kb = _head_chunks(head_dim)
     stop = max(owed for _, owed in entries)
     block_rows = 16  # the dots' smallest M; a block between group starts has G rows
+    programs = max(1, min(t, triton.cdiv(programs_per_sm * _num_sms(sources.device), num_heads)))
     for i in range(0, len(entries), _ROW_GRADS_ENTRIES):
         batch = entries[i : i + _ROW_GRADS_ENTRIES]
         z, kv, folded, grad_outs, chunk_lo, chunk_hi = [tuple(x) for x in zip(*(f for f, _ in batch))]
-        _group_bwd_row_grads_kernel[(t, num_heads)](
+        _group_bwd_row_grads_kernel[(programs, num_heads)](
             sources, grad_sources, z, kv, folded, grad_outs,
             tuple(f.z.shape[1] for f, _ in batch), tuple(owed for _, owed in batch), chunk_lo, chunk_hi,
             t, start, stop, sources.stride(0), sources.stride(1), grad_sources.stride(0), grad_sources.stride(1),
