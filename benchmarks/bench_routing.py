@@ -535,10 +535,10 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
 def row_grads_sweep_variants(case, buf, gbuf, qs, ws, lse, deltas, grad_outs, group):
     """The deferred phase-1 backward's row-gradient kernel (``add_row_grads``) adding
     ROW_GRADS_ENTRIES groups' factors to the top block of ``group`` rows, around its launch
-    config, where the tensor-core backward runs. Each entry has its own factors and output
-    gradients, as in a training step: one entry repeated finds its operands in cache, and
-    there an unpipelined launch measured 0.230 against 0.263 ms while it lost 50 -> 68 ms
-    per 1B training step."""
+    config (warps x stages, then the token programs per SM), where the tensor-core
+    backward runs. Each entry has its own factors and output gradients, as in a training
+    step: one entry repeated finds its operands in cache, and there an unpipelined launch
+    measured 0.230 against 0.263 ms while it lost 50 -> 68 ms per 1B training step."""
     n0, es = buf.shape[1], buf.element_size()
     owed = []
     for entry in range(ROW_GRADS_ENTRIES):
@@ -553,7 +553,8 @@ def row_grads_sweep_variants(case, buf, gbuf, qs, ws, lse, deltas, grad_outs, gr
     factor_cols = deferred[0].z.shape[-1]  # 2 x SLOTS per head
     nbytes = (ROW_GRADS_ENTRIES * len(deferred) * case.t * (group * (HEADS * factor_cols + 1) * 4 + group * case.d * es)
               + group * case.t * case.d * (es + 8))  # fmt: skip
-    configs = [dict(num_warps=w, stages=s) for s in (2, 1, 3) for w in (4, 8, 2)]
+    configs = [dict(num_warps=w, stages=s) for s in (2, 1, 3) for w in (4, 8, 2)] + [
+        dict(programs_per_sm=p) for p in (2, 6, 8, 12)]  # fmt: skip
     return [("row_grads", nbytes, cfg, lambda cfg=cfg: LA.add_row_grads(owed, buf, gbuf, start, **cfg))
             for cfg in configs]
 

@@ -467,6 +467,41 @@ def test_add_row_grads_spanning_blocks_and_owed_rows():
     assert torch.equal(got[:, 40:], start[:, 40:]) and not torch.equal(got[:, 30], start[:, 30])
 
 
+def test_add_row_grads_independent_of_the_token_programs():
+    """The row-gradient kernel's token programs stride over the tokens, each with one loop
+    over its (token, row block, entry) triples: one program for every token, a few, and
+    one per token give bitwise the same gradients (a block's entries are summed in the
+    same order whoever runs it), and the reference's to rounding. Two groups owe 20 and
+    11 rows (two 16-row blocks), over an odd token count."""
+    t, d, heads = 5 if not CUDA else _tokens(2), 1280, 8  # the width where the reference defers too
+    torch.manual_seed(11)
+    buffer, queries, norms, grad_outs = _inputs(t, 20, 3, d, heads, 1.0, torch.float32)
+    start = 0.01 * torch.randn(buffer.shape, device=DEVICE)
+    groups = ((20, 1.0), (11, -0.6))
+    deltas = [torch.randn((3, t, heads), device=DEVICE) for _ in groups]
+    results = []
+    for backend in (BACKENDS["triton-tensor-cores"], BACKENDS["torch"]):
+        owed = []
+        for (n0, scale), delta in zip(groups, deltas):
+            m, l, _ = backend.group_forward(buffer[:, :n0], queries * scale, norms, heads, EPS, 1.0)
+            *_, deferred = backend.group_backward_deferred(
+                grad_outs, buffer[:, :n0], queries * scale, norms, (m + l.log()).contiguous(), delta, heads,
+                EPS, 1.0, start[:, :n0].clone(),
+            )  # fmt: skip
+            assert deferred
+            owed.append([deferred, n0])
+        is_fused = backend is BACKENDS["triton-tensor-cores"]
+        for launch in [dict(programs_per_sm=p) for p in (1, 3, 1024)] if is_fused else [{}]:
+            rows = start.clone()
+            backend.add_row_grads(owed, buffer, rows, 0, **launch)
+            results.append(rows)
+    *fused_rows, ref = results
+    for got in fused_rows[1:]:
+        assert torch.equal(got, fused_rows[0])
+    torch.testing.assert_close(fused_rows[0], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert not torch.equal(fused_rows[0][:, :20], start[:, :20])
+
+
 def test_add_row_grads_more_entries_than_one_launch():
     """More owing entries than one launch takes (fused._ROW_GRADS_ENTRIES): the further
     launches add the rest, in order, to the same rows (one-site groups over 3 rows), into
