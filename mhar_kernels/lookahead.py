@@ -1142,7 +1142,9 @@ def _group_bwd_config(padded_d: int, sites: int, padded_heads: int = 8) -> Tuple
     At width 1024 (350M) two programs per SM, and four stages with eight heads: a joint
     sweep of stages and programs per SM (the sweeps above moved one at a time) measured
     the deepest / middle group at 0.968 / 0.965 of the former launch for eight heads, and
-    three stages at 0.995 / 0.988 for one head, where four lose (routing_h200_joint_sweep.json)."""
+    three stages at 0.995 / 0.988 for one head (four: 1.007 / 0.996;
+    routing_h200_joint_sweep.json); in the 350M training step 28.1 -> 27.5 ms
+    (training_h200_graph_stop38_350m.json)."""
     stages, programs_per_sm = 3, 4
     if padded_d >= 1024:
         block_t, num_warps, per_kind = 1, 8 if padded_d >= 2048 else 4, 8192
@@ -1738,9 +1740,9 @@ def _group_backward_tensor_cores(
     return dq[lo:hi], dg[lo:hi], tuple(deferred)
 
 
-def _head_programs(t: int, num_heads: int, device: torch.device) -> int:
-    """Token programs of the per-head kernels: ``4 * SMs / H`` over the H heads."""
-    return max(1, min(t, triton.cdiv(4 * _num_sms(device), num_heads)))
+def _head_programs(t: int, num_heads: int, device: torch.device, programs_per_sm: int = 4) -> int:
+    """Token programs of the per-head kernels: ``programs_per_sm * SMs / H`` over the H heads."""
+    return max(1, min(t, triton.cdiv(programs_per_sm * _num_sms(device), num_heads)))
 
 
 def add_row_grads(
@@ -1775,7 +1777,7 @@ def add_row_grads(
     ka, kb = _head_chunks(head_dim)
     stop = max(owed for _, owed in entries)
     block_rows = 16  # the dots' smallest M; a block between group starts has G rows
-    programs = max(1, min(t, triton.cdiv(programs_per_sm * _num_sms(sources.device), num_heads)))
+    programs = _head_programs(t, num_heads, sources.device, programs_per_sm)
     for i in range(0, len(entries), _ROW_GRADS_ENTRIES):
         batch = entries[i : i + _ROW_GRADS_ENTRIES]
         z, kv, folded, grad_outs, chunk_lo, chunk_hi = [tuple(x) for x in zip(*(f for f, _ in batch))]
