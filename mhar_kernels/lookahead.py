@@ -1123,7 +1123,7 @@ def _group_bwd_dots_config(padded_heads: int, head_dim: int) -> Tuple[LoopConfig
 
 
 @functools.lru_cache(maxsize=None)
-def _group_bwd_config(padded_d: int, sites: int, padded_heads: int = 8) -> Tuple[int, LoopConfig]:
+def _group_bwd_config(padded_d: int, sites: int, padded_heads: int) -> Tuple[int, LoopConfig]:
     """(sites per launch, launch config) of the phase-1 backward. A program holds, per
     site, w, do and a dL/dw accumulator of its token tile, up to 64 fp32 of each kind per
     thread: one token of 512 at 2 warps (8 sites; narrower widths take two or more tokens),
@@ -1768,6 +1768,8 @@ def add_row_grads(
             docstring); ``programs_per_sm * SMs / H`` token programs per head stride over
             the tokens.
     """
+    if programs_per_sm < 1:
+        raise ValueError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
     entries = [(f, owed) for factors, owed in deferred for f in factors if owed > start]
     if not entries or sources.shape[0] == 0:
         return

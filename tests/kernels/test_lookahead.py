@@ -437,6 +437,22 @@ def test_deferred_row_grads(backend, d, heads):
         assert torch.equal(deferred_rows, at_once)
 
 
+def _deferred_groups(backend, buffer, queries, norms, grad_outs, heads, groups, deltas, rows):
+    """Phase 1 forward and deferred backward of each group (n0, query scale, site range)
+    with its delta, into ``rows``; the [deferred, n0] entries add_row_grads takes. Every
+    group must defer and add nothing to ``rows`` before the flush."""
+    untouched, owed = rows.clone(), []
+    for (n0, scale, site_range), delta in zip(groups, deltas):
+        m, l, _ = backend.group_forward(buffer[:, :n0], queries * scale, norms, heads, EPS, 1.0)
+        *_, deferred = backend.group_backward_deferred(
+            grad_outs, buffer[:, :n0], queries * scale, norms, (m + l.log()).contiguous(), delta, heads, EPS, 1.0,
+            rows[:, :n0], site_range,
+        )  # fmt: skip
+        assert deferred and torch.equal(rows, untouched)  # nothing added before the flush
+        owed.append([deferred, n0])
+    return owed
+
+
 def test_add_row_grads_spanning_blocks_and_owed_rows():
     """One flush over 40 rows (more than one 16-row block, as a pipeline stage's loaded rows
     are flushed) from three groups owing different rows ([0, 40), [0, 25), [0, 9)), one of
@@ -450,16 +466,8 @@ def test_add_row_grads_spanning_blocks_and_owed_rows():
     deltas = [torch.randn((3, t, heads), device=DEVICE) for _ in groups]
     results = []
     for backend in (BACKENDS["triton-tensor-cores"], BACKENDS["torch"]):
-        rows, owed = start.clone(), []
-        for (n0, scale, site_range), delta in zip(groups, deltas):
-            m, l, _ = backend.group_forward(buffer[:, :n0], queries * scale, norms, heads, EPS, 1.0)
-            lse = (m + l.log()).contiguous()
-            *_, deferred = backend.group_backward_deferred(
-                grad_outs, buffer[:, :n0], queries * scale, norms, lse, delta, heads, EPS, 1.0,
-                rows[:, :n0], site_range,
-            )  # fmt: skip
-            assert deferred and torch.equal(rows, start)  # nothing added before the flush
-            owed.append([deferred, n0])
+        rows = start.clone()
+        owed = _deferred_groups(backend, buffer, queries, norms, grad_outs, heads, groups, deltas, rows)
         backend.add_row_grads(owed, buffer, rows, 0)
         results.append(rows)
     got, ref = results
@@ -477,19 +485,11 @@ def test_add_row_grads_independent_of_the_token_programs():
     torch.manual_seed(11)
     buffer, queries, norms, grad_outs = _inputs(t, 20, 3, d, heads, 1.0, torch.float32)
     start = 0.01 * torch.randn(buffer.shape, device=DEVICE)
-    groups = ((20, 1.0), (11, -0.6))
+    groups = ((20, 1.0, None), (11, -0.6, None))
     deltas = [torch.randn((3, t, heads), device=DEVICE) for _ in groups]
     results = []
     for backend in (BACKENDS["triton-tensor-cores"], BACKENDS["torch"]):
-        owed = []
-        for (n0, scale), delta in zip(groups, deltas):
-            m, l, _ = backend.group_forward(buffer[:, :n0], queries * scale, norms, heads, EPS, 1.0)
-            *_, deferred = backend.group_backward_deferred(
-                grad_outs, buffer[:, :n0], queries * scale, norms, (m + l.log()).contiguous(), delta, heads,
-                EPS, 1.0, start[:, :n0].clone(),
-            )  # fmt: skip
-            assert deferred
-            owed.append([deferred, n0])
+        owed = _deferred_groups(backend, buffer, queries, norms, grad_outs, heads, groups, deltas, start.clone())
         is_fused = backend is BACKENDS["triton-tensor-cores"]
         for launch in [dict(programs_per_sm=p) for p in (1, 3, 1024)] if is_fused else [{}]:
             rows = start.clone()
@@ -500,6 +500,14 @@ def test_add_row_grads_independent_of_the_token_programs():
         assert torch.equal(got, fused_rows[0])
     torch.testing.assert_close(fused_rows[0], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     assert not torch.equal(fused_rows[0][:, :20], start[:, :20])
+
+
+def test_add_row_grads_needs_a_program_per_sm():
+    """A launch override of no token programs is refused by name, before anything runs."""
+    rows = torch.zeros(3, 2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="programs_per_sm must be >= 1, got 0"):
+        fused.add_row_grads([], rows.bfloat16(), rows, 0, programs_per_sm=0)
+    assert not rows.any()
 
 
 def test_add_row_grads_more_entries_than_one_launch():
