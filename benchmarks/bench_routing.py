@@ -447,19 +447,20 @@ LOOKAHEAD_SWEEP_MODES = ("group_fwd", "group_bwd", "merge_fwd", "merge_bwd", "me
 ROW_GRADS_ENTRIES = 5  # groups owing a block of rows in the middle of the 1B stack
 
 
-def deepest_group(case):
+def deepest_group(case, heads=None, device="cuda", dtype=DTYPE):
     """(G, n0, rows [T, n0, D], their fp32 gradients (zeros), queries, norm weights [G, D],
     output gradients [G, T, D]) of a model's deepest lookahead group with the auto group
-    size, random in the benchmark's dtype (seeded)."""
+    size, random in ``dtype`` (seeded); the queries scaled for ``heads`` (default HEADS)."""
     sites = len(case.site_sources())
     group = auto_group_size(sites)
     n0 = sites - group + 1
-    kw = dict(device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
-    buf = torch.randn(case.t, n0, case.d, **kw).to(DTYPE)
-    gbuf = torch.zeros(case.t, n0, case.d, device="cuda")
-    qs = (2.0 / (case.d // HEADS) ** 0.5 * torch.randn(group, case.d, **kw)).to(DTYPE)
-    ws = (1 + 0.3 * torch.randn(group, case.d, **kw)).to(DTYPE)
-    grad_outs = torch.randn(group, case.t, case.d, **kw).to(DTYPE)
+    head_dim = case.d // (HEADS if heads is None else heads)
+    kw = dict(device=device, generator=torch.Generator(device=device).manual_seed(0))
+    buf = torch.randn(case.t, n0, case.d, **kw).to(dtype)
+    gbuf = torch.zeros(case.t, n0, case.d, device=device)
+    qs = (2.0 / head_dim**0.5 * torch.randn(group, case.d, **kw)).to(dtype)
+    ws = (1 + 0.3 * torch.randn(group, case.d, **kw)).to(dtype)
+    grad_outs = torch.randn(group, case.t, case.d, **kw).to(dtype)
     return group, n0, buf, gbuf, qs, ws, grad_outs
 
 
