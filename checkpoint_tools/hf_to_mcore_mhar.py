@@ -53,9 +53,9 @@ def main(argv=None) -> int:
             seq_length=args.seq_length, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
             overwrite=args.overwrite, mhar_overrides=mhar, model_overrides=model,
         )
+        out = hf_to_mcore(plan)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         parser.exit(2, f"error: {err}\n")
-    out = hf_to_mcore(plan)
     print(f"wrote {out} ({plan.mhar.variant}, {plan.dtype}); recipes continuing from it use the "
           f"model/mhar sections of {out}/iter_0000000/train_config.yaml and "
           f"checkpoint.load={out}, checkpoint.load_model_only=true")

@@ -24,8 +24,10 @@ into place only once complete (:func:`publish`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -67,11 +69,35 @@ def staging_dir(out: Path) -> Path:
     return out.parent / f"{TMP_PREFIX}{out.name}"
 
 
-def prepare_output(out: Path, overwrite: bool) -> Path:
-    """Check ``out`` may be written; return a fresh, empty staging directory."""
+def check_output(out: Path, overwrite: bool, inputs: Tuple[Path, ...] = ()) -> None:
+    """Raise unless ``out`` may be (re)placed without touching anything it must not.
+
+    ``--overwrite`` replaces an existing output directory, never a file, and never a
+    directory that is or holds one of the conversion's ``inputs``.
+    """
     out = Path(out).absolute()
-    if out.exists() and not overwrite:
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"--out {out}: {parent} is a file, not a directory; choose another --out")
+    if not out.exists():
+        return
+    for path in inputs:
+        path = Path(path).resolve()
+        if path == out.resolve() or out.resolve() in path.parents:
+            raise ValueError(
+                f"--out {out} is or contains the input {path}; writing it would delete the input. "
+                f"Choose an --out outside it"
+            )
+    if not overwrite:
         raise FileExistsError(f"{out} exists; choose a new --out or pass --overwrite")
+    if not out.is_dir():
+        raise FileExistsError(f"{out} is a file; --overwrite replaces only a directory; choose another --out")
+
+
+def prepare_output(out: Path, overwrite: bool, inputs: Tuple[Path, ...] = ()) -> Path:
+    """Check ``out`` may be written (:func:`check_output`); return a fresh, empty staging directory."""
+    out = Path(out).absolute()
+    check_output(out, overwrite, inputs)
     tmp = staging_dir(out)
     if tmp.exists():  # an interrupted earlier conversion
         shutil.rmtree(tmp)
@@ -114,7 +140,8 @@ def read_configs(checkpoint: Path) -> Tuple[GPTModelConfig, MHARConfig, Dict[str
     """(model config, mhar config, common state) of a converted or trained checkpoint."""
     from megatron.core import dist_checkpointing
 
-    common = dist_checkpointing.load_common_state_dict(str(checkpoint))
+    with _unreadable(checkpoint):
+        common = dist_checkpointing.load_common_state_dict(str(checkpoint))
     saved = common.get("config") if isinstance(common, dict) else None
     if not isinstance(saved, dict) or "model" not in saved:
         raise ValueError(
@@ -133,8 +160,30 @@ def stored_dtype(checkpoint: Path) -> torch.dtype:
     """The dtype the checkpoint stores the word embeddings in."""
     from megatron.core import dist_checkpointing
 
-    metadata = dist_checkpointing.load_tensors_metadata(str(checkpoint))
+    with _unreadable(checkpoint):
+        metadata = dist_checkpointing.load_tensors_metadata(str(checkpoint))
+    if "embedding.word_embeddings.weight" not in metadata:
+        raise ValueError(f"{checkpoint} holds no embedding.word_embeddings.weight; is it a GPT model checkpoint?")
     return metadata["embedding.word_embeddings.weight"].dtype
+
+
+@contextlib.contextmanager
+def _unreadable(checkpoint: Path):
+    """Re-raise a failure to read ``checkpoint``'s files as a ``ValueError`` that names it."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        yield
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, CheckpointingException,
+            CheckpointException) as err:
+        lines = str(err).strip().splitlines() or [""]
+        # torch.distributed.checkpoint reports the ranks' tracebacks: their cause is the last line
+        cause = (lines[-1] if isinstance(err, CheckpointException) else lines[0]).split(". ")[0]
+        raise ValueError(
+            f"{checkpoint} cannot be read ({type(err).__name__}: {cause}); if its files are "
+            f"truncated or corrupt, copy the checkpoint again or use another iteration"
+        ) from err
 
 
 # ---------------------------------------------------------------- models
@@ -182,6 +231,9 @@ def build_model(
 
 def check_layout(model: GPTModelConfig, tp: int, pp: int) -> None:
     """Clear errors for layouts the model cannot be split into."""
+    for flag, size in (("--tp", tp), ("--pp", pp)):
+        if size < 1:
+            raise ValueError(f"{flag} must be at least 1, got {size}")
     groups = model.num_query_groups or model.num_attention_heads
     if model.num_attention_heads % tp or groups % tp:
         raise ValueError(
@@ -256,7 +308,8 @@ def load_into(chunk, checkpoint: Path) -> None:
     """Collective: load the weights of ``checkpoint`` into ``chunk`` (any layout, strict)."""
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load(sharded_state(chunk), str(checkpoint))
+    with _unreadable(checkpoint):
+        loaded = dist_checkpointing.load(sharded_state(chunk), str(checkpoint))
     missing, unexpected = chunk.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     unexpected = [k for k in unexpected if not k.endswith("_extra_state")]

@@ -66,8 +66,9 @@ def plan_import(
 ) -> ImportPlan:
     """Validate everything that can be checked before any process starts."""
     hf_dir = Path(hf_dir)
-    if Path(out).exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; choose a new --out or pass --overwrite")
+    checkpoint.check_output(out, overwrite, inputs=(hf_dir,))
+    if make_vocab_size_divisible_by < 1:
+        raise ValueError(f"--make-vocab-size-divisible-by must be at least 1, got {make_vocab_size_divisible_by}")
     raw = hf_io.read_config(hf_dir)
     model = hf_config.model_config_from_hf(
         raw, seq_length, make_vocab_size_divisible_by, **(model_overrides or {})
@@ -126,7 +127,11 @@ def hf_to_mcore(plan: ImportPlan) -> Path:
     if "WORLD_SIZE" in os.environ and launched != world:
         raise ValueError(f"launched with WORLD_SIZE={launched}, but --tp x --pp = {world}")
     if world > 1 and "WORLD_SIZE" not in os.environ:
-        spawn(_import_rank, world, plan)
+        try:
+            spawn(_import_rank, world, plan)
+        except BaseException:  # a rank stopped inside a collective leaves its staging behind
+            shutil.rmtree(checkpoint.staging_dir(Path(plan.out)), ignore_errors=True)
+            raise
     else:
         _import_rank(plan)
     return Path(plan.out)
@@ -142,7 +147,7 @@ def _import_rank(plan: ImportPlan) -> None:
     tmp = checkpoint.staging_dir(out)
     try:
         if rank == 0:
-            checkpoint.prepare_output(out, plan.overwrite)
+            checkpoint.prepare_output(out, plan.overwrite, inputs=(Path(plan.hf_dir),))
         torch.distributed.barrier()
 
         chunk = checkpoint.build_model(plan.model, plan.mhar, DTYPES[plan.dtype])
@@ -259,8 +264,11 @@ def mcore_to_hf(
     from megatron_mhar.runtime import destroy
 
     found = checkpoint.find_checkpoint(Path(ckpt))
-    if Path(out).exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; choose a new --out or pass --overwrite")
+    inputs = (Path(ckpt), found) + ((Path(hf_reference),) if hf_reference else ())
+    checkpoint.check_output(out, overwrite, inputs)
+    source_hf = Path(hf_reference) if hf_reference else found / checkpoint.HF_SUBDIR
+    if hf_reference and not (source_hf / "config.json").is_file():
+        raise FileNotFoundError(f"--hf-reference {hf_reference} has no config.json")
     model_cfg, mhar, _ = checkpoint.read_configs(found)
     stored = checkpoint.stored_dtype(found)
     target = DTYPES[dtype] if dtype else stored
@@ -275,34 +283,38 @@ def mcore_to_hf(
     shapes = mapping.Shapes.of(model_cfg)
     tensors, routing = mapping.hf_tensors(state, model_cfg, shapes)
 
-    out = Path(out).absolute()
-    tmp = checkpoint.prepare_output(out, overwrite)
-    source_hf = Path(hf_reference) if hf_reference else found / checkpoint.HF_SUBDIR
-    if hf_reference and not (source_hf / "config.json").is_file():
-        raise FileNotFoundError(f"--hf-reference {hf_reference} has no config.json")
+    if not mhar.enabled and routing:
+        raise ValueError(f"variant none checkpoint holds routing tensors: {sorted(routing)[:4]}")
     if (source_hf / "config.json").is_file():
-        config = json.loads((source_hf / "config.json").read_text())
+        what = f"--hf-reference {hf_reference}/config.json" if hf_reference else f"{source_hf}/config.json"
+        config = hf_io.read_config(source_hf)
         derived = hf_config.model_config_from_hf(config)
-        hf_config.check_same_function(derived, model_cfg, "the stored HF config and the checkpoint's model")
-        hf_io.copy_auxiliary(source_hf, tmp)
+        hf_config.check_same_function(derived, model_cfg, f"{what} and the checkpoint's model")
     else:
         config = hf_config.hf_config_from_model(model_cfg, _DTYPE_NAMES[target])
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    hf_io.write_safetensors(tensors, tmp)
-    if mhar.enabled:
-        hf_io.write_mhar_side_file(
-            tmp,
-            routing,
-            {
-                "variant": mhar.variant,
-                "mhar": dataclasses.asdict(mhar),
-                "model": dataclasses.asdict(model_cfg),
-                "source_checkpoint": str(found),
-            },
-        )
-    elif routing:
-        raise ValueError(f"variant none checkpoint holds routing tensors: {sorted(routing)[:4]}")
-    return checkpoint.publish(tmp, out)
+
+    out = Path(out).absolute()
+    tmp = checkpoint.prepare_output(out, overwrite, inputs)
+    try:
+        if (source_hf / "config.json").is_file():
+            hf_io.copy_auxiliary(source_hf, tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        hf_io.write_safetensors(tensors, tmp)
+        if mhar.enabled:
+            hf_io.write_mhar_side_file(
+                tmp,
+                routing,
+                {
+                    "variant": mhar.variant,
+                    "mhar": dataclasses.asdict(mhar),
+                    "model": dataclasses.asdict(model_cfg),
+                    "source_checkpoint": str(found),
+                },
+            )
+        return checkpoint.publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written directory behind
+        raise
 
 
 # ---------------------------------------------------------------- local ranks
@@ -314,6 +326,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# What a rank raises for bad input; the parent re-raises it as the same type.
+INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+
+
 def _rank_main(rank: int, world: int, port: int, fn, args, errors) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
@@ -321,15 +337,19 @@ def _rank_main(rank: int, world: int, port: int, fn, args, errors) -> None:
     )
     try:
         fn(*args)
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
+    except BaseException as err:
+        kind = next((k for k in INPUT_ERRORS if isinstance(err, k)), None)
+        errors.put((rank, traceback.format_exc(), kind, str(err)))
         raise SystemExit(1)
 
 
-def spawn(fn, world: int, *args, timeout: float = 24 * 3600.0) -> None:
-    """Run ``fn(*args)`` on ``world`` local gloo ranks; raise with the first failure's traceback.
+def spawn(fn, world: int, *args, timeout: float = 24 * 3600.0, grace: float = 10.0) -> None:
+    """Run ``fn(*args)`` on ``world`` local gloo ranks; raise the failure that explains the others.
 
-    When one rank fails the others are stopped (they would wait in a collective).
+    When one rank fails, the others fail too once their peer is gone (or wait in a
+    collective): they get ``grace`` seconds to report, then are stopped. A rank's
+    bad-input error (:data:`INPUT_ERRORS`) is re-raised as that type, whichever rank
+    reported first; anything else as a ``RuntimeError`` with the rank's traceback.
     """
     import time
 
@@ -345,25 +365,33 @@ def spawn(fn, world: int, *args, timeout: float = 24 * 3600.0) -> None:
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + timeout
-    failure = None
+    failures = []
     try:
-        while any(p.is_alive() for p in procs) and failure is None and time.monotonic() < deadline:
+        while any(p.is_alive() for p in procs) and not failures and time.monotonic() < deadline:
             try:
-                failure = errors.get(timeout=0.5)
+                failures.append(errors.get(timeout=0.5))
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead and errors.empty():
-                    failure = (dead[0], f"exited with code {procs[dead[0]].exitcode}")
-        if failure is None and not errors.empty():
-            failure = errors.get()
+                    failures.append((dead[0], f"exited with code {procs[dead[0]].exitcode}", None, ""))
+        if failures:
+            stop = time.monotonic() + grace
+            for proc in procs:
+                proc.join(timeout=max(0.0, stop - time.monotonic()))
     finally:
         for proc in procs:
-            if proc.is_alive() and (failure is not None or time.monotonic() >= deadline):
+            if proc.is_alive() and (failures or time.monotonic() >= deadline):
                 proc.terminate()
         for proc in procs:
             proc.join()
-    if failure is not None:
-        rank, text = failure
+    while not errors.empty():
+        failures.append(errors.get())
+    named = [f for f in failures if f[2] is not None]
+    if named:
+        rank, _, kind, message = named[0]
+        raise kind(f"conversion rank {rank} of {world}: {message}")
+    if failures:
+        rank, text = failures[0][:2]
         raise RuntimeError(f"conversion rank {rank} of {world} failed:\n{text}")
     if any(p.exitcode != 0 for p in procs):
         raise RuntimeError(f"conversion ranks exited with codes {[p.exitcode for p in procs]}")

@@ -128,7 +128,7 @@ def model_config_from_hf(
         kv_channels=None if head_dim * heads == hf["hidden_size"] else head_dim,
         vocab_size=hf["vocab_size"],
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-        seq_length=seq_length or hf.get("max_position_embeddings") or 4096,
+        seq_length=seq_length if seq_length is not None else hf.get("max_position_embeddings") or 4096,
         normalization="RMSNorm",
         norm_epsilon=float(hf["rms_norm_eps"]),
         swiglu=True,

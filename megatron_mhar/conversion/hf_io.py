@@ -51,19 +51,32 @@ def read_config(hf_dir: Path) -> Dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{hf_dir} has no config.json; is it a Hugging Face model directory?")
-    return json.loads(path.read_text())
+    return read_json_object(path)
+
+
+def read_json_object(path: Path) -> Dict[str, Any]:
+    """A JSON file holding one object, or a ``ValueError`` naming the file."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); restore it from the model's source") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds a {type(raw).__name__}, expected a JSON object")
+    return raw
 
 
 class SafetensorsReader:
     """Lazy access to the tensors of an HF directory (one file or an index of shards)."""
 
     def __init__(self, hf_dir: Path):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         hf_dir = Path(hf_dir)
         index = hf_dir / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no 'weight_map' object")
         elif (hf_dir / SINGLE_FILE).is_file():
             weight_map = None
         else:
@@ -77,7 +90,13 @@ class SafetensorsReader:
             path = hf_dir / name
             if not path.is_file():
                 raise FileNotFoundError(f"{index} names {name}, which does not exist")
-            handle = safe_open(str(path), framework="pt")
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except SafetensorError as err:
+                raise ValueError(
+                    f"{path} is not a readable safetensors file ({err}); it is truncated or "
+                    f"corrupt: download or copy it again"
+                ) from None
             self._files[name] = handle
             for key in handle.keys():
                 self._where[key] = name
@@ -155,14 +174,18 @@ def read_mhar_side_file(hf_dir: Path) -> Optional[tuple]:
         raise FileNotFoundError(
             f"{hf_dir} has only one of {MHAR_CONFIG_FILE} and {MHAR_PARAMS_FILE}; both or neither"
         )
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    description = json.loads(config.read_text())
+    description = read_json_object(config)
     if description.get("format") != SIDE_FILE_FORMAT:
         raise ValueError(
             f"{config}: format {description.get('format')!r}, expected {SIDE_FILE_FORMAT!r}"
         )
-    return description, load_file(str(params))
+    try:
+        return description, load_file(str(params))
+    except SafetensorError as err:
+        raise ValueError(f"{params} is not a readable safetensors file ({err}); it is truncated or corrupt") from None
 
 
 def copy_auxiliary(src: Path, dst: Path, names: Iterable[str] = AUXILIARY_FILES) -> List[str]:

@@ -145,6 +145,120 @@ def test_cli_reports_errors_and_converts(hf_dirs, tmp_path, capsys):
     assert "has no config.json" in capsys.readouterr().err
 
 
+# ---------------------------------------------------------------- misuse of the CLIs
+
+
+def _cli(name):
+    sys.path.insert(0, str(REPO / "checkpoint_tools"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(REPO / "checkpoint_tools"))
+
+
+def _truncate(path: Path, keep: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+@pytest.mark.parametrize("damage,message", [
+    # an edit that broke the JSON: name the file, not only the parser's position
+    pytest.param(lambda d: (d / "config.json").write_text('{"architectures": [LlamaForCausalLM]}'),
+                 "config.json is not valid JSON", id="config-not-json"),
+    # valid JSON that is not an object
+    pytest.param(lambda d: (d / "config.json").write_text("[1, 2]"),
+                 "config.json holds a list, expected a JSON object", id="config-not-object"),
+    # an interrupted download: the header promises more bytes than the file has
+    pytest.param(lambda d: _truncate(d / "model.safetensors", 4096),
+                 "model.safetensors is not a readable safetensors file", id="truncated-safetensors"),
+    # not a safetensors file at all
+    pytest.param(lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64),
+                 "model.safetensors is not a readable safetensors file", id="garbage-safetensors"),
+])
+def test_unreadable_hf_files_are_named(hf_dirs, tmp_path, damage, message):
+    hf_dir = shutil.copytree(hf_dirs["llama"], tmp_path / "hf")
+    damage(hf_dir)
+    with pytest.raises(ValueError, match=message):
+        _plan(hf_dir, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_numeric_flags_out_of_range(hf_dirs, tmp_path):
+    from megatron_mhar.conversion.convert import plan_import
+
+    with pytest.raises(ValueError, match="--tp must be at least 1, got 0"):
+        _plan(hf_dirs["llama"], tmp_path / "out", tp=0)
+    with pytest.raises(ValueError, match="--pp must be at least 1, got -1"):
+        _plan(hf_dirs["llama"], tmp_path / "out", pp=-1)
+    with pytest.raises(ValueError, match="--make-vocab-size-divisible-by must be at least 1, got 0"):
+        _plan(hf_dirs["llama"], tmp_path / "out", make_vocab_size_divisible_by=0)
+    # --seq-length 0 is refused, not silently replaced by max_position_embeddings
+    with pytest.raises(ValueError, match="seq_length must be positive, got 0"):
+        plan_import(hf_dirs["llama"], tmp_path / "out", "none", seq_length=0)
+
+
+def test_overwrite_never_deletes_an_input_or_a_file(hf_dirs, tmp_path):
+    hf_dir = shutil.copytree(hf_dirs["llama"], tmp_path / "models" / "llama")
+    for out in (hf_dir, hf_dir.parent):  # --out is the input, or a directory holding it
+        with pytest.raises(ValueError, match="is or contains the input .*; writing it would delete the input"):
+            _plan(hf_dir, out, overwrite=True)
+    (tmp_path / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="notes.txt is a file; --overwrite replaces only a directory"):
+        _plan(hf_dir, tmp_path / "notes.txt", overwrite=True)
+    with pytest.raises(ValueError, match="notes.txt is a file, not a directory; choose another --out"):
+        _plan(hf_dir, tmp_path / "notes.txt" / "out")
+    assert (tmp_path / "notes.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models", "notes.txt"]
+
+
+def test_export_never_deletes_its_checkpoint(convert, tmp_path):
+    from megatron_mhar.conversion.convert import mcore_to_hf
+
+    ckpt = shutil.copytree(convert("qwen3_tied", "none"), tmp_path / "run" / "ckpt")
+    for out in (ckpt, ckpt / "iter_0000000", tmp_path / "run"):
+        with pytest.raises(ValueError, match="is or contains the input"):
+            mcore_to_hf(ckpt, out, overwrite=True)
+    assert (ckpt / "latest").is_file() and (ckpt / "iter_0000000" / "metadata.json").is_file()
+
+
+def test_export_failures_leave_no_staging_directory(hf_dirs, convert, tmp_path):
+    from megatron_mhar.conversion.convert import mcore_to_hf
+
+    ckpt = convert("llama", "none")
+    with pytest.raises(FileNotFoundError, match="--hf-reference .* has no config.json"):
+        mcore_to_hf(ckpt, tmp_path / "out", hf_reference=tmp_path / "nope")
+    with pytest.raises(ValueError, match="--hf-reference .*config.json and the checkpoint's model differ"):
+        mcore_to_hf(ckpt, tmp_path / "out", hf_reference=hf_dirs["qwen3_tied"])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("damage", [
+    pytest.param("common.pt", id="common-state"),  # the configs
+    pytest.param("__0_0.distcp", id="tensor-shard"),  # the weights
+])
+def test_export_names_a_corrupt_checkpoint(convert, tmp_path, damage):
+    from megatron_mhar.conversion.convert import mcore_to_hf
+
+    ckpt = shutil.copytree(convert("qwen3_tied", "none"), tmp_path / "ckpt")
+    _truncate(ckpt / "iter_0000000" / damage, 100)
+    with pytest.raises(ValueError, match=r"iter_0000000 cannot be read \(.*\); if its files are truncated"):
+        mcore_to_hf(ckpt, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_cli_reports_a_rank_failure_by_name(hf_dirs, tmp_path, capsys):
+    """A shape error on the second pipeline stage: the CLI exits 2 with that rank's
+    error (not its peer's lost connection), and nothing is left behind."""
+    hf_dir = _edited(hf_dirs["llama"], tmp_path / "hf",
+                     replace={"model.layers.3.mlp.down_proj.weight": torch.zeros(64, 95)})
+    with pytest.raises(SystemExit) as exit_info:
+        _cli("hf_to_mcore_mhar").main(["--hf-dir", str(hf_dir), "--out", str(tmp_path / "out"),
+                                       "--variant", "none", "--pp", "2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: conversion rank 1 of 2: decoder.layers.3.mlp.linear_fc2.weight: converted shape (64, 95)" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
 # ---------------------------------------------------------------- mapping and configs
 
 
