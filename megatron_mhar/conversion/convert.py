@@ -51,6 +51,12 @@ class ImportPlan:
     hf_ignored: tuple
 
 
+# The variants each routing option of the import changes; given with another, it would be
+# recorded in the checkpoint's config and do nothing.
+_OVERRIDE_VARIANTS = {"num_heads": ("full", "block", "delta"), "logit_scale": ("full", "block", "delta"),
+                      "block_size": ("block",), "delta_block_layers": ("delta",)}  # fmt: skip
+
+
 def plan_import(
     hf_dir: Path,
     out: Path,
@@ -89,6 +95,11 @@ def plan_import(
         raise ValueError("--variant is required (none, full, block or delta)")
     else:
         fields["variant"] = variant
+    for name in mhar_overrides or {}:
+        applies = _OVERRIDE_VARIANTS.get(name, ())
+        if fields["variant"] not in applies:
+            raise ValueError(f"--{name.replace('_', '-')} applies to the {' / '.join(applies)} variant, not "
+                             f"{fields['variant']!r}; drop it or choose one of those variants")  # fmt: skip
     fields.update(mhar_overrides or {})
     mhar = MHARConfig(**fields)
     mhar.validate_for_model(model.hidden_size, model.num_layers)

@@ -86,6 +86,11 @@ def test_layout_and_variant_errors(hf_dirs, tmp_path):
         _plan(hf_dirs["llama"], tmp_path / "out", variant=None)
     with pytest.raises(ValueError, match="mhar.num_heads=7 does not divide hidden_size=64"):
         _plan(hf_dirs["llama"], tmp_path / "out", variant="delta", mhar_overrides=dict(num_heads=7))
+    for variant, overrides, flag in (("none", dict(block_size=3), "--block-size applies to the block"),
+                                     ("full", dict(delta_block_layers=2), "--delta-block-layers applies to the delta"),
+                                     ("none", dict(num_heads=4), "--num-heads applies to the full / block / delta")):
+        with pytest.raises(ValueError, match=f"{flag} variant, not '{variant}'"):
+            _plan(hf_dirs["llama"], tmp_path / "out", variant=variant, mhar_overrides=overrides)
 
 
 def test_shape_mismatch_fails_without_publishing(hf_dirs, tmp_path):
