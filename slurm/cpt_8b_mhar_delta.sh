@@ -76,6 +76,11 @@ export PYTHON=${PYTHON:-python}
 export GPUS_PER_NODE=${GPUS_PER_NODE:-}
 # The repository checkout to run; empty: the directory sbatch was called in.
 export REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
+if [[ ! -f $REPO_DIR/slurm/launch.sh ]]; then
+    echo "error: REPO_DIR=$REPO_DIR has no slurm/launch.sh; submit from the megatron_mhar" \
+        "repository root (cd megatron_mhar; sbatch slurm/...) or set REPO_DIR" >&2
+    exit 1
+fi
 
 # ---------------------------------------------------------------------------- launch
 # The shared launcher: srun ranks, rendezvous, NCCL/CUDA environment, signal handling

@@ -94,6 +94,16 @@ def prepare_embedded(
     root: Optional[str] = None, vocab_size: int = 4096, max_bytes: Optional[int] = None
 ) -> EmbeddedData:
     """Build (once) the builtin tokenizer and the indexed dataset of the embedded corpus."""
+    if vocab_size < 260:  # the BPE trainer would silently stop at 257 (256 bytes + EOD)
+        raise ValueError(
+            f"the builtin tokenizer needs a vocabulary of >= 260 tokens (256 bytes + special "
+            f"tokens), got {vocab_size}; raise data.embedded_vocab_size (preprocess: --vocab-size)"
+        )
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(
+            f"the embedded corpus needs a positive byte budget, got {max_bytes}; set "
+            f"data.embedded_max_bytes (preprocess: --embedded-max-bytes) > 0, or null for all of it"
+        )
     target = embedded_data_dir(root or "~/.cache/megatron_mhar/embedded", vocab_size, max_bytes)
     if (target / "manifest.json").is_file():
         return EmbeddedData(target)

@@ -14,11 +14,16 @@ run would have read.
 
 from __future__ import annotations
 
+import os
+import struct
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
 from megatron_mhar.data.tokenizer import Tokenizer
+
+_IDX_HEAD = struct.Struct("<9sQBQQ")
+"""Megatron's ``.idx`` header: magic, version, dtype code, sequences, documents."""
 
 
 def build_gpt_datasets(
@@ -41,10 +46,19 @@ def build_gpt_datasets(
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+    paths = list(paths)
+    if weights is not None:
+        if len(weights) != len(paths) or min(weights) < 0 or sum(weights) <= 0:
+            raise ValueError(
+                f"data.weights={list(weights)} for {len(paths)} data.paths: give one non-negative "
+                f"weight per path (positive sum), or data.weights=null"
+            )
+        # Megatron's blend takes positive weights only: a path weighted 0 is left out.
+        paths, weights = [p for p, w in zip(paths, weights) if w > 0], [w for w in weights if w > 0]
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=(list(paths), list(weights) if weights is not None else None),
+        blend=(paths, weights),
         split=split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
@@ -54,27 +68,68 @@ def build_gpt_datasets(
         create_attention_mask=False,
         mid_level_dataset_surplus=0.005,
     )
-    sizes = [n if n else None for n in num_samples]
+    # 0, not None, for an unused split: with blend weights Megatron needs a size for every split.
+    sizes = [n or 0 for n in num_samples]
     _check_splits(paths, config.split_matrix, sizes)
-    return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    datasets = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    return [dataset if n else None for dataset, n in zip(datasets, sizes)]
 
 
 def _check_splits(paths: Sequence[str], split_matrix, sizes) -> None:
     """Every split that is drawn from must get documents (Megatron loops forever otherwise)."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import Split
 
     for path in paths:
-        documents = len(IndexedDataset(path).document_indices) - 1
+        documents = len(open_indexed(path).document_indices) - 1
         for split in Split:
             if not sizes[split.value]:
                 continue
-            begin, end = split_matrix[split.value]
+            begin, end = split_matrix[split.value] or (0.0, 0.0)
             if int(round(end * documents)) - int(round(begin * documents)) < 1:
                 raise ValueError(
                     f"data.split gives the {split.name} split of {path} no documents (it has "
                     f"{documents}); give that split a larger share or use more data"
                 )
+
+
+def open_indexed(path: str):
+    """Megatron's ``IndexedDataset`` of ``path.{bin,idx}``, checked to be one intact pair.
+
+    Megatron reads a truncated ``.bin`` or the ``.idx`` of another run without complaint
+    (its samples are then garbage or a part of the data); this raises a ``ValueError``
+    that names the file instead.
+    """
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType, IndexedDataset
+
+    fix = f"write {path}.bin and {path}.idx again, together, with python -m megatron_mhar.data.preprocess"
+    missing = [path + ext for ext in (".bin", ".idx") if not os.path.isfile(path + ext)]
+    if missing and path.endswith((".bin", ".idx")):
+        raise ValueError(f"{' and '.join(missing)} not found; give the prefix, {path[:-4]}, without {path[-4:]}")
+    if missing:
+        raise ValueError(f"{' and '.join(missing)} not found; fix the data path or {fix}")
+    idx_bytes = os.path.getsize(path + ".idx")
+    with open(path + ".idx", "rb") as f:
+        head = f.read(_IDX_HEAD.size)
+    if len(head) < _IDX_HEAD.size or not head.startswith(_INDEX_HEADER):
+        raise ValueError(f"{path}.idx is not a Megatron index file (no complete MMIDIDX header); {fix}")
+    _, version, code, sequences, documents = _IDX_HEAD.unpack(head)
+    if version != 1 or code not in {d.value for d in DType}:
+        raise ValueError(f"{path}.idx has an unknown version ({version}) or dtype ({code}); {fix}")
+    expected = _IDX_HEAD.size + sequences * (4 + 8) + documents * 8  # lengths, pointers, documents
+    if idx_bytes < expected:
+        raise ValueError(f"{path}.idx is truncated ({idx_bytes} of {expected} bytes); {fix}")
+    if sequences == 0:
+        raise ValueError(f"{path} holds no documents; {fix} from non-empty input")
+    dataset = IndexedDataset(path)
+    index = dataset.index
+    end = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size
+    bin_bytes = os.path.getsize(path + ".bin")
+    if bin_bytes != end:
+        raise ValueError(
+            f"{path}.idx describes {end} bytes of tokens but {path}.bin holds {bin_bytes}: the .bin "
+            f"is truncated or the two files come from different runs; {fix}"
+        )
+    return dataset
 
 
 class MicroBatches(Iterator[Dict[str, torch.Tensor]]):
@@ -106,7 +161,8 @@ class MicroBatches(Iterator[Dict[str, torch.Tensor]]):
             raise StopIteration
         samples = [self.dataset[i] for i in range(start, stop)]
         self.consumed_samples += self.micro_batch_size * self.dp_size
-        batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+        # A blend's samples also carry their source's ``dataset_id`` (a NumPy scalar).
+        batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}
         if self.device is not None and self.device.type != "cpu":
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         return batch

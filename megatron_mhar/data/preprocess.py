@@ -1,7 +1,7 @@
 """Tokenize text into Megatron indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``).
 
     python -m megatron_mhar.data.preprocess --input corpus.jsonl --output-prefix data/corpus \\
-        --tokenizer /path/to/qwen3_tokenizer [--json-key text] [--workers 8]
+        --tokenizer /path/to/qwen3_tokenizer [--json-key text] [--overwrite]
 
 Inputs: ``.jsonl`` files (one JSON object per line, the document under
 ``--json-key``) or plain text files (one document per file, or per line with
@@ -10,7 +10,8 @@ GPTDataset can pack documents into sequences. ``--tokenizer builtin`` uses the
 tokenizer of the embedded corpus (``--embedded-dir``, built on first use).
 
 The output is written next to its final name and renamed into place once
-complete, so an interrupted run never leaves a truncated dataset behind.
+complete, so an interrupted run never leaves a truncated dataset behind; an
+existing ``PREFIX.bin``/``PREFIX.idx`` is replaced only with ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -33,26 +34,50 @@ def iter_documents(paths: Sequence[str], json_key: str = "text", line_docs: bool
     """Documents of ``.jsonl`` files (one per line) and text files (one per file or line)."""
     for path in paths:
         if path.endswith(".jsonl") or path.endswith(".json"):
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
+            with open(path, "rb") as f:  # decoded per line, so an error can name its line
+                for lineno, raw in enumerate(f, 1):
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as err:
+                        raise ValueError(
+                            f"{path}:{lineno}: not UTF-8 (byte {raw[err.start]:#04x} at column "
+                            f"{err.start + 1}); re-encode the file as UTF-8 (e.g. iconv -t utf-8)"
+                        ) from None
                     if not line.strip():
                         continue
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError as err:
                         raise ValueError(f"{path}:{lineno}: not a JSON line ({err})") from None
+                    if not isinstance(record, dict):
+                        raise ValueError(
+                            f"{path}:{lineno}: a JSON {_json_type(record)}, not an object; "
+                            f"every line must be an object with the document under --json-key"
+                        )
                     if json_key not in record:
                         raise ValueError(
                             f"{path}:{lineno}: no key {json_key!r} (keys: {sorted(record)}); "
                             f"pass --json-key"
                         )
-                    yield record[json_key]
+                    text = record[json_key]
+                    if not isinstance(text, str):
+                        raise ValueError(
+                            f"{path}:{lineno}: {json_key!r} holds a JSON {_json_type(text)}, not "
+                            f"a string; pass the --json-key of the document text or drop the line"
+                        )
+                    yield text
         else:
             with open(path, encoding="utf-8", errors="replace") as f:
                 if line_docs:
                     yield from (line.rstrip("\n") for line in f if line.strip())
                 else:
                     yield f.read()
+
+
+def _json_type(value) -> str:
+    """The JSON name of a decoded value's type (for error messages)."""
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def _batched(items: Iterable[str], size: int) -> Iterator[List[str]]:
@@ -100,6 +125,29 @@ def write_indexed_dataset(documents: Iterable[str], tokenizer: Tokenizer, output
     return {"documents": n_docs, "tokens": n_tokens}
 
 
+def _output_problem(output_prefix: str, overwrite: bool) -> str | None:
+    """Why ``output_prefix`` cannot be written (checked before any work), or ``None``."""
+    prefix = os.path.abspath(output_prefix)
+    if output_prefix.endswith(("/", os.sep)) or os.path.isdir(prefix):
+        return (
+            f"--output-prefix {output_prefix} is a directory; give a prefix inside it, e.g. "
+            f"{os.path.join(output_prefix, 'corpus_text_document')} (writes .bin and .idx)"
+        )
+    parent = os.path.dirname(prefix)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"--output-prefix {output_prefix}: {parent} is a file, not a directory"
+    existing = [prefix + ext for ext in (".bin", ".idx") if os.path.exists(prefix + ext)]
+    if existing and not overwrite:
+        return (
+            f"--output-prefix {output_prefix}: {' and '.join(existing)} "
+            f"{'exists' if len(existing) == 1 else 'exist'}; pass --overwrite to replace, or "
+            f"choose another prefix"
+        )
+    return None
+
+
 def load_tokenizer(spec: str, eod_token: str | None = None, embedded_dir: str | None = None,
                    vocab_size: int = 4096, max_bytes: int | None = None) -> Tokenizer:
     """``builtin`` (the embedded corpus' tokenizer, built if missing) or a tokenizer dir.
@@ -127,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--line-docs", action="store_true",
                         help="text files: one document per line (default: per file)")
     parser.add_argument("--eod-token", default=None, help="end-of-document token to append")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing PREFIX.bin/PREFIX.idx (default: refuse)")
     parser.add_argument("--embedded-dir", default="~/.cache/megatron_mhar/embedded",
                         help="with --tokenizer builtin: where the builtin tokenizer lives")
     parser.add_argument("--vocab-size", type=int, default=4096,
@@ -139,6 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     missing = [p for p in args.input if not os.path.isfile(p)]
     if missing:
         parser.error(f"input not found: {', '.join(missing)}")
+    problem = _output_problem(args.output_prefix, args.overwrite)
+    if problem:
+        parser.error(problem)
     tokenizer = load_tokenizer(
         args.tokenizer, args.eod_token, args.embedded_dir, args.vocab_size, args.embedded_max_bytes
     )

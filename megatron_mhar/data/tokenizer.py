@@ -34,8 +34,8 @@ class Tokenizer:
         eod = tokenizer.token_to_id(eod_token)
         if eod is None:
             raise ValueError(
-                f"tokenizer {path or ''} has no token {eod_token!r}; set data.eod_token to its "
-                f"end-of-document token"
+                f"tokenizer {path or ''} has no token {eod_token!r}; set data.eod_token (preprocess: "
+                f"--eod-token) to its end-of-document token"
             )
         self._tokenizer = tokenizer
         self.path = path
@@ -50,17 +50,29 @@ class Tokenizer:
         The end-of-document token is ``eod_token``, else ``<|endoftext|>`` when the
         vocabulary has it (Qwen, GPT-2), else ``eos_token`` of ``tokenizer_config.json``.
         """
+        if os.path.isfile(directory):
+            raise ValueError(
+                f"{directory} is a file; give the Hugging Face tokenizer directory that holds "
+                f"tokenizer.json"
+            )
         path = os.path.join(directory, "tokenizer.json")
         if not os.path.isfile(path):
             raise ValueError(f"no tokenizer.json in {directory}; give a Hugging Face tokenizer dir")
-        tokenizer = HFTokenizer.from_file(path)
+        try:
+            tokenizer = HFTokenizer.from_file(path)
+        except Exception as err:  # the Rust library raises a bare Exception
+            raise ValueError(
+                f"{path} is not a tokenizer the tokenizers library can read ({err}); download it "
+                f"again (one written by a newer release needs pip install -U tokenizers)"
+            ) from None
         if eod_token is None:
             eod_token = EOD_TOKEN if tokenizer.token_to_id(EOD_TOKEN) is not None else None
         if eod_token is None:
             eod_token = _configured_eos(directory)
         if eod_token is None:
             raise ValueError(
-                f"cannot tell the end-of-document token of {directory}; set data.eod_token"
+                f"cannot tell the end-of-document token of {directory}; set data.eod_token "
+                f"(preprocess: --eod-token)"
             )
         return cls(tokenizer, eod_token, path=directory)
 
@@ -91,8 +103,11 @@ def _configured_eos(directory: str) -> Optional[str]:
     config = os.path.join(directory, "tokenizer_config.json")
     if not os.path.isfile(config):
         return None
-    with open(config) as f:
-        eos = json.load(f).get("eos_token")
+    with open(config, encoding="utf-8") as f:
+        try:
+            eos = json.load(f).get("eos_token")
+        except (json.JSONDecodeError, AttributeError) as err:
+            raise ValueError(f"{config} is not a JSON object ({err}); download it again") from None
     if isinstance(eos, dict):  # {"content": "<|im_end|>", ...}
         eos = eos.get("content")
     return eos

@@ -155,3 +155,147 @@ def test_gpt_datasets_and_micro_batches(embedded):
     # resuming at a consumed-sample count continues exactly
     resumed = MicroBatches(train, 2, 0, 1, consumed_samples=8)
     assert torch.equal(next(resumed)["tokens"], next(one)["tokens"])
+
+
+def _preprocess(embedded, tmp_path, *inputs, extra=()):
+    args = ["--input", *map(str, inputs), "--output-prefix", str(tmp_path / "out" / "p"),
+            "--tokenizer", str(embedded.directory), *extra]
+    return preprocess_main(args)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        pytest.param(b'{"text": "caf\xe9"}', r"bad.jsonl:2: not UTF-8 \(byte 0xe9 at column 14\)", id="latin1"),
+        pytest.param(b'["a", "b"]', r"bad.jsonl:2: a JSON array, not an object", id="array-line"),
+        pytest.param(b'{"text": null}', r"bad.jsonl:2: 'text' holds a JSON null, not a string", id="null"),
+        pytest.param(b'{"text": 7}', r"bad.jsonl:2: 'text' holds a JSON number", id="number"),
+        # a list would be tokenized as a (text, pair) input without a word
+        pytest.param(b'{"text": ["a", "b"]}', r"bad.jsonl:2: 'text' holds a JSON array", id="list"),
+    ],
+)
+def test_preprocess_names_the_bad_jsonl_line(embedded, tmp_path, line, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "fine"}\n' + line + b'\n{"text": "after"}\n')
+    with pytest.raises(ValueError, match=message):
+        _preprocess(embedded, tmp_path, bad)
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")  # nothing half-written
+
+
+
+def test_preprocess_output_prefix_misuse(embedded, tmp_path, capsys):
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("one document")
+    second.write_text("another, longer document than the first one")
+    out = tmp_path / "out"
+    assert _preprocess(embedded, tmp_path, first) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    # an existing dataset is never replaced without --overwrite, and is left as it was
+    with pytest.raises(SystemExit):
+        _preprocess(embedded, tmp_path, second)
+    assert f"{out / 'p'}.bin and {out / 'p'}.idx exist; pass --overwrite" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert _preprocess(embedded, tmp_path, second, extra=["--overwrite"]) == 0
+    dataset = _read_indexed(str(out / "p"))  # held: its samples are views of its mmap
+    assert list(dataset[0][:-1]) == embedded.tokenizer().tokenize(second.read_text())
+    # a directory is not a prefix (it would write out.bin beside it); nor is a path under a file
+    for prefix, message in [(f"{out}/", "is a directory"), (str(first / "p"), "is a file, not a directory")]:
+        with pytest.raises(SystemExit):
+            preprocess_main(["--input", str(first), "--output-prefix", prefix, "--tokenizer",
+                             str(embedded.directory)])
+        assert message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "out"]
+
+
+def test_tokenizer_and_builtin_misuse(embedded, tmp_path):
+    spec = embedded.directory / "tokenizer.json"
+    with pytest.raises(ValueError, match="is a file; give the Hugging Face tokenizer directory"):
+        Tokenizer.from_dir(str(spec))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text(spec.read_text()[:100])  # an interrupted download
+    with pytest.raises(ValueError, match=r"broken/tokenizer.json is not a tokenizer .*download it again"):
+        Tokenizer.from_dir(str(broken))
+    (broken / "tokenizer.json").write_text(spec.read_text().replace("<|endoftext|>", "</s>"))
+    (broken / "tokenizer_config.json").write_text('{"eos_token": ')
+    with pytest.raises(ValueError, match=r"tokenizer_config.json is not a JSON object"):
+        Tokenizer.from_dir(str(broken))
+    # the BPE trainer would silently stop at 257 tokens; an empty corpus would fail as "no documents"
+    with pytest.raises(ValueError, match=r"vocabulary of >= 260 tokens .* got 100; raise data.embedded_vocab_size"):
+        prepare_embedded(str(tmp_path / "emb"), 100, BYTES)
+    with pytest.raises(ValueError, match=r"positive byte budget, got 0; set data.embedded_max_bytes"):
+        prepare_embedded(str(tmp_path / "emb"), VOCAB, 0)
+    assert not (tmp_path / "emb").exists()
+
+
+def _damage(kind, prefix, other):
+    """Break the pair at ``prefix`` the way ``kind`` says (``other``: another valid pair)."""
+    bin_, idx = prefix + ".bin", prefix + ".idx"
+    if kind == "no-idx":
+        os.remove(idx)
+    elif kind == "empty-idx":
+        open(idx, "wb").close()
+    elif kind == "truncated-idx":
+        data = open(idx, "rb").read()
+        open(idx, "wb").write(data[:-8])
+    elif kind == "truncated-bin":
+        data = open(bin_, "rb").read()
+        open(bin_, "wb").write(data[: len(data) // 2])
+    elif kind == "foreign-idx":
+        open(idx, "wb").write(open(other + ".idx", "rb").read())
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        pytest.param("no-idx", r"p.idx not found; fix the data path", id="no-idx"),
+        pytest.param("bin-suffix", r"p.bin.bin and .*p.bin.idx not found; give the prefix, .*p, without .bin",
+                     id="bin-suffix"),
+        pytest.param("empty-idx", r"p.idx is not a Megatron index file", id="empty-idx"),
+        pytest.param("truncated-idx", r"p.idx is truncated", id="truncated-idx"),
+        # Megatron would read these two without a word: garbage or part of the data
+        pytest.param("truncated-bin", r"p.idx describes \d+ bytes of tokens but .*p.bin holds \d+", id="truncated-bin"),
+        pytest.param("foreign-idx", r"p.idx describes \d+ bytes of tokens but .*p.bin holds \d+", id="foreign-idx"),
+    ],
+)
+def test_gpt_datasets_refuse_a_damaged_pair(embedded, tmp_path, kind, message):
+    from megatron_mhar.data.datasets import build_gpt_datasets
+
+    tokenizer = embedded.tokenizer()
+    prefix = str(tmp_path / "p")
+    write_indexed_dataset([f"document {i} " * (i + 1) for i in range(20)], tokenizer, prefix)
+    _damage(kind, prefix, embedded.prefix)
+    if kind == "bin-suffix":  # the .bin file named instead of the prefix
+        prefix += ".bin"
+    else:
+        message += r".*python -m megatron_mhar.data.preprocess"
+    with pytest.raises(ValueError, match=message):
+        build_gpt_datasets([prefix], None, "90,10,0", 16, [8, 8, 0], tokenizer, seed=1)
+
+
+def test_gpt_datasets_blend_weights(embedded, tmp_path):
+    from megatron_mhar.data.datasets import MicroBatches, build_gpt_datasets
+
+    tokenizer = embedded.tokenizer()
+    big, small = str(tmp_path / "big"), str(tmp_path / "small")
+    write_indexed_dataset([f"text {i} " * (2 * i + 5) for i in range(60)], tokenizer, big)
+    write_indexed_dataset([f"document {i} " * (i + 1) for i in range(40)], tokenizer, small)
+    build = lambda paths, weights, split="90,10,0": build_gpt_datasets(
+        paths, weights, split, 16, [64, 16, 0], tokenizer, seed=3
+    )
+    # with weights, Megatron needs a size for the unused test split too (it asserted before)
+    for split in ("90,10,0", "60,20,20"):
+        train, valid, test = build([big, small], [1.0, 3.0], split)
+        assert len(train) >= 64 and len(valid) >= 16 and test is None
+    # a path weighted 0 is left out (Megatron's blend refuses zero weights)
+    zero = build([big, small], [0.0, 2.0])[0]
+    alone = build([small], [1.0])[0]
+    assert len(zero) == len(alone)
+    assert all(torch.equal(zero[i]["tokens"], alone[i]["tokens"]) for i in range(len(alone)))
+    # a blend's samples carry a NumPy dataset_id: batches of any blend stack (they failed to)
+    for weights in (None, [1.0, 3.0]):
+        batch = next(MicroBatches(build([big, small], weights)[0], 4))
+        assert batch["tokens"].shape == (4, 16) and batch["dataset_id"].shape == (4,)
+    with pytest.raises(ValueError, match=r"data.weights=\[1.0\] for 2 data.paths: give one non-negative"):
+        build([big, small], [1.0])

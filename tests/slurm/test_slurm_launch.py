@@ -281,6 +281,16 @@ def test_scripts_request_signal_and_requeue(script):
     assert 'exec bash "$REPO_DIR/slurm/launch.sh" "$@"' in SCRIPTS[script].read_text()
 
 
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_scripts_name_a_wrong_submit_directory(script, tmp_path):
+    """Submitted from outside the checkout: a named error, not bash's 'No such file' (no Slurm needed)."""
+    env = dict(os.environ, SLURM_JOB_ID="1", SLURM_SUBMIT_DIR=str(tmp_path))
+    env.pop("REPO_DIR", None)
+    out = subprocess.run(["bash", str(SCRIPTS[script])], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 1, out.stderr
+    assert f"REPO_DIR={tmp_path} has no slurm/launch.sh; submit from the megatron_mhar" in out.stderr
+
+
 def test_job_trains_and_checkpoints(cluster, jobs):
     job = jobs["uninterrupted"]
     info = job.wait_final()
