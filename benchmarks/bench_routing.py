@@ -590,7 +590,10 @@ def merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, padded_d, grou
     fwd_loops = [mf, mf.override(stages=2), mf.override(stages=4), tile(8192, 4, 1), tile(8192, 4, 3),
                  tile(8192, 8, 3), tile(4096, 4, 3), tile(4096, 2, 1), tile(4096, 2, 3),
                  K._fwd_config(padded_d)]  # fmt: skip
+    # Twice the default's warps on its tile: half the registers per thread for the
+    # register-bound programs (not in the joint sweep, which moved stages and programs).
     bwd_loops = [mb, mb.override(stages=2), mb.override(stages=2, programs_per_sm=8),
+                 mb.override(num_warps=2 * mb.num_warps), mb.override(num_warps=2 * mb.num_warps, programs_per_sm=8),
                  mb.override(num_warps=2, stages=2), tile(1024, 2, 2, programs_per_sm=8),
                  tile(1024, 2, 1, programs_per_sm=8), tile(4096, 8, 2, programs_per_sm=2),
                  K._bwd_config(padded_d)]  # fmt: skip
