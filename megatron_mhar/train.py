@@ -10,6 +10,7 @@ checkpoints/ and summary.json; it resumes from its own checkpoints when restarte
 """
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -29,10 +30,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Installed first: a SIGTERM/SIGUSR1 during imports, data preparation or checkpoint
     # loading is then honoured at the first step (save and exit) instead of killing the rank.
     with StopSignal() as stop:
-        from megatron_mhar.training.config import load_config, to_yaml
+        from megatron_mhar.training.config import load_config, to_yaml, validate_launch
 
         try:
             cfg = load_config(recipe, overrides)
+            if not args.print_config:  # data, tokenizer, directories: before any process group
+                validate_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         except ValueError as err:
             parser.exit(2, f"config error: {err}\n")
         if args.print_config:

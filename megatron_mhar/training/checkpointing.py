@@ -25,16 +25,18 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy
 import torch
 import yaml
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_mhar.config import function_fields
 from megatron_mhar.training.config import config_differences
@@ -48,12 +50,22 @@ CHECKPOINT_VERSION = 1
 MODEL_SECTIONS = ("model", "mhar")
 
 
+_SAVE_NAME = re.compile(r"iter_(\d+)(?:\.(\d+))?")  # checkpoint_name, and a repeated save's suffix
+
+
 def checkpoint_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
 def find_checkpoint(path: Path) -> Optional[Path]:
-    """The checkpoint ``path`` designates: via its ``latest`` file, or ``path`` itself."""
+    """The checkpoint ``path`` designates: via its ``latest`` file, or ``path`` itself, or,
+    where no ``latest`` names one, its newest published ``iter_*`` checkpoint.
+
+    A save publishes ``iter_*`` (a complete checkpoint, renamed into place) and then writes
+    ``latest``; a job stopped in between, or a ``latest`` removed by hand, leaves checkpoints
+    that nothing names. Starting afresh beside them would lose them (and ``keep_last``
+    would prune them), so the newest is resumed instead, with a line saying so.
+    """
     path = Path(path)
     latest = path / LATEST
     if latest.is_file():
@@ -64,7 +76,27 @@ def find_checkpoint(path: Path) -> Optional[Path]:
         return target
     if (path / "metadata.json").is_file():
         return path
-    return None
+    published = {p: _SAVE_NAME.fullmatch(p.name) for p in path.glob("iter_*")} if path.is_dir() else {}
+    published = {p: m for p, m in published.items() if m and (p / "metadata.json").is_file()}
+    if not published:
+        return None
+    # (iteration, save): iter_0000012, then iter_0000012.2 for a second save at the same
+    # iteration (save_checkpoint never renames over a published one).
+    newest = max(published, key=lambda p: (int(published[p][1]), int(published[p][2] or 1)))
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"{path} has no {LATEST!r} file; using its newest checkpoint, {newest.name}", flush=True)
+    return newest
+
+
+def _unreadable(checkpoint: Path, err: BaseException) -> ValueError:
+    """A load that failed on the checkpoint's files, named as such with the way out."""
+    if isinstance(err, CheckpointException) and err.failures:  # torch's per-rank wrapper
+        err = next(iter(err.failures.values()))[0]
+    return ValueError(
+        f"checkpoint {checkpoint} cannot be read ({type(err).__name__}: {err}); it is truncated "
+        f"or corrupt (an interrupted copy, a full disk?). Resume from an earlier checkpoint by "
+        f"writing its name into {checkpoint.parent / LATEST} (or point checkpoint.load at it)"
+    )
 
 
 def _is_rank0() -> bool:
@@ -221,7 +253,10 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: Path) -> None:
 
 def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:
     """The checkpoint's common state; raises if it was written for another model."""
-    common = dist_checkpointing.load_common_state_dict(str(checkpoint))
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(checkpoint))
+    except Exception as err:
+        raise _unreadable(checkpoint, err) from err
     saved = common.get("config")
     if saved is None:
         raise ValueError(f"{checkpoint} has no run config; was it written by megatron_mhar.train?")
@@ -262,7 +297,10 @@ def load_checkpoint(
     sharded = _sharded_state_dict(
         model, optimizer, is_loading=True, with_optimizer=not model_only, with_rng=not model_only and same_world
     )
-    state = dist_checkpointing.load(sharded, str(checkpoint))
+    try:
+        state = dist_checkpointing.load(sharded, str(checkpoint))
+    except (Exception, CheckpointException) as err:  # the latter is a BaseException
+        raise _unreadable(checkpoint, err) from err
     if len(model) == 1:
         unwrap(model[0]).load_state_dict(state["model"], strict=True)
     else:

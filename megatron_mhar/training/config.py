@@ -69,6 +69,8 @@ class RunConfig:
             raise ValueError(f"run.device must be auto, cuda or cpu, got {self.device!r}")
         if not self.name or "/" in self.name:
             raise ValueError(f"run.name must be a non-empty name without '/', got {self.name!r}")
+        if not 0 <= self.seed < 2**32:  # numpy's seeding range
+            raise ValueError(f"run.seed must be in [0, 2**32), got {self.seed}")
 
     @property
     def dir(self) -> Path:
@@ -420,6 +422,11 @@ class TrainConfig:
 
     def __post_init__(self):
         model, par = self.model, self.parallel
+        for name in ("num_query_groups", "ffn_hidden_size", "kv_channels"):
+            if getattr(model, name) is not None and getattr(model, name) < 1:
+                raise ValueError(
+                    f"model.{name} must be positive, or null to derive it, got {getattr(model, name)}"
+                )
         self.mhar.validate_for_model(model.hidden_size, model.num_layers)
         tp = par.tensor_model_parallel_size
         groups = model.num_query_groups or model.num_attention_heads
@@ -507,6 +514,23 @@ def resolve_recipe(recipe: str) -> Path:
     raise ValueError(f"recipe {recipe!r} is neither a file nor a name in {RECIPES_DIR}{hint}")
 
 
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    silently: a second ``training:`` section would drop every key of the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key_node.value!r} appears twice in one mapping; keep one",
+                        key_node.start_mark,
+                    )
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: Path, chain: Tuple[Path, ...] = ()) -> Dict[str, Any]:
     """One recipe file with its includes merged in (depth first, in order)."""
     path = path.resolve()
@@ -514,7 +538,10 @@ def _read_yaml(path: Path, chain: Tuple[Path, ...] = ()) -> Dict[str, Any]:
         cycle = " -> ".join(p.name for p in chain + (path,))
         raise ValueError(f"recipe include cycle: {cycle}")
     with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+        try:
+            raw = yaml.load(f, Loader=_RecipeLoader) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"not valid YAML: {err}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a recipe must be a YAML mapping, got {type(raw).__name__}")
     includes = raw.pop(INCLUDE_KEY, [])
@@ -619,6 +646,8 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
             return value
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ValueError(f"{path}: expected a finite float, got {value}")
             return float(value)
         if isinstance(value, str):  # YAML 1.1 reads 5e-4 (no dot) as a string
             try:
@@ -832,10 +861,25 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
     if importlib.util.find_spec("psutil") is None:
         # Megatron's checkpoint writer processes need it and hang the save without it.
         raise ValueError("megatron.core.dist_checkpointing needs psutil: pip install psutil")
+    _check_output_dir(cfg.run.dir, "run.output_dir/run.name")
+    _check_output_dir(cfg.checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "run.output_dir/run.name")
     if cfg.checkpoint.load is not None:
         load = expand_path(cfg.checkpoint.load, "checkpoint.load")
         if not os.path.isdir(load):
             raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r}: no such directory")
+
+
+def _check_output_dir(path: Path, keys: str) -> None:
+    """``path`` is a writable directory or can be made one (checked now, not at the first
+    save after hours of training)."""
+    path = path.absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(
+            f"{path} cannot be a directory: {existing} is a file; change {keys} or move the file"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{path} is not writable ({existing} is read-only to this user); change {keys}")
 
 
 def _cuda_available() -> bool:

@@ -178,6 +178,7 @@ class Trainer:
         )
 
         self.iteration = 0
+        self.consumed_samples = 0  # the data position (a resume may change the batch size)
         self.val_losses: List[List[float]] = []
         self.checkpoint: Optional[Path] = None
         self._resume()
@@ -187,15 +188,15 @@ class Trainer:
             cfg.data.weights,
             cfg.data.split,
             cfg.model.seq_length,
-            [tr.train_iters * tr.global_batch_size, cfg.eval.iters * tr.global_batch_size, 0],
+            [self.consumed_samples + max(tr.train_iters - self.iteration, 0) * tr.global_batch_size,
+             cfg.eval.iters * tr.global_batch_size, 0],
             self.tokenizer,
             cfg.run.seed,
             cache_dir=expand_path(cfg.data.cache_dir, "data.cache_dir") if cfg.data.cache_dir else None,
             eod_mask_loss=cfg.data.eod_mask_loss,
         )
         self.train_ds, self.valid_ds = train_ds, valid_ds
-        consumed = self.iteration * tr.global_batch_size
-        self.train_iterators = self._iterators(train_ds, consumed)
+        self.train_iterators = self._iterators(train_ds, self.consumed_samples)
         self.metrics = MetricsWriter(self.run_dir, self.is_logger, cfg.logging.tensorboard, self.iteration)
 
     # ---------------------------------------------------------------- setup
@@ -285,7 +286,12 @@ class Trainer:
             found, self.model, self.optimizer, self.scheduler, cfg.to_dict(), model_only=model_only
         )
         self.iteration = loaded["iteration"]
-        self.val_losses = [list(v) for v in loaded["train_state"].get("val_losses", [])]
+        train_state = loaded["train_state"]
+        self.val_losses = [list(v) for v in train_state.get("val_losses", [])]
+        # Checkpoints from before consumed_samples was saved ran one batch size throughout.
+        self.consumed_samples = train_state.get(
+            "consumed_samples", self.iteration * cfg.training.global_batch_size
+        )
         self.checkpoint = found
         if self.is_logger:
             what = "loaded weights from" if model_only else "resumed from"
@@ -415,7 +421,7 @@ class Trainer:
             self.model,
             self.optimizer,
             self.scheduler,
-            {"val_losses": self.val_losses},
+            {"val_losses": self.val_losses, "consumed_samples": self.consumed_samples},
             self.cfg.to_dict(),
             keep_last=self.cfg.checkpoint.keep_last,
         )
@@ -447,6 +453,7 @@ class Trainer:
                 loss, grad_norm, lr = self.train_step()
                 timer.stop()
                 self.iteration += 1
+                self.consumed_samples += tr.global_batch_size
                 losses[self.iteration] = loss
                 window.append(loss)
                 if not math.isfinite(loss):
@@ -536,7 +543,7 @@ class Trainer:
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "tokens_per_s": tokens_per_s,
             "memory_gb": memory,
-            "consumed_samples": self.iteration * cfg.training.global_batch_size,
+            "consumed_samples": self.consumed_samples,
         }
         extra = {}
         if cfg.logging.routing_entropy and cfg.mhar.enabled:

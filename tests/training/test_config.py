@@ -45,6 +45,15 @@ def test_defaults_are_the_smoke_recipe():
         pytest.param("optimizer.lr=fast", "optimizer.lr: expected float, got str 'fast'", id="float"),
         pytest.param("data.paths=a.bin", "data.paths: expected a list", id="list"),
         pytest.param("data.weights=[1, x]", "data.weights[1]: expected float", id="list-item"),
+        # YAML's .inf / .nan are floats, but no knob takes them
+        pytest.param("optimizer.lr=.inf", "optimizer.lr: expected a finite float, got inf", id="inf"),
+        pytest.param("optimizer.weight_decay=.nan", "optimizer.weight_decay: expected a finite float, got nan", id="nan"),
+        # numpy seeds only in [0, 2**32)
+        pytest.param("run.seed=-1", "run.seed must be in [0, 2**32), got -1", id="seed"),
+        # sizes that null derives are still never zero or negative
+        pytest.param("model.ffn_hidden_size=0", "model.ffn_hidden_size must be positive, or null to derive it", id="ffn-zero"),
+        pytest.param("model.kv_channels=-1", "model.kv_channels must be positive, or null to derive it", id="kv-channels"),
+        pytest.param("model.num_query_groups=0", "model.num_query_groups must be positive, or null to derive it", id="groups-zero"),
         # values checked by each section
         pytest.param("mhar.num_heads=5", "mhar.num_heads=5 does not divide hidden_size=128", id="mhar-heads"),
         pytest.param("model.num_attention_heads=5", "num_attention_heads=5 does not divide hidden_size=128", id="attn-heads"),
@@ -88,6 +97,33 @@ def test_recipe_file_errors(tmp_path):
         load_config("smoke_cpu", ["model.num_layers"])
     with pytest.raises(ValueError, match="names a whole section"):
         load_config("smoke_cpu", ["model=3"])
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        # a syntax error names the file and the line
+        pytest.param("model:\n  num_layers: [2\n", "not valid YAML", id="syntax"),
+        # PyYAML keeps the last of two equal keys: the first section's keys would vanish
+        pytest.param("training:\n  train_iters: 5\nmodel: {}\ntraining:\n  micro_batch_size: 2\n",
+                     "key 'training' appears twice in one mapping", id="duplicate-section"),
+        pytest.param("model:\n  num_layers: 2\n  num_layers: 4\n", "key 'num_layers' appears twice", id="duplicate-key"),
+    ],
+)
+def test_recipe_yaml_errors(tmp_path, text, message):
+    bad = _write(tmp_path / "bad.yaml", text)
+    with pytest.raises(ValueError) as err:
+        load_config(str(bad))
+    assert message in str(err.value) and "bad.yaml" in str(err.value)
+
+
+def test_yaml_merge_keys_may_override():
+    """Only keys written twice are refused, not a merge key's values overridden."""
+    import yaml
+
+    from megatron_mhar.training.config import _RecipeLoader
+
+    assert yaml.load("a: &x {b: 1, c: 2}\nd:\n  <<: *x\n  b: 3\n", Loader=_RecipeLoader)["d"] == {"b": 3, "c": 2}
 
 
 def test_includes_merge_and_overrides_win(tmp_path):
@@ -161,6 +197,17 @@ def test_launch_checks(overrides, world, message, monkeypatch):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("key", ["checkpoint.dir", "run.output_dir"])
+def test_output_dirs_that_are_files_fail_at_launch(tmp_path, key):
+    """Checked before the run, not at its first save (after the training it would lose)."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for path in (afile, afile / "sub"):  # the file itself, or a folder under it
+        cfg = load_config("smoke_cpu", [f"run.output_dir={tmp_path}", f"{key}={path}"])
+        with pytest.raises(ValueError, match=f"{afile} is a file; change {key}"):
+            validate_launch(cfg, 1)
+
+
 def test_launch_checks_pass_for_valid_layouts():
     validate_launch(load_config("smoke_cpu"), 1)
     validate_launch(load_config("smoke_cpu", ["training.micro_batch_size=8"]), 2)  # dp=2: 16 = 8 x 2
@@ -178,6 +225,19 @@ def test_main_reports_config_errors_before_starting(capsys):
         main(["smoke_cpu", "model.hiden_size=64"])
     assert exit_info.value.code == 2
     assert "did you mean 'model.hidden_size'" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
+def test_main_reports_launch_errors_before_starting(capsys):
+    """Launch checks (data, tokenizer, directories) exit 2 with the message, as config errors do."""
+    import torch
+
+    from megatron_mhar.train import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["smoke_cpu", "data.paths=[/nonexistent/corpus]"])
+    assert exit_info.value.code == 2
+    assert "config error: data.paths[0]='/nonexistent/corpus'" in capsys.readouterr().err
     assert not torch.distributed.is_initialized()
 
 

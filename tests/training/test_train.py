@@ -115,6 +115,72 @@ def test_interrupted_save_keeps_last_good_checkpoint(tiny, monkeypatch):
     assert not any(p.name.startswith(".tmp.") for p in cfg.checkpoint_dir.iterdir())
 
 
+def test_checkpoints_without_latest_are_resumed(tiny, capsys):
+    """Checkpoints that no ``latest`` names (a stop between publishing one and writing
+    ``latest``, or a ``latest`` deleted) are not lost: the run resumes from the newest (a
+    repeated save's suffix counts as newer), where a fresh start would also prune them."""
+    cfg = tiny("training.train_iters=3", "eval.interval=0", name="nolatest")
+    _run(cfg)
+    (cfg.checkpoint_dir / "latest").unlink()
+    resumed = _run(tiny("training.train_iters=5", "eval.interval=0", "checkpoint.keep_last=1", name="nolatest"))
+    assert "has no 'latest' file; using its newest checkpoint, iter_0000003" in capsys.readouterr().out
+    assert min(resumed.losses) == 4 and resumed.iteration == 5
+    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["iter_0000005", "latest"]
+    from megatron_mhar.training.checkpointing import find_checkpoint
+
+    for name in ("iter_0000005.2", "iter_0000004", "iter_notes"):
+        (cfg.checkpoint_dir / name).mkdir()
+        (cfg.checkpoint_dir / name / "metadata.json").write_text("{}")
+    (cfg.checkpoint_dir / "latest").unlink()
+    assert find_checkpoint(cfg.checkpoint_dir).name == "iter_0000005.2"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param("truncate:__0_0.distcp", id="shard-truncated"),  # an interrupted copy
+        pytest.param("truncate:common.pt", id="common-truncated"),
+        pytest.param("delete:.metadata", id="metadata-missing"),
+        pytest.param("garble:metadata.json", id="metadata-json-garbled"),
+    ],
+)
+def test_corrupt_checkpoint_is_named(tiny, damage):
+    cfg = tiny("training.train_iters=3", "eval.interval=0", name="corrupt")
+    _run(cfg)
+    how, name = damage.split(":")
+    target = cfg.checkpoint_dir / "iter_0000003" / name
+    if how == "truncate":
+        target.write_bytes(target.read_bytes()[:100])
+    elif how == "delete":
+        target.unlink()
+    else:
+        target.write_text("{garbage")
+    with pytest.raises(ValueError) as err:
+        _run(tiny("training.train_iters=6", "eval.interval=0", name="corrupt"))
+    message = str(err.value)
+    assert f"checkpoint {cfg.checkpoint_dir / 'iter_0000003'} cannot be read" in message
+    assert "truncated or corrupt" in message and "writing its name into" in message
+
+
+def test_resume_with_another_batch_size_continues_the_data(tiny):
+    """The data position is the samples consumed, saved in the checkpoint, not
+    iteration x the current global batch: a doubled batch after a resume reads on
+    from where the run stopped, skipping nothing."""
+    _run(tiny("training.train_iters=2", "optimizer.lr_warmup_iters=1", "eval.interval=0", name="batch"))  # 2 x 4
+    positions = {}
+
+    def record(trainer, step):
+        positions[step] = (trainer.consumed_samples, trainer.train_iterators[0].consumed_samples)
+
+    from megatron_mhar.training.loop import run
+
+    cfg = tiny("training.train_iters=3", "optimizer.lr_warmup_iters=1", "eval.interval=0",
+               "training.global_batch_size=8", name="batch")
+    run(cfg, step_hook=record)
+    assert positions == {3: (16, 16)}  # 8 before the resume, then one batch of 8
+    assert [r["consumed_samples"] for r in read_metrics(cfg.run.dir, "train")] == [4, 8, 16]
+
+
 def test_load_into_different_model_names_fields(tiny):
     _run(tiny("training.train_iters=3", "eval.interval=0", name="mismatch"))
     cfg = tiny(
