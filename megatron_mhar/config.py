@@ -84,7 +84,7 @@ class MHARConfig:
         if self.routing_schedule == "lookahead" and self.variant != "full":
             raise ValueError(
                 f"mhar.routing_schedule='lookahead' needs variant='full' (got {self.variant!r}); "
-                f"use routing_schedule='per_site' for the block and delta variants"
+                f"use routing_schedule='per_site' with variant {self.variant!r}"
             )
 
     @property
@@ -93,7 +93,10 @@ class MHARConfig:
         return self.variant != "none"
 
     def validate_for_model(self, hidden_size: int, num_layers: int) -> None:
-        """Check the fields that depend on the model's shape."""
+        """Check the fields that depend on the model's shape (the baseline's routing fields
+        do nothing, so they are not held to it)."""
+        if not self.enabled:
+            return
         if hidden_size % self.num_heads != 0:
             raise ValueError(
                 f"mhar.num_heads={self.num_heads} does not divide hidden_size={hidden_size}; "
@@ -103,6 +106,17 @@ class MHARConfig:
             raise ValueError(
                 f"mhar.block_size={self.block_size} sublayers exceeds the model's "
                 f"{2 * num_layers} sublayers ({num_layers} decoder layers x 2)"
+            )
+        if self.variant == "delta" and self.delta_block_layers > num_layers:
+            raise ValueError(
+                f"mhar.delta_block_layers={self.delta_block_layers} decoder layers exceeds the model's "
+                f"{num_layers}: no block would complete, so no source would be added"
+            )
+        sites = 2 * num_layers + 1  # every sublayer's input and the final norm's
+        if self.routing_schedule == "lookahead" and self.lookahead_group > sites:
+            raise ValueError(
+                f"mhar.lookahead_group={self.lookahead_group} exceeds the model's {sites} routing sites; "
+                f"use at most {sites}, or 0 for the measured default"
             )
 
 

@@ -58,6 +58,12 @@ def test_defaults_are_the_smoke_recipe():
         pytest.param("mhar.num_heads=5", "mhar.num_heads=5 does not divide hidden_size=128", id="mhar-heads"),
         pytest.param("model.num_attention_heads=5", "num_attention_heads=5 does not divide hidden_size=128", id="attn-heads"),
         pytest.param("mhar.variant=fancy", "mhar.variant must be one of", id="variant"),
+        pytest.param(["mhar.variant=delta", "mhar.delta_block_layers=5"],
+                     "mhar.delta_block_layers=5 decoder layers exceeds the model's 4", id="delta-blocks"),
+        pytest.param(["mhar.routing_schedule=lookahead", "mhar.lookahead_group=10"],
+                     "mhar.lookahead_group=10 exceeds the model's 9 routing sites", id="lookahead-group"),
+        pytest.param(["mhar.variant=none", "mhar.routing_schedule=lookahead"],
+                     "use routing_schedule='per_site' with variant 'none'", id="lookahead-baseline"),
         pytest.param("training.micro_batch_size=3", "global_batch_size=16 is not a multiple of training.micro_batch_size=3", id="micro"),
         pytest.param("parallel.tensor_model_parallel_size=3", "tensor_model_parallel_size=3 must divide model.num_attention_heads=4", id="tp-heads"),
         pytest.param("parallel.pipeline_model_parallel_size=3", "model.num_layers=4 must be a multiple of the pipeline chunks", id="pp-layers"),
@@ -81,6 +87,13 @@ def test_bad_values_fail_at_load(override, message):
         load_config("smoke_cpu", overrides)
     assert message in str(err.value)
     assert "smoke_cpu.yaml" in str(err.value)  # names the recipe
+
+
+def test_baseline_ignores_the_routing_shape_fields():
+    """The baseline routes nothing: routing heads that do not divide the width, or blocks
+    longer than the model, are no error there (they are where the routing runs)."""
+    cfg = load_config("smoke_cpu", ["mhar.variant=none", "mhar.num_heads=5", "mhar.delta_block_layers=9"])
+    assert not cfg.mhar.enabled and cfg.mhar.num_heads == 5
 
 
 def test_recipe_file_errors(tmp_path):
