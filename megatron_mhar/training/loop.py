@@ -441,6 +441,11 @@ class Trainer:
             f"tp={cfg.parallel.tensor_model_parallel_size} pp={cfg.parallel.pipeline_model_parallel_size}"
             f", from step {self.iteration}"
         )
+        if self.iteration >= tr.train_iters:
+            self.metrics.console(
+                f"the checkpoint {self.checkpoint} is at step {self.iteration}, at or past "
+                f"training.train_iters={tr.train_iters}: nothing to train; raise training.train_iters to continue"
+            )
         checkpointing.start_checkpoint_writer()
         if cfg.checkpoint.save_initial and self.iteration == 0 and self.checkpoint is None:
             self.save()

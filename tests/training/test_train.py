@@ -135,6 +135,14 @@ def test_checkpoints_without_latest_are_resumed(tiny, capsys):
     assert find_checkpoint(cfg.checkpoint_dir).name == "iter_0000005.2"
 
 
+def test_a_finished_run_says_it_has_nothing_to_train(tiny, capsys):
+    cfg = tiny("training.train_iters=4", "eval.interval=0", name="finished")
+    _run(cfg)
+    again = _run(tiny("training.train_iters=3", "eval.interval=0", name="finished"))
+    assert again.iteration == 4 and not again.losses
+    assert "is at step 4, at or past training.train_iters=3: nothing to train" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "damage",
     [
