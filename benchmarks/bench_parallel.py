@@ -70,7 +70,7 @@ VARIANTS = {
     "mhar": ["mhar.variant=full", "mhar.num_heads=8"],
 }
 
-# The 100M recipe (MHAR.md §5) on the embedded corpus, shortened to a trajectory: 50 steps
+# The 100M recipe (the paper's configurations) on the embedded corpus, shortened to a trajectory: 50 steps
 # of 16 x 2048 tokens (4 micro-batches of 4, so every pipeline schedule has work to
 # interleave), warm-up over the first fifth of the steps; nothing is written but the metrics
 # and the single-process runs' starting checkpoints.

@@ -7,7 +7,7 @@ One process, one run, one GPU: every model of a size is built with the same buil
 trained with the same Megatron components (bf16 params, Megatron DDP with fp32 grad
 buffers, Megatron's optimizer with fp32 main weights, Adam (0.9, 0.95), clip 1.0, the
 non-pipelined forward/backward schedule) at the paper's per-GPU micro-batch and
-gradient-accumulation counts (MHAR.md §5), on random tokens. Attention is torch SDPA
+gradient-accumulation counts (the paper's configurations), on random tokens. Attention is torch SDPA
 (flash backend) for every model.
 
 Timing is interleaved, because the steps are host-bound and the host's speed drifts

@@ -17,7 +17,7 @@ PP = 4 for ``none`` (the plain residual stream), ``full`` (MHAR / AttnRes) and `
 into 8 equal chunks: first/last stages hold 8 layers, the middle ones 10, as Megatron's
 ``num_layers_in_first/last_pipeline_stage`` allow) and VPP = 3 (12 chunks of 3 layers).
 
-``cached_bytes`` is an analytic bound for Kimi's cross-stage caching (MHAR.md §8), which
+``cached_bytes`` is an analytic bound for Kimi's cross-stage caching (Attention Residuals, arXiv 2603.15031), which
 this project does *not* implement: under interleaving a rank could keep the completed
 sources its previous chunk already held (its input rows plus the rows it completed)
 and receive only rows completed since, plus the running partial. It is reported so the

@@ -2,7 +2,7 @@
 
     python benchmarks/routing_bytes.py --out benchmarks/results/routing_bytes_lookahead.json
 
-Analytic, no GPU: full variant at the paper shapes (MHAR.md §5, micro-batch x sequence
+Analytic, no GPU: full variant at the paper shapes (the paper's configurations, micro-batch x sequence
 tokens), bf16 sources, one pipeline stage. Site j = 1 .. 2L+1 reads rows [0, j).
 
 Per-site (mhar_kernels.depth_route history interface):

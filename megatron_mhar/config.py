@@ -19,7 +19,7 @@ def function_fields(mhar: dict) -> dict:
 
 @dataclasses.dataclass
 class MHARConfig:
-    """How the decoder routes over depth (MHAR.md §2 and §4)."""
+    """How the decoder routes over depth (the MHAR paper: multi-head routing and its variants)."""
 
     variant: str = "full"
     """``none`` (plain Megatron GPT), ``full`` (every sublayer output is a source),
@@ -45,7 +45,7 @@ class MHARConfig:
 
     routing_schedule: str = "per_site"
     """``per_site`` (every site reads all its sources) or ``lookahead`` (full variant: groups of
-    sites read the older sources once, MHAR.md §7; see megatron_mhar/ops/lookahead.py)."""
+    sites read the older sources once, as the paper's fused kernel does; see megatron_mhar/ops/lookahead.py)."""
 
     lookahead_group: int = 0
     """Sites per lookahead group; 0 picks the integer nearest sqrt(0.84 (2L + 1)), measured

@@ -1,4 +1,4 @@
-"""Fused Triton depth routing (MHAR.md §2): one pass over the sources forward, two backward.
+"""Fused Triton depth routing (the MHAR paper): one pass over the sources forward, two backward.
 
 Semantics are those of ``megatron_mhar.ops.depth_route.depth_route_reference``; the
 derivation of the backward, the memory kept between the passes and the rounding

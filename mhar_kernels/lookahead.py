@@ -1,4 +1,4 @@
-"""Fused Triton kernels of two-phase ("lookahead") depth routing (MHAR.md §7).
+"""Fused Triton kernels of two-phase ("lookahead") depth routing.
 
 Semantics are those of the reference backend in ``megatron_mhar.ops.lookahead`` (same
 four functions, same signatures); the schedule, the derivation and the memory are in

@@ -200,7 +200,7 @@ def build_model(
     """This rank's GPT chunk (no VPP), uninitialised: every tensor is loaded afterwards.
 
     Routing parameters are exceptions: they are created with their identity values
-    (MHAR.md §3) regardless of ``perform_initialization``.
+    (the paper's initialisation) regardless of ``perform_initialization``.
     """
     from megatron.core import parallel_state
 

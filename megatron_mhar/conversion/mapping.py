@@ -170,7 +170,7 @@ RULES: Tuple[Rule, ...] = (
          when="untied"),
 )
 
-# MHAR routing parameters (MHAR.md §4): not in HF models. On import they keep the
+# MHAR routing parameters (the paper's variants): not in HF models. On import they keep the
 # values the model is built with (zero queries and gates, unit norms, zero null
 # sources); on export they go to the side file (see megatron_mhar.conversion.hf_io).
 MHAR_PARAMS: Tuple[str, ...] = (

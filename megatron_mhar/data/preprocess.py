@@ -192,11 +192,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = _output_problem(args.output_prefix, args.overwrite)
     if problem:
         parser.error(problem)
-    tokenizer = load_tokenizer(
-        args.tokenizer, args.eod_token, args.embedded_dir, args.vocab_size, args.embedded_max_bytes
-    )
+    try:
+        tokenizer = load_tokenizer(
+            args.tokenizer, args.eod_token, args.embedded_dir, args.vocab_size, args.embedded_max_bytes
+        )
+    except ValueError as err:
+        parser.exit(2, f"error: {err}\n")
     docs = iter_documents(args.input, args.json_key, args.line_docs)
-    stats = write_indexed_dataset(docs, tokenizer, args.output_prefix)
+    try:  # a bad line or tokenizer file names itself; nothing is left written
+        stats = write_indexed_dataset(docs, tokenizer, args.output_prefix)
+    except ValueError as err:
+        parser.exit(2, f"error: {err}\n")
     print(
         f"wrote {args.output_prefix}.bin/.idx: {stats['documents']} documents, "
         f"{stats['tokens']} tokens (vocab {tokenizer.vocab_size}, eod {tokenizer.eod_token!r})"

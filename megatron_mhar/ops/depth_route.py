@@ -1,4 +1,4 @@
-"""Depth routing: softmax mixing of earlier sources per token and per head (MHAR.md §2).
+"""Depth routing: softmax mixing of earlier sources per token and per head (the MHAR paper).
 
 This module holds the public functional op ``depth_route`` and its fp32 reference.
 The reference is the specification every other path (the Triton kernels in
@@ -53,7 +53,7 @@ def depth_route_reference(
     eps: float = 1e-6,
     logit_scale: float = 1.0,
 ) -> torch.Tensor:
-    """fp32 reference of MHAR routing (MHAR.md §2); differentiable by autograd.
+    """fp32 reference of MHAR routing (the MHAR paper); differentiable by autograd.
 
     Args:
         sources: [N, ..., D] values; the keys are their RMS-normalised copies.
@@ -156,7 +156,7 @@ def depth_route(
         num_heads: H, must divide D. H = 1 is Attention Residuals.
         eps: RMSNorm epsilon.
         impl: ``"torch"`` (the fp32 reference), ``"triton"`` (fused kernels) or ``"auto"``.
-        logit_scale: tau multiplying every logit (MHAR.md §2, this project's extension).
+        logit_scale: tau multiplying every logit (this project's extension of the paper).
 
     Returns:
         [..., D] in the sources' dtype. Differentiable in sources, query and norm_weight.

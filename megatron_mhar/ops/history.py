@@ -67,7 +67,7 @@ class SourceHistory:
         capacity: R, the number of rows this pipeline stage ever holds.
         like: an ``[s, b, h]`` tensor giving the token shape, dtype and device.
         backend: the routing backend (reference or fused).
-        num_heads, eps, logit_scale: routing hyper-parameters (MHAR.md §2).
+        num_heads, eps, logit_scale: routing hyper-parameters (the MHAR paper).
     """
 
     def __init__(

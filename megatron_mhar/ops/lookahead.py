@@ -1,4 +1,4 @@
-"""Two-phase ("lookahead") routing for the full variant (MHAR.md §7).
+"""Two-phase ("lookahead") routing for the full variant.
 
 The pseudo-queries do not depend on the input, and softmax partials merge exactly. So
 consecutive routing sites are grouped: for a group of G sites whose first site reads

@@ -458,7 +458,8 @@ class TrainConfig:
         if par.pipeline_model_parallel_size > 1:
             raise ValueError(
                 f"training.cuda_graph={tr.cuda_graph} is not supported with pipeline parallelism "
-                f"(pipeline_model_parallel_size={par.pipeline_model_parallel_size}); {fix}"
+                f"(pipeline_model_parallel_size={par.pipeline_model_parallel_size}); set "
+                f"parallel.pipeline_model_parallel_size=1 {fix}"
             )
         if tr.recompute_granularity is not None:
             raise ValueError(
@@ -832,14 +833,13 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
         )
 
     data = cfg.data
+    from megatron_mhar.data.datasets import open_indexed
+
     for i, prefix in enumerate(data.paths):
-        path = expand_path(prefix, f"data.paths[{i}]")
-        missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(path + ext)]
-        if missing:
-            raise ValueError(
-                f"data.paths[{i}]={prefix!r}: {' and '.join(path + m for m in missing)} not "
-                f"found; write it with python -m megatron_mhar.data.preprocess or fix the path"
-            )
+        try:  # both files there, and one intact pair: before any process group starts
+            open_indexed(expand_path(prefix, f"data.paths[{i}]"))
+        except ValueError as err:
+            raise ValueError(f"data.paths[{i}]={prefix!r}: {err}") from None
     if data.tokenizer != "builtin":
         tok_dir = expand_path(data.tokenizer, "data.tokenizer")
         if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):

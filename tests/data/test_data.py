@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sysconfig
 
 import numpy
@@ -118,12 +119,14 @@ def test_preprocess_jsonl_and_text(embedded, tmp_path, capsys):
     assert [list(a[i]) for i in range(2)] == [list(b[i]) for i in range(2)]
 
 
-def test_preprocess_errors(embedded, tmp_path):
+def test_preprocess_errors(embedded, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"body": "b"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: no key 'text' \(keys: \['body'\]\); pass --json-key"):
+    with pytest.raises(SystemExit) as exit_:  # named, exit 2, no traceback
         preprocess_main(["--input", str(bad), "--output-prefix", str(tmp_path / "x"),
                          "--tokenizer", str(embedded.directory)])
+    assert exit_.value.code == 2
+    assert "bad.jsonl:2: no key 'text' (keys: ['body']); pass --json-key" in capsys.readouterr().err
     assert not list(tmp_path.glob("x*"))  # nothing half-written
     with pytest.raises(SystemExit):
         preprocess_main(["--input", str(tmp_path / "missing.txt"), "--output-prefix", "y",
@@ -174,11 +177,13 @@ def _preprocess(embedded, tmp_path, *inputs, extra=()):
         pytest.param(b'{"text": ["a", "b"]}', r"bad.jsonl:2: 'text' holds a JSON array", id="list"),
     ],
 )
-def test_preprocess_names_the_bad_jsonl_line(embedded, tmp_path, line, message):
+def test_preprocess_names_the_bad_jsonl_line(embedded, tmp_path, capsys, line, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"text": "fine"}\n' + line + b'\n{"text": "after"}\n')
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(SystemExit) as exit_:
         _preprocess(embedded, tmp_path, bad)
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")  # nothing half-written
 
 

@@ -1,4 +1,4 @@
-"""The reference depth_route op against the method's definition (MHAR.md §2)."""
+"""The reference depth_route op against the method's definition (the MHAR paper)."""
 
 import itertools
 

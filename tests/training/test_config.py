@@ -210,6 +210,15 @@ def test_launch_checks(overrides, world, message, monkeypatch):
     assert message in str(err.value)
 
 
+def test_a_damaged_data_pair_fails_at_launch(tmp_path):
+    """Checked before any process group starts, not when the datasets are built."""
+    (tmp_path / "corpus.bin").write_bytes(b"\0" * 64)
+    (tmp_path / "corpus.idx").write_bytes(b"not an index")
+    cfg = load_config("smoke_cpu", [f"data.paths=[{tmp_path / 'corpus'}]"])
+    with pytest.raises(ValueError, match=r"data.paths\[0\]=.*corpus.idx is not a Megatron index file"):
+        validate_launch(cfg, 1)
+
+
 @pytest.mark.parametrize("key", ["checkpoint.dir", "run.output_dir"])
 def test_output_dirs_that_are_files_fail_at_launch(tmp_path, key):
     """Checked before the run, not at its first save (after the training it would lose)."""

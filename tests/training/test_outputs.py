@@ -88,6 +88,6 @@ def test_demo_compares_baseline_and_mhar(tmp_path, embedded_dir, single_process,
         assert os.listdir(out / name / "tensorboard")
     base = json.loads((out / "baseline" / "summary.json").read_text())
     mhar = json.loads((out / "mhar" / "summary.json").read_text())
-    # MHAR.md §3: 2 queries + 2 norm weights per layer plus the final site: (4L + 2) d
+    # The paper's initialisation: 2 queries + 2 norm weights per layer plus the final site: (4L + 2) d
     assert mhar["parameters"] - base["parameters"] == (4 * 2 + 2) * 32
     assert "MHAR - baseline final validation loss" in printed

@@ -1,4 +1,4 @@
-"""Every recipe loads, matches MHAR.md §5, and builds its model (at reduced width and depth)."""
+"""Every recipe loads, matches the paper's configurations, and builds its model (at reduced width and depth)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from megatron_mhar.training.config import RECIPES_DIR, load_config
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
-# MHAR.md §5: d, layers, heads, KV heads, FFN, seq, global batch, micro-batch
+# The paper's configurations: d, layers, heads, KV heads, FFN, seq, global batch, micro-batch
 PUBLISHED = {
     "100m": (512, 12, 8, 4, 1536, 2048, 64, 8),
     "350m": (1024, 24, 16, 8, 4096, 1024, 32, 4),
@@ -94,7 +94,7 @@ def test_every_recipe_builds_and_runs(recipe, megatron_world1):
     d, layers = cfg.model.hidden_size, cfg.model.num_layers
     if cfg.mhar.variant == "none":
         assert type(model).__name__ == "GPTModel" and _routing_params(model) == 0
-    elif cfg.mhar.variant == "full":  # MHAR.md §3: 2 queries + 2 norm weights per layer, + final site
+    elif cfg.mhar.variant == "full":  # The paper's initialisation: 2 queries + 2 norm weights per layer, + final site
         assert _routing_params(model) == (4 * layers + 2) * d
     else:
         assert _routing_params(model) > 0
