@@ -238,28 +238,23 @@ def test_launch_checks_pass_for_valid_layouts():
     )
 
 
-def test_main_reports_config_errors_before_starting(capsys):
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        pytest.param("model.hiden_size=64", "did you mean 'model.hidden_size'", id="config"),
+        # launch checks (data, tokenizer, directories) report the same way
+        pytest.param("data.paths=[/nonexistent/corpus]", "config error: data.paths[0]='/nonexistent/corpus'", id="launch"),
+    ],
+)
+def test_main_reports_errors_before_starting(capsys, override, message):
     import torch
 
     from megatron_mhar.train import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["smoke_cpu", "model.hiden_size=64"])
+        main(["smoke_cpu", override])
     assert exit_info.value.code == 2
-    assert "did you mean 'model.hidden_size'" in capsys.readouterr().err
-    assert not torch.distributed.is_initialized()
-
-
-def test_main_reports_launch_errors_before_starting(capsys):
-    """Launch checks (data, tokenizer, directories) exit 2 with the message, as config errors do."""
-    import torch
-
-    from megatron_mhar.train import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(["smoke_cpu", "data.paths=[/nonexistent/corpus]"])
-    assert exit_info.value.code == 2
-    assert "config error: data.paths[0]='/nonexistent/corpus'" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
     assert not torch.distributed.is_initialized()
 
 
