@@ -24,10 +24,8 @@ into place only once complete (:func:`publish`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import pickle
 import shutil
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -140,7 +138,7 @@ def read_configs(checkpoint: Path) -> Tuple[GPTModelConfig, MHARConfig, Dict[str
     """(model config, mhar config, common state) of a converted or trained checkpoint."""
     from megatron.core import dist_checkpointing
 
-    with _unreadable(checkpoint):
+    with driver.reading(checkpoint):
         common = dist_checkpointing.load_common_state_dict(str(checkpoint))
     saved = common.get("config") if isinstance(common, dict) else None
     if not isinstance(saved, dict) or "model" not in saved:
@@ -160,30 +158,11 @@ def stored_dtype(checkpoint: Path) -> torch.dtype:
     """The dtype the checkpoint stores the word embeddings in."""
     from megatron.core import dist_checkpointing
 
-    with _unreadable(checkpoint):
+    with driver.reading(checkpoint):
         metadata = dist_checkpointing.load_tensors_metadata(str(checkpoint))
     if "embedding.word_embeddings.weight" not in metadata:
         raise ValueError(f"{checkpoint} holds no embedding.word_embeddings.weight; is it a GPT model checkpoint?")
     return metadata["embedding.word_embeddings.weight"].dtype
-
-
-@contextlib.contextmanager
-def _unreadable(checkpoint: Path):
-    """Re-raise a failure to read ``checkpoint``'s files as a ``ValueError`` that names it."""
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
-    try:
-        yield
-    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, CheckpointingException,
-            CheckpointException) as err:
-        lines = str(err).strip().splitlines() or [""]
-        # torch.distributed.checkpoint reports the ranks' tracebacks: their cause is the last line
-        cause = (lines[-1] if isinstance(err, CheckpointException) else lines[0]).split(". ")[0]
-        raise ValueError(
-            f"{checkpoint} cannot be read ({type(err).__name__}: {cause}); if its files are "
-            f"truncated or corrupt, copy the checkpoint again or use another iteration"
-        ) from err
 
 
 # ---------------------------------------------------------------- models
@@ -308,7 +287,7 @@ def load_into(chunk, checkpoint: Path) -> None:
     """Collective: load the weights of ``checkpoint`` into ``chunk`` (any layout, strict)."""
     from megatron.core import dist_checkpointing
 
-    with _unreadable(checkpoint):
+    with driver.reading(checkpoint):
         loaded = dist_checkpointing.load(sharded_state(chunk), str(checkpoint))
     missing, unexpected = chunk.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]

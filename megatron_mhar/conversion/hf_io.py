@@ -19,11 +19,12 @@ present, so a Megatron -> HF -> Megatron round trip keeps the routing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional
 
 import torch
 
@@ -69,7 +70,7 @@ class SafetensorsReader:
     """Lazy access to the tensors of an HF directory (one file or an index of shards)."""
 
     def __init__(self, hf_dir: Path):
-        from safetensors import SafetensorError, safe_open
+        from safetensors import safe_open
 
         hf_dir = Path(hf_dir)
         index = hf_dir / INDEX_FILE
@@ -90,13 +91,8 @@ class SafetensorsReader:
             path = hf_dir / name
             if not path.is_file():
                 raise FileNotFoundError(f"{index} names {name}, which does not exist")
-            try:
+            with _safetensors_read(path):
                 handle = safe_open(str(path), framework="pt")
-            except SafetensorError as err:
-                raise ValueError(
-                    f"{path} is not a readable safetensors file ({err}); it is truncated or "
-                    f"corrupt: download or copy it again"
-                ) from None
             self._files[name] = handle
             for key in handle.keys():
                 self._where[key] = name
@@ -174,7 +170,6 @@ def read_mhar_side_file(hf_dir: Path) -> Optional[tuple]:
         raise FileNotFoundError(
             f"{hf_dir} has only one of {MHAR_CONFIG_FILE} and {MHAR_PARAMS_FILE}; both or neither"
         )
-    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     description = read_json_object(config)
@@ -182,10 +177,21 @@ def read_mhar_side_file(hf_dir: Path) -> Optional[tuple]:
         raise ValueError(
             f"{config}: format {description.get('format')!r}, expected {SIDE_FILE_FORMAT!r}"
         )
-    try:
+    with _safetensors_read(params):
         return description, load_file(str(params))
+
+
+@contextlib.contextmanager
+def _safetensors_read(path: Path) -> Iterator[None]:
+    """A safetensors reader's failure on ``path`` as a ``ValueError`` naming the file."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
     except SafetensorError as err:
-        raise ValueError(f"{params} is not a readable safetensors file ({err}); it is truncated or corrupt") from None
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({err}); it is truncated or corrupt: download or copy it again"
+        ) from None
 
 
 def copy_auxiliary(src: Path, dst: Path, names: Iterable[str] = AUXILIARY_FILES) -> List[str]:

@@ -23,13 +23,14 @@ names every differing field.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy
 import torch
@@ -88,15 +89,24 @@ def find_checkpoint(path: Path) -> Optional[Path]:
     return newest
 
 
-def _unreadable(checkpoint: Path, err: BaseException) -> ValueError:
-    """A load that failed on the checkpoint's files, named as such with the way out."""
-    if isinstance(err, CheckpointException) and err.failures:  # torch's per-rank wrapper
-        err = next(iter(err.failures.values()))[0]
-    return ValueError(
-        f"checkpoint {checkpoint} cannot be read ({type(err).__name__}: {err}); it is truncated "
-        f"or corrupt (an interrupted copy, a full disk?). Resume from an earlier checkpoint by "
-        f"writing its name into {checkpoint.parent / LATEST} (or point checkpoint.load at it)"
-    )
+@contextlib.contextmanager
+def reading(checkpoint: Path) -> Iterator[None]:
+    """Inside, a failure to read ``checkpoint``'s files (truncated, corrupt, half-copied)
+    is raised as a ``ValueError`` that names the checkpoint and the way back, instead of
+    the reader's own exception (torch's ``CheckpointException`` is a ``BaseException``
+    wrapping each rank's)."""
+    try:
+        yield
+    except (Exception, CheckpointException) as err:
+        cause = err
+        if isinstance(err, CheckpointException) and err.failures:
+            cause = next(iter(err.failures.values()))[0]
+        first = (str(cause).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"checkpoint {checkpoint} cannot be read ({type(cause).__name__}: {first}); it is truncated "
+            f"or corrupt (an interrupted copy, a full disk?). Copy it again, or use an earlier one: "
+            f"write its name into {Path(checkpoint).parent / LATEST} or give its iter_* directory"
+        ) from err
 
 
 def _is_rank0() -> bool:
@@ -253,10 +263,8 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: Path) -> None:
 
 def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:
     """The checkpoint's common state; raises if it was written for another model."""
-    try:
+    with reading(checkpoint):
         common = dist_checkpointing.load_common_state_dict(str(checkpoint))
-    except Exception as err:
-        raise _unreadable(checkpoint, err) from err
     saved = common.get("config")
     if saved is None:
         raise ValueError(f"{checkpoint} has no run config; was it written by megatron_mhar.train?")
@@ -297,10 +305,8 @@ def load_checkpoint(
     sharded = _sharded_state_dict(
         model, optimizer, is_loading=True, with_optimizer=not model_only, with_rng=not model_only and same_world
     )
-    try:
+    with reading(checkpoint):
         state = dist_checkpointing.load(sharded, str(checkpoint))
-    except (Exception, CheckpointException) as err:  # the latter is a BaseException
-        raise _unreadable(checkpoint, err) from err
     if len(model) == 1:
         unwrap(model[0]).load_state_dict(state["model"], strict=True)
     else:

@@ -167,7 +167,7 @@ def test_corrupt_checkpoint_is_named(tiny, damage):
         _run(tiny("training.train_iters=6", "eval.interval=0", name="corrupt"))
     message = str(err.value)
     assert f"checkpoint {cfg.checkpoint_dir / 'iter_0000003'} cannot be read" in message
-    assert "truncated or corrupt" in message and "writing its name into" in message
+    assert "truncated or corrupt" in message and "write its name into" in message
 
 
 def test_resume_with_another_batch_size_continues_the_data(tiny):
