@@ -1,6 +1,7 @@
 """Configuration of the depth routing that replaces (or corrects) the residual stream."""
 
 import dataclasses
+import math
 from typing import Optional
 
 VARIANTS = ("none", "full", "block", "delta")
@@ -74,10 +75,10 @@ class MHARConfig:
                      "must be a non-negative integer (0 = auto)")
         if not isinstance(self.fused_writes, bool):
             raise ValueError(f"mhar.fused_writes must be true or false, got {self.fused_writes!r}")
-        if self.eps is not None and not self.eps > 0:
-            raise ValueError(f"mhar.eps must be positive (or None for the model's), got {self.eps}")
-        if not self.logit_scale > 0:
-            raise ValueError(f"mhar.logit_scale must be positive, got {self.logit_scale}")
+        if self.eps is not None and not _positive_finite(self.eps):
+            raise ValueError(f"mhar.eps must be a positive finite number (or None for the model's), got {self.eps!r}")
+        if not _positive_finite(self.logit_scale):
+            raise ValueError(f"mhar.logit_scale must be a positive finite number, got {self.logit_scale!r}")
         _require_choice("kernel_impl", self.kernel_impl, KERNEL_IMPLS)
         _require_choice("routing_schedule", self.routing_schedule, ROUTING_SCHEDULES)
         _require_choice("lookahead_kernels", self.lookahead_kernels, LOOKAHEAD_KERNELS)
@@ -118,6 +119,10 @@ class MHARConfig:
                 f"mhar.lookahead_group={self.lookahead_group} exceeds the model's {sites} routing sites; "
                 f"use at most {sites}, or 0 for the measured default"
             )
+
+
+def _positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _require_choice(field: str, value, choices) -> None:

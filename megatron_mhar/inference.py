@@ -23,6 +23,9 @@ import torch
 from megatron_mhar.config import MHARConfig
 from megatron_mhar.models.config import GPTModelConfig
 
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEVICE_TYPES = ("cpu", "cuda")
+
 
 class CausalLM(torch.nn.Module):
     """A Megatron GPT (plain or MHAR) seen as ``input_ids [b, s] -> logits [b, s, vocab]``.
@@ -38,12 +41,45 @@ class CausalLM(torch.nn.Module):
         self.mhar = mhar
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``input_ids [b, s]`` token ids in ``[0, vocab_size)`` -> ``[b, s, vocab_size]`` logits.
+
+        ``position_ids`` may only restate the default ``0 .. s-1``: Megatron's RoPE
+        ignores them and always rotates by the position within the sequence.
+        """
+        self._check_input_ids(input_ids)
+        default = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        if position_ids is not None and not (
+            torch.is_tensor(position_ids)
+            and position_ids.shape == input_ids.shape
+            and torch.equal(position_ids.to(default), default)
+        ):
+            raise ValueError(
+                "position_ids other than 0 .. seq-1 per row are not supported: Megatron's RoPE "
+                "ignores them, so the logits would be those of positions 0 .. seq-1. Pass "
+                "position_ids=None (and split packed sequences into separate rows)"
+            )
+        logits = self.gpt(input_ids, default, None)
+        return logits[..., : self.config.vocab_size]
+
+    def _check_input_ids(self, input_ids) -> None:
+        if not torch.is_tensor(input_ids) or input_ids.dtype not in (torch.int64, torch.int32):
+            what = f"a tensor of {input_ids.dtype}" if torch.is_tensor(input_ids) else type(input_ids).__name__
+            raise ValueError(
+                f"input_ids must be a torch.long (or int32) tensor of token ids, got {what}; "
+                f"e.g. torch.tensor(ids, dtype=torch.long)"
+            )
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        logits = self.gpt(input_ids, position_ids, None)
-        return logits[..., : self.config.vocab_size]
+        if input_ids.numel() == 0:
+            raise ValueError(
+                f"input_ids is empty (shape {tuple(input_ids.shape)}); pass at least one token per row"
+            )
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= self.config.vocab_size:
+            raise ValueError(
+                f"input_ids must lie in [0, {self.config.vocab_size}) (model.vocab_size), got values "
+                f"in [{low}, {high}]; was the text tokenized with this model's tokenizer?"
+            )
 
 
 def load_model(
@@ -64,7 +100,12 @@ def load_model(
     from megatron_mhar.conversion import checkpoint
     from megatron_mhar.runtime import initialize_model_parallel_from_env
 
-    device = torch.device(device)
+    device = _check_device(device)
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(
+            f"dtype must be None (the checkpoint's) or one of {DTYPES}, got {dtype!r}; "
+            f"pass a torch.dtype such as torch.bfloat16, not a string"
+        )
     found = checkpoint.find_checkpoint(Path(path))
     model_cfg, mhar, _ = checkpoint.read_configs(found)
     if not torch.distributed.is_initialized():
@@ -80,3 +121,14 @@ def load_model(
     )
     checkpoint.load_into(gpt, found)
     return CausalLM(gpt.to(device), model_cfg, mhar).eval()
+
+
+def _check_device(device: Union[str, torch.device]) -> torch.device:
+    """``device`` as a torch.device, or a ValueError naming the devices :func:`load_model` runs on."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in DEVICE_TYPES:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:<index>', got {device!r}")
+    return parsed

@@ -4,6 +4,8 @@ import contextlib
 import dataclasses
 from typing import Optional
 
+import torch
+from megatron.core import parallel_state
 from megatron.core.models.gpt import gpt_model as megatron_gpt_model
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_block import (
@@ -61,6 +63,14 @@ def make_transformer_config(model: GPTModelConfig, mhar: MHARConfig, **overrides
 
     ``overrides`` are TransformerConfig fields (parallel sizes, precision, recompute...).
     """
+    if not isinstance(model, GPTModelConfig) or not isinstance(mhar, MHARConfig):
+        raise ValueError(
+            f"make_transformer_config(model, mhar) takes a GPTModelConfig and an MHARConfig, got "
+            f"{type(model).__name__} and {type(mhar).__name__}; build them as GPTModelConfig(**fields)"
+        )
+    for name in ("params_dtype", "pipeline_dtype"):
+        if name in overrides and overrides[name] is not None and not isinstance(overrides[name], torch.dtype):
+            raise ValueError(f"{name} must be a torch.dtype such as torch.bfloat16, got {overrides[name]!r}")
     kwargs = model.transformer_config_kwargs()
     kwargs.update(overrides)
     if not mhar.enabled:
@@ -90,6 +100,29 @@ class MHARGPTModel(GPTModel):
             super().__init__(*args, **kwargs)
 
 
+def _check_model_matches_config(model: GPTModelConfig, config: TransformerConfig) -> None:
+    """Raise when ``config`` was not built from ``model`` or for this process's parallel layout."""
+    expected = model.transformer_config_kwargs()
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
+        if getattr(config, name) != expected[name]:
+            raise ValueError(
+                f"config.{name}={getattr(config, name)} differs from the model's {expected[name]}; "
+                f"build the config with make_transformer_config(model, mhar, ...)"
+            )
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    for name, initialised in (
+        ("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()),
+        ("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size()),
+    ):
+        if getattr(config, name) != initialised:
+            raise ValueError(
+                f"config.{name}={getattr(config, name)} but Megatron's parallel state is initialised "
+                f"with {initialised}; pass the sizes given to initialize_model_parallel_from_env to "
+                f"make_transformer_config"
+            )
+
+
 def build_gpt_model(
     model: GPTModelConfig,
     mhar: MHARConfig,
@@ -116,6 +149,7 @@ def build_gpt_model(
             "config.mhar differs from the mhar argument; build the config with "
             "make_transformer_config(model, mhar, ...)"
         )
+    _check_model_matches_config(model, config)
     model_class = MHARGPTModel if mhar.enabled else GPTModel
     if layer_norm is None and config.sequence_parallel and model.spec == "local":
         layer_norm = SequenceParallelTorchNorm

@@ -1,6 +1,7 @@
 """Architecture of the GPT model, mapped one-to-one onto Megatron's TransformerConfig."""
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -12,7 +13,7 @@ ATTENTION_BACKENDS = ("sdpa", "megatron")
 
 @dataclasses.dataclass
 class GPTModelConfig:
-    """A Qwen3/Llama-style decoder (MHAR.md §5); defaults are a tiny CPU model."""
+    """A Qwen3/Llama-style decoder (the paper's configurations); defaults are a tiny CPU model."""
 
     num_layers: int = 2
     """Decoder layers L (the model has 2L sublayers)."""
@@ -90,10 +91,24 @@ class GPTModelConfig:
     """Core attention of the local spec: ``sdpa`` (torch SDPA, flash on GPU) or ``megatron``."""
 
     def __post_init__(self):
-        positive = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length")
+        positive = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                    "make_vocab_size_divisible_by", "seq_length")
         for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+            _require_int(name, getattr(self, name), "must be positive")
+        for name in ("num_query_groups", "ffn_hidden_size", "kv_channels"):
+            if getattr(self, name) is not None:
+                _require_int(name, getattr(self, name), "must be positive, or null to derive it (None in Python)")
+        _require_number("norm_epsilon", self.norm_epsilon, lambda v: v > 0, "must be positive")
+        _require_number("rotary_base", self.rotary_base, lambda v: v > 1,
+                        "(RoPE theta) must be greater than 1, e.g. 10000 or 500000")
+        _require_number("rotary_percent", self.rotary_percent, lambda v: 0 < v <= 1,
+                        "must lie in (0, 1]")
+        if self.rope_scaling:
+            _require_number("rope_scaling_factor", self.rope_scaling_factor, lambda v: v > 0,
+                            "must be positive when rope_scaling is on")
+        for name in ("hidden_dropout", "attention_dropout"):
+            _require_number(name, getattr(self, name), lambda v: 0 <= v < 1, "must lie in [0, 1)")
+        _require_number("init_method_std", self.init_method_std, lambda v: v >= 0, "must be non-negative")
         if self.normalization not in NORMS:
             raise ValueError(f"model.normalization must be one of {NORMS}, got {self.normalization!r}")
         if self.spec not in SPECS:
@@ -113,6 +128,14 @@ class GPTModelConfig:
             raise ValueError(
                 f"model.num_query_groups={groups} must divide "
                 f"num_attention_heads={self.num_attention_heads}"
+            )
+        head_dim = self.kv_channels or self.hidden_size // self.num_attention_heads
+        rotary_dim = int(head_dim * self.rotary_percent)  # as Megatron's RotaryEmbedding
+        if rotary_dim % 2:
+            raise ValueError(
+                f"RoPE rotates {rotary_dim} channels per head (head width {head_dim} x "
+                f"model.rotary_percent={self.rotary_percent}), an odd number; RoPE rotates pairs. "
+                f"Change model.kv_channels (or hidden_size / num_attention_heads) or rotary_percent"
             )
 
     def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
@@ -146,3 +169,16 @@ class GPTModelConfig:
             apply_rope_fusion=False,
         )
         return kwargs
+
+
+def _require_int(field: str, value, rule: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"model.{field} must be an integer, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"model.{field} {rule}, got {value!r}")
+
+
+def _require_number(field: str, value, ok, rule: str) -> None:
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            or not ok(value)):
+        raise ValueError(f"model.{field} {rule}, got {value!r}")

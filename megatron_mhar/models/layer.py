@@ -19,7 +19,7 @@ class MHARTransformerLayer(TransformerLayer):
     and HF weight maps apply unchanged. Two routing sites are added: ``input_router``
     before attention and ``pre_mlp_router`` before the MLP. Each sublayer's contribution
     to the stream is its output after bias and dropout, with no residual added: in the
-    full and block variants the routed input replaces the residual stream (MHAR.md §1);
+    full and block variants the routed input replaces the residual stream (as in Attention Residuals);
     in the delta variant the stream object adds it to the kept additive stream.
     """
 

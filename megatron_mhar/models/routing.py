@@ -4,7 +4,7 @@ Sublayers are numbered globally and 1-based: decoder layer ``l`` (1-based) owns 
 attention sublayer ``2l - 1`` and the MLP sublayer ``2l``; the final routing site of a
 model with ``L`` layers is ``2L + 1``. The embedding is source 0.
 
-Both variants are one rule with a block size ``S`` counted in sublayers (MHAR.md §4):
+Both variants are one rule with a block size ``S`` counted in sublayers (the paper's variants):
 sublayer ``j`` lies in block ``n = (j - 1) // S + 1`` at position ``i = (j - 1) % S + 1``
 (both 1-based). It reads the completed block sources ``b_0 .. b_{n-1}`` (history rows
 ``0 .. n-1``; ``b_0`` is the embedding) plus, when ``i >= 2``, the running partial
@@ -12,7 +12,7 @@ sublayer ``j`` lies in block ``n = (j - 1) // S + 1`` at position ``i = (j - 1) 
 complete, becomes row ``n``. The full variant is ``S = 1``: every sublayer output is its
 own row and no partial ever exists.
 
-The delta variant (continued pretraining, MHAR.md §4) keeps the additive stream ``h``
+The delta variant (continued pretraining, in the paper) keeps the additive stream ``h``
 and corrects each sublayer input: ``x_j = h_{j-1} + a_j * route_j([null_j] + sources)``,
 with sources the embedding and the delta ``h_end - h_start`` of every completed block of
 ``delta_block_layers`` decoder layers. The stream itself stays ``h_j = h_{j-1} + f_j``,

@@ -107,6 +107,9 @@ def initialize_model_parallel_from_env(
         RuntimeError: if torch.distributed or Megatron's parallel state is
             already initialised (call :func:`destroy` first), or ``device="cuda"``
             without CUDA.
+        ValueError: for an unknown ``device``, parallel sizes that are not positive or
+            do not divide the world size, or ``vpp`` without ``pp > 1`` (checked before
+            anything is initialised).
     """
     global _OWNS_CPU_RUNTIME
     from megatron.core import parallel_state, tensor_parallel
@@ -115,6 +118,8 @@ def initialize_model_parallel_from_env(
         raise RuntimeError(
             "torch.distributed / Megatron parallel state is already initialised; call destroy()"
         )
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -123,6 +128,12 @@ def initialize_model_parallel_from_env(
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", rank)
+    # Checked before anything is initialised, so a mistake leaves no process group behind.
+    _check_layout(rank, world_size, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep)
+    if world_size > 1 and "MASTER_ADDR" not in os.environ:
+        raise RuntimeError(
+            f"WORLD_SIZE={world_size} but MASTER_ADDR is not set; launch with torchrun"
+        )
 
     if device == "cpu":
         backend, torch_device = "gloo", torch.device("cpu")
@@ -138,7 +149,7 @@ def initialize_model_parallel_from_env(
         torch.distributed.init_process_group(
             backend=backend, rank=rank, world_size=world_size, timeout=timeout
         )
-    elif world_size == 1:
+    else:
         # Single process without a launcher: an in-memory store needs no port.
         torch.distributed.init_process_group(
             backend=backend,
@@ -146,10 +157,6 @@ def initialize_model_parallel_from_env(
             rank=0,
             world_size=1,
             timeout=timeout,
-        )
-    else:
-        raise RuntimeError(
-            f"WORLD_SIZE={world_size} but MASTER_ADDR is not set; launch with torchrun"
         )
 
     parallel_state.initialize_model_parallel(
@@ -171,6 +178,31 @@ def initialize_model_parallel_from_env(
         device=torch_device,
         backend=backend,
     )
+
+
+def _check_layout(rank: int, world_size: int, **sizes: Optional[int]) -> None:
+    """Clear errors for parallel sizes the world cannot be split into."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"RANK={rank} and WORLD_SIZE={world_size} do not describe a process of the job "
+            f"(need 0 <= RANK < WORLD_SIZE); launch with torchrun or unset them"
+        )
+    for name, size in sizes.items():
+        if name == "vpp" and size is None:
+            continue
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name} must be a positive integer, got {size!r}")
+    if sizes["vpp"] is not None and sizes["pp"] == 1:
+        raise ValueError(
+            f"vpp={sizes['vpp']} (interleaved pipeline) needs pp > 1; set vpp=None or raise pp"
+        )
+    model_parallel = sizes["tp"] * sizes["pp"] * sizes["cp"]
+    if world_size % model_parallel:
+        raise ValueError(
+            f"WORLD_SIZE={world_size} is not a multiple of tp*pp*cp = {sizes['tp']}*{sizes['pp']}*"
+            f"{sizes['cp']} = {model_parallel}; launch a multiple of {model_parallel} processes "
+            f"or change the parallel sizes"
+        )
 
 
 def destroy() -> None:

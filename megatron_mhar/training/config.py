@@ -422,11 +422,6 @@ class TrainConfig:
 
     def __post_init__(self):
         model, par = self.model, self.parallel
-        for name in ("num_query_groups", "ffn_hidden_size", "kv_channels"):
-            if getattr(model, name) is not None and getattr(model, name) < 1:
-                raise ValueError(
-                    f"model.{name} must be positive, or null to derive it, got {getattr(model, name)}"
-                )
         self.mhar.validate_for_model(model.hidden_size, model.num_layers)
         tp = par.tensor_model_parallel_size
         groups = model.num_query_groups or model.num_attention_heads

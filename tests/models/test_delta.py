@@ -1,4 +1,4 @@
-"""The delta variant (MHAR.md §4): identity at init, its sources and gates."""
+"""The delta variant (the paper's variants): identity at init, its sources and gates."""
 
 import pytest
 import torch
@@ -35,7 +35,7 @@ def test_delta_parameters(megatron_world1):
     """Per sublayer: query, norm weight and null source (d each) and one gate; no final site."""
     model_cfg = _model_config()
     base = _build(model_cfg, MHARConfig(variant="none"))
-    delta = _build(model_cfg, MHARConfig(variant="delta"))
+    delta = _build(model_cfg, MHARConfig(variant="delta", delta_block_layers=model_cfg.num_layers))
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     d, layers = model_cfg.hidden_size, model_cfg.num_layers
     assert count(delta) - count(base) == 2 * layers * (3 * d + 1)

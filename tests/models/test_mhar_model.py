@@ -97,7 +97,7 @@ def test_variant_none_is_megatron_gpt(megatron_world1, attention_backend):
 
 @pytest.mark.parametrize("variant,block_size", [("full", 1), ("block", 4)], ids=["full", "block4"])
 def test_parameters_and_init(megatron_world1, variant, block_size):
-    """MHAR.md §3: zero queries, unit norm weights, 4d per layer + 2d; Megatron keys kept."""
+    """The paper's initialisation: zero queries, unit norm weights, 4d per layer + 2d; Megatron keys kept."""
     model_cfg = _model_config()
     base = _build(model_cfg, MHARConfig(variant="none"))
     model = _build(model_cfg, MHARConfig(variant=variant, block_size=block_size))
@@ -175,7 +175,7 @@ def capture_sublayers(model):
 @pytest.mark.parametrize("zero_queries", [True, False], ids=["zero-q", "random-q"])
 def test_every_site_routes_the_right_sources(megatron_world1, variant, block_size, heads, zero_queries):
     """Capture every sublayer input and output; each input must be the routed mixture of
-    exactly the sources MHAR.md §4 lists for it (so no site sees a later source)."""
+    exactly the sources the paper's variants list for it (so no site sees a later source)."""
     model_cfg = _model_config()
     mhar = MHARConfig(variant=variant, block_size=block_size, num_heads=heads)
     model = _build(model_cfg, mhar)
@@ -295,7 +295,10 @@ CONFIG_ERRORS = [
     pytest.param(dict(num_heads=3), {}, "does not divide hidden_size", id="heads-not-dividing"),
     pytest.param(dict(variant="block", block_size=0), {}, "positive integer", id="zero-block"),
     pytest.param(dict(variant="block", block_size=7), {}, "exceeds the model", id="block-too-big"),
-    pytest.param(dict(logit_scale=0.0), {}, "logit_scale must be positive", id="bad-scale"),
+    pytest.param(dict(logit_scale=0.0), {}, "logit_scale must be a positive finite number", id="bad-scale"),
+    pytest.param(dict(logit_scale=float("inf")), {}, "logit_scale must be a positive finite number", id="inf-scale"),
+    pytest.param(dict(eps="1e-6"), {}, r"eps must be a positive finite number \(or None", id="string-eps"),
+    pytest.param(dict(eps=float("inf")), {}, r"eps must be a positive finite number", id="inf-eps"),
     pytest.param(dict(kernel_impl="cuda"), {}, "kernel_impl must be one of", id="bad-impl"),
     pytest.param(dict(fused_writes="yes"), {}, "fused_writes must be true or false", id="bad-fused"),
     pytest.param({}, dict(context_parallel_size=2), "context_parallel_size", id="context-parallel"),
@@ -310,6 +313,55 @@ def test_config_errors_name_the_fix(mhar_fields, config_overrides, message):
     with pytest.raises(ValueError, match=message):
         mhar = MHARConfig(**mhar_fields)
         make_transformer_config(_model_config(), mhar, **config_overrides)
+
+
+MODEL_CONFIG_ERRORS = [
+    pytest.param(dict(num_layers=2.0), "num_layers must be an integer, got float 2.0", id="float-layers"),
+    pytest.param(dict(num_layers="2"), "num_layers must be an integer, got str '2'", id="string-layers"),
+    pytest.param(dict(num_query_groups=0), "num_query_groups must be positive, or null", id="zero-groups"),
+    pytest.param(dict(num_query_groups=-2), "num_query_groups must be positive, or null", id="negative-groups"),
+    pytest.param(dict(ffn_hidden_size=0), "ffn_hidden_size must be positive, or null", id="zero-ffn"),  # was a 0-wide MLP
+    pytest.param(dict(kv_channels=0), "kv_channels must be positive, or null", id="zero-kv-channels"),
+    pytest.param(dict(make_vocab_size_divisible_by=0), "make_vocab_size_divisible_by must be positive", id="zero-vocab-multiple"),
+    pytest.param(dict(make_vocab_size_divisible_by=-1), "make_vocab_size_divisible_by",
+                 id="negative-vocab-multiple"),  # padded the vocabulary to 0 rows
+    pytest.param(dict(norm_epsilon=-1e-6), "norm_epsilon must be positive", id="negative-eps"),
+    pytest.param(dict(rotary_base=0), "rotary_base .* greater than 1", id="zero-theta"),
+    pytest.param(dict(rotary_percent=0.0), r"rotary_percent must lie in \(0, 1\]", id="no-rope"),
+    pytest.param(dict(rotary_percent=2.0), r"rotary_percent must lie in \(0, 1\]", id="rope-over-1"),
+    pytest.param(dict(rope_scaling=True, rope_scaling_factor=0.0), "rope_scaling_factor", id="zero-rope-factor"),
+    pytest.param(dict(hidden_dropout=1.5), r"hidden_dropout must lie in \[0, 1\)", id="dropout-over-1"),
+    pytest.param(dict(attention_dropout=-0.1), "attention_dropout must lie in", id="negative-dropout"),
+    pytest.param(dict(init_method_std=-0.02), "init_method_std must be non-negative", id="negative-std"),
+    pytest.param(dict(kv_channels=15), "RoPE rotates 15 channels", id="odd-head-width"),
+    pytest.param(dict(hidden_size=60, num_query_groups=None), "RoPE rotates 15 channels", id="odd-derived-width"),
+]
+
+
+@pytest.mark.parametrize("fields,message", MODEL_CONFIG_ERRORS)
+def test_model_config_errors_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        _model_config(**fields)
+
+
+def test_builder_refuses_mismatched_inputs(megatron_world1):
+    from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
+
+    mhar = MHARConfig(num_heads=4)
+    with pytest.raises(ValueError, match="takes a GPTModelConfig and an MHARConfig"):
+        make_transformer_config(_model_config(), {"variant": "full"})
+    with pytest.raises(ValueError, match="params_dtype must be a torch.dtype"):
+        make_transformer_config(_model_config(), mhar, params_dtype="bf16")
+    # A config of another architecture built the config's model, not the one asked for.
+    config = make_transformer_config(_model_config(), mhar, use_cpu_initialization=True)
+    with pytest.raises(ValueError, match="config.num_layers=3 differs from the model's 5"):
+        build_gpt_model(_model_config(num_layers=5), mhar, config)
+    # Parallel sizes that Megatron's parallel state does not have (TP=PP=1 here).
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        config = make_transformer_config(_model_config(), mhar, use_cpu_initialization=True,
+                                         pipeline_dtype=torch.float32, **{name: 2})
+        with pytest.raises(ValueError, match=f"config.{name}=2 but Megatron's parallel state"):
+            build_gpt_model(_model_config(), mhar, config)
 
 
 def test_mhar_config_is_a_plain_dataclass():
@@ -334,7 +386,7 @@ def test_graph_and_history_are_freed_after_backward(megatron_world1, monkeypatch
         created.append(weakref.ref(self))
 
     monkeypatch.setattr(history_module.SourceHistory, "__init__", recording_init)
-    model = _build(_model_config(), MHARConfig(variant=variant))
+    model = _build(_model_config(), MHARConfig(variant=variant, delta_block_layers=1))
     for seed in range(2):
         tokens, positions = _batch(seed)
         model(tokens, positions, None, labels=tokens).float().mean().backward()

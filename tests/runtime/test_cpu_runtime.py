@@ -417,3 +417,36 @@ def test_disable_restores_torch_cuda():
     if not torch.cuda.is_available():
         with pytest.raises((RuntimeError, AssertionError)):
             torch.zeros(2, device="cuda")
+
+
+INIT_ERRORS = [
+    pytest.param(dict(device="gpu"), {}, "device must be 'auto', 'cuda' or 'cpu'", id="unknown-device"),
+    pytest.param(dict(tp=0), {}, "tp must be a positive integer", id="zero-tp"),  # was ZeroDivisionError
+    pytest.param(dict(pp=-1), {}, "pp must be a positive integer", id="negative-pp"),  # was accepted
+    pytest.param(dict(vpp=2), {}, r"vpp=2 \(interleaved pipeline\) needs pp > 1", id="vpp-without-pp"),
+    pytest.param(dict(tp=2), {}, r"WORLD_SIZE=1 is not a multiple of tp\*pp\*cp", id="tp-over-world"),
+    pytest.param({}, dict(RANK="3"), "RANK=3 and WORLD_SIZE=1", id="rank-outside-world"),  # was accepted
+    pytest.param({}, dict(WORLD_SIZE="2"), "MASTER_ADDR is not set", id="no-rendezvous"),
+]
+
+
+@pytest.mark.parametrize("kwargs,env,message", INIT_ERRORS)
+def test_initialize_errors_leave_nothing_initialised(monkeypatch, kwargs, env, message):
+    from megatron.core import parallel_state
+
+    from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
+    from megatron_mhar.runtime.cpu import is_cpu_runtime_enabled
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        with pytest.raises((ValueError, RuntimeError), match=message):
+            initialize_model_parallel_from_env(**{"device": "cpu", **kwargs})
+        # Checked before anything starts: a corrected call works without destroy().
+        assert not torch.distributed.is_initialized()
+        assert not parallel_state.model_parallel_is_initialized()
+        assert not is_cpu_runtime_enabled()
+    finally:
+        destroy()
