@@ -132,6 +132,16 @@ def open_indexed(path: str):
     return dataset
 
 
+def sampled_max_token(path: str, tokens: int = 1 << 20) -> int:
+    """The largest token id among the first and the last ``tokens`` of ``path.bin`` (a
+    sample: a dataset written with another tokenizer shows ids beyond the model's
+    vocabulary within its first megabytes; reading the whole ``.bin`` could take hours)."""
+    import numpy
+
+    ids = numpy.memmap(path + ".bin", dtype=open_indexed(path).index.dtype, mode="r")
+    return int(max(ids[:tokens].max(), ids[-tokens:].max()))
+
+
 class MicroBatches(Iterator[Dict[str, torch.Tensor]]):
     """This rank's micro-batches, starting after ``consumed_samples`` samples."""
 

@@ -828,13 +828,23 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
         )
 
     data = cfg.data
-    from megatron_mhar.data.datasets import open_indexed
+    from megatron_mhar.data.datasets import open_indexed, sampled_max_token
 
     for i, prefix in enumerate(data.paths):
+        path = expand_path(prefix, f"data.paths[{i}]")
         try:  # both files there, and one intact pair: before any process group starts
-            open_indexed(expand_path(prefix, f"data.paths[{i}]"))
+            open_indexed(path)
         except ValueError as err:
             raise ValueError(f"data.paths[{i}]={prefix!r}: {err}") from None
+        # Ids past the vocabulary would train the padded embedding rows or fail deep in a
+        # step (a device-side assert on GPUs): data written with another tokenizer.
+        largest = sampled_max_token(path)
+        if largest >= cfg.model.vocab_size:
+            raise ValueError(
+                f"data.paths[{i}]={prefix!r} holds token id {largest}, beyond model.vocab_size="
+                f"{cfg.model.vocab_size}: it was written with another tokenizer; rewrite it with "
+                f"python -m megatron_mhar.data.preprocess --tokenizer <data.tokenizer>, or fix the path"
+            )
     if data.tokenizer != "builtin":
         tok_dir = expand_path(data.tokenizer, "data.tokenizer")
         if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):

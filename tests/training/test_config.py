@@ -9,6 +9,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 
 from megatron_mhar.training.config import (
     TrainConfig,
@@ -217,6 +218,25 @@ def test_a_damaged_data_pair_fails_at_launch(tmp_path):
     cfg = load_config("smoke_cpu", [f"data.paths=[{tmp_path / 'corpus'}]"])
     with pytest.raises(ValueError, match=r"data.paths\[0\]=.*corpus.idx is not a Megatron index file"):
         validate_launch(cfg, 1)
+
+
+def test_data_of_another_vocabulary_fails_at_launch(tmp_path):
+    """Token ids past model.vocab_size (data written with another tokenizer) are found in a
+    sample of the .bin at launch, not as an index error inside a step."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "corpus")
+    for largest, fails in ((4095, False), (4096, True)):  # smoke_cpu: model.vocab_size=4096
+        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+        builder.add_document(torch.tensor([1, 2, largest, 3]), [4])
+        builder.finalize(prefix + ".idx")
+        cfg = load_config("smoke_cpu", [f"data.paths=[{prefix}]"])
+        if fails:
+            with pytest.raises(ValueError, match=r"holds token id 4096, beyond model.vocab_size=4096"):
+                validate_launch(cfg, 1)
+        else:
+            validate_launch(cfg, 1)
 
 
 @pytest.mark.parametrize("key", ["checkpoint.dir", "run.output_dir"])
