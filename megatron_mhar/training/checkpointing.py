@@ -49,6 +49,12 @@ TMP_PREFIX = ".tmp."
 CHECKPOINT_VERSION = 1
 # Config sections that define the network; any difference makes a checkpoint unusable.
 MODEL_SECTIONS = ("model", "mhar")
+# How Megatron's distributed optimizer writes its state: per parameter, in the parameter's
+# own shape (gathered over the data-parallel ranks at a save), so that dist_checkpointing
+# reshards it to any TP/PP/DP layout like the weights and the plain optimizer's state.
+# megatron-core 0.16's default ('fully_sharded_model_space') cannot be saved at all (its
+# flattened shards are refused), and 'dp_reshardable' would reshard over DP only.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 _SAVE_NAME = re.compile(r"iter_(\d+)(?:\.(\d+))?")  # checkpoint_name, and a repeated save's suffix
@@ -160,7 +166,9 @@ def _sharded_state_dict(model, optimizer, is_loading: bool, with_optimizer: bool
         for i, chunk in enumerate(model):
             state[f"model{i}"] = unwrap(chunk).sharded_state_dict()
     if with_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+        )
     if with_rng:
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         state["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
@@ -209,6 +217,8 @@ def save_checkpoint(
     keep_last: int = 0,
 ) -> Path:
     """Save on every rank (a collective); returns the published checkpoint directory."""
+    if iteration > 0:
+        check_optimizer_checkpointable(optimizer)
     ckpt_dir = Path(ckpt_dir)
     name = checkpoint_name(iteration)
     tmp = ckpt_dir / f"{TMP_PREFIX}{name}"
@@ -284,6 +294,42 @@ def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:
     return common
 
 
+def _layout(config: Dict[str, Any], world_size: Optional[int]) -> Tuple:
+    """(world size, TP, PP, VPP) of a run config: which rank holds which RNG streams."""
+    par = config.get("parallel", {})
+    return (
+        world_size,
+        par.get("tensor_model_parallel_size", 1),
+        par.get("pipeline_model_parallel_size", 1),
+        par.get("virtual_pipeline_model_parallel_size"),
+    )
+
+
+def check_optimizer_checkpointable(optimizer) -> None:
+    """Raise if ``optimizer``'s state cannot go through a checkpoint and back.
+
+    Megatron's distributed optimizer over torch's own Adam (no Transformer Engine or apex)
+    cannot: megatron-core reads the Adam step from torch's per-parameter state, which a
+    new optimizer lacks (loading asserts), and copies that step as if it were a tensor of
+    the saved state (``KeyError: 'step'``).
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:  # their fused Adams keep the step per group
+        return
+    if any(
+        isinstance(opt, distrib_optimizer.DistributedOptimizer)
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+    ):
+        raise ValueError(
+            "parallel.use_distributed_optimizer=true with torch's Adam (neither Transformer Engine "
+            "nor apex is installed): megatron-core cannot save and resume this optimizer's state. "
+            "Set parallel.use_distributed_optimizer=false, or install Transformer Engine "
+            "(pip install -e '.[te]'), or write no checkpoints (checkpoint.interval=0 "
+            "checkpoint.save_at_end=false)"
+        )
+
+
 def load_checkpoint(
     checkpoint: Path,
     model: List[torch.nn.Module],
@@ -301,9 +347,27 @@ def load_checkpoint(
     """
     common = check_config(checkpoint, config)
     model_only = model_only or common.get("iteration") == 0
-    same_world = common.get("world_size") == torch.distributed.get_world_size()
+    saved_config = common["config"]
+    if not model_only:
+        saved = saved_config.get("parallel", {}).get("use_distributed_optimizer", False)
+        current = config.get("parallel", {}).get("use_distributed_optimizer", False)
+        if saved != current:
+            raise ValueError(
+                f"checkpoint {checkpoint} holds the optimizer state of "
+                f"parallel.use_distributed_optimizer={str(saved).lower()}, which this run "
+                f"(={str(current).lower()}) cannot load; resume with "
+                f"parallel.use_distributed_optimizer={str(saved).lower()}, or start a new run from "
+                f"its weights with checkpoint.load={checkpoint} checkpoint.load_model_only=true"
+            )
+        check_optimizer_checkpointable(optimizer)
+    # The RNG states are per rank; under another layout a rank's position (and so its
+    # streams: per pipeline stage, per tensor-parallel rank) differs, and the run keeps
+    # the fresh seeding of its own layout instead (as Megatron-LM does).
+    same_layout = _layout(saved_config, common.get("world_size")) == _layout(
+        config, torch.distributed.get_world_size()
+    )
     sharded = _sharded_state_dict(
-        model, optimizer, is_loading=True, with_optimizer=not model_only, with_rng=not model_only and same_world
+        model, optimizer, is_loading=True, with_optimizer=not model_only, with_rng=not model_only and same_layout
     )
     with reading(checkpoint):
         state = dist_checkpointing.load(sharded, str(checkpoint))
@@ -320,6 +384,13 @@ def load_checkpoint(
         return {"iteration": 0, "train_state": {}}
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
-    if same_world:
+    if same_layout:
         _set_rng_state(state["rng_state"])
+    elif _is_rank0():
+        print(
+            f"{checkpoint} was saved under another parallel layout (world, TP, PP, VPP = "
+            f"{_layout(saved_config, common.get('world_size'))}); optimizer state and data position "
+            f"are resharded, the RNG streams are this layout's own",
+            flush=True,
+        )
     return {"iteration": state["iteration"], "train_state": state["train_state"]}

@@ -171,6 +171,8 @@ class Trainer:
             wd_incr_steps=tr.train_iters,
             wd_incr_style="constant",
         )
+        if cfg.checkpoint.interval or cfg.checkpoint.save_at_end:  # fail now, not at the first save
+            checkpointing.check_optimizer_checkpointable(self.optimizer)
         self._wire_model_config()
         # Training steps through Megatron's full-iteration CUDA graph; evaluation eager.
         self._train_schedule = (
