@@ -822,6 +822,11 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
         raise ValueError(
             "training.precision=bf16 runs on GPUs; on CPU set training.precision=fp32"
         )
+    if on_cpu and cfg.mhar.kernel_impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            "mhar.kernel_impl=triton runs on GPUs (or in Triton's interpreter with TRITON_INTERPRET=1); "
+            "on CPU set mhar.kernel_impl=auto or torch"
+        )
     if on_cpu and tr.cuda_graph != "none":
         raise ValueError(
             f"training.cuda_graph={tr.cuda_graph} needs a GPU; on CPU set training.cuda_graph=none"

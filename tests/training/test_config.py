@@ -198,6 +198,7 @@ def test_apply_overrides_does_not_mutate():
         pytest.param(["data.tokenizer=/nonexistent/tok"], 1, "no tokenizer.json in /nonexistent/tok", id="tokenizer"),
         pytest.param(["model.vocab_size=1000"], 1, "model.vocab_size=1000 is smaller than data.embedded_vocab_size", id="vocab"),
         pytest.param(["training.precision=bf16", "run.device=cpu"], 1, "on CPU set training.precision=fp32", id="bf16-cpu"),
+        pytest.param(["mhar.kernel_impl=triton", "run.device=cpu"], 1, "on CPU set mhar.kernel_impl=auto or torch", id="triton-cpu"),
         pytest.param(["checkpoint.load=/nonexistent/ckpt"], 1, "checkpoint.load='/nonexistent/ckpt': no such directory", id="load"),
         pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "run.device=cpu"], 1,
                      "needs a GPU; on CPU set training.cuda_graph=none", id="graph-cpu"),
@@ -205,6 +206,7 @@ def test_apply_overrides_does_not_mutate():
 )
 def test_launch_checks(overrides, world, message, monkeypatch):
     monkeypatch.delenv("MHAR_TEST_UNSET_VAR", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cfg = load_config("smoke_cpu", overrides)
     with pytest.raises(ValueError) as err:
         validate_launch(cfg, world)
