@@ -132,7 +132,7 @@ def open_indexed(path: str):
     return dataset
 
 
-def sampled_max_token(path: str, tokens: int = 1 << 20) -> int:
+def sampled_max_token(path: str, tokens: int = 1 << 18) -> int:
     """The largest token id among the first and the last ``tokens`` of ``path.bin`` (a
     sample: a dataset written with another tokenizer shows ids beyond the model's
     vocabulary within its first megabytes; reading the whole ``.bin`` could take hours)."""

@@ -842,7 +842,10 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
         except ValueError as err:
             raise ValueError(f"data.paths[{i}]={prefix!r}: {err}") from None
         # Ids past the vocabulary would train the padded embedding rows or fail deep in a
-        # step (a device-side assert on GPUs): data written with another tokenizer.
+        # step (a device-side assert on GPUs): data written with another tokenizer. Read on
+        # rank 0 only: a blend of many prefixes on every rank would be a storm of reads.
+        if int(os.environ.get("RANK", "0")) != 0:
+            continue
         largest = sampled_max_token(path)
         if largest >= cfg.model.vocab_size:
             raise ValueError(
