@@ -20,7 +20,6 @@ compare the models of one run, and their op counts, which carry over.
 import argparse
 import collections
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -33,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_training import MODELS, SIZES  # noqa: E402
+from benchmarks.json_out import check_out, write_json  # noqa: E402
 from megatron_mhar.models.builder import build_gpt_model, make_transformer_config  # noqa: E402
 from megatron_mhar.models.config import GPTModelConfig  # noqa: E402
 from megatron_mhar.ops.history import RoutingBackend  # noqa: E402
@@ -188,13 +188,18 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", help="JSON output path")
     args = parser.parse_args(argv)
-    unknown = [s for s in args.sizes.split(",") if s not in ("100m", "350m", "1b")]
-    unknown += [m for m in args.models.split(",") if m not in HOST_MODELS]
+    sizes, models = args.sizes.split(","), args.models.split(",")
+    unknown = [s for s in sizes if s not in ("100m", "350m", "1b")]
+    unknown += [m for m in models if m not in HOST_MODELS]
     if unknown:
         parser.error(f"unknown sizes/models {unknown}; sizes are 100m, 350m, 1b and models "
                      f"{', '.join(HOST_MODELS)}")  # fmt: skip
+    twice = sorted({name for names in (sizes, models) for name in names if names.count(name) > 1})
+    if twice:
+        parser.error(f"--sizes/--models name {twice} twice; give each once")
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be at least 1")
+    check_out(parser, args.out)
 
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
 
@@ -207,12 +212,10 @@ def main(argv=None):
         "sizes": {},
     }  # fmt: skip
     try:
-        for size in args.sizes.split(","):
-            report["sizes"][size] = run_size(size, args.models.split(","), args.steps, args.warmup)
+        for size in sizes:
+            report["sizes"][size] = run_size(size, models, args.steps, args.warmup)
             if args.out:
-                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-                with open(args.out, "w") as f:
-                    json.dump(report, f, indent=1)
+                write_json(args.out, report)
     finally:
         destroy()
     for size, entry in report["sizes"].items():

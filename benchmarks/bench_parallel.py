@@ -45,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_training import environment  # noqa: E402
+from benchmarks.json_out import check_out, write_json  # noqa: E402
 from megatron_mhar.training.config import load_config, validate_launch  # noqa: E402
 from megatron_mhar.training.metrics import read_metrics  # noqa: E402
 
@@ -283,6 +284,12 @@ def main(argv=None):
     unknown = sorted(set(layouts) - set(LAYOUTS)) + sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown layouts or variants {unknown}; choose from {list(LAYOUTS)} and {list(VARIANTS)}")
+    if not variants:
+        parser.error(f"--variants {args.variants!r} names no model; choose from {list(VARIANTS)}")
+    if args.skip < 0 or args.early_steps < 1 or args.timeout <= 0:
+        parser.error(f"--skip must be >= 0, --early-steps >= 1 and --timeout > 0; got {args.skip}, "
+                     f"{args.early_steps} and {args.timeout}")
+    check_out(parser, args.out)
     settings = {"recipe": args.recipe, "steps": args.steps, "device": args.device,
                 "overrides": DEFAULT_OVERRIDES + args.overrides}
     if REFERENCE_LAYOUT not in layouts:
@@ -314,9 +321,7 @@ def main(argv=None):
                   "summary": summarize(records, args.rtol, args.skip, args.early_steps, args.noise_factor),
                   "runs": records}
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out + ".tmp").write_text(json.dumps(result, indent=1))
-            os.replace(args.out + ".tmp", args.out)
+            write_json(args.out, result)
         return result
 
     records = run_jobs(jobs, gpu_count, args.timeout, report)

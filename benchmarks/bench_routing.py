@@ -31,7 +31,6 @@ bandwidth measured in the same run.
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import sys
@@ -48,6 +47,7 @@ from megatron_mhar.ops.depth_route import (  # noqa: E402
     torch_route_backward,
     torch_route_forward,
 )
+from benchmarks.json_out import check_out, write_json  # noqa: E402
 from benchmarks.routing_bytes import lookahead as lookahead_bytes  # noqa: E402
 from benchmarks.routing_bytes import per_site as per_site_bytes  # noqa: E402
 from megatron_mhar.ops.lookahead import auto_group_size, group_ranges  # noqa: E402
@@ -656,9 +656,18 @@ def main():
         parser.error(f"unknown sections/impls/sweep kernels {unknown}: sections are host, site, step; "
                      "impls are triton, eager, compile, lookahead; sweep kernels are "
                      + ", ".join(LOOKAHEAD_SWEEP_MODES))
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_routing.py needs a CUDA device")
+    if not all(g.isdigit() for g in args.lookahead_groups.split(",")):
+        parser.error(f"--lookahead-groups {args.lookahead_groups!r} is not a comma list of group sizes >= 0 (0 = auto)")
+    groups = [int(g) for g in args.lookahead_groups.split(",")]
     impls = args.impls.split(",")
+    if groups != [0] and ("lookahead" not in impls or "step" not in args.sections.split(",")):
+        parser.error("--lookahead-groups is timed by the step section's lookahead impl: "
+                     "add step to --sections and lookahead to --impls")
+    if not (set(args.sections.split(",")) - {""} or args.sweep or args.sweep_lookahead):
+        parser.error("nothing to run: --sections is empty and neither --sweep nor --sweep-lookahead is given")
+    check_out(parser, args.out)
+    if not torch.cuda.is_available():
+        parser.error("bench_routing.py times CUDA kernels: run it on a GPU")
     torch._dynamo.config.cache_size_limit = 256
     # Inductor's donated buffers forbid retain_graph, which the backward-only timing needs.
     torch._functorch.config.donated_buffer = False
@@ -677,9 +686,7 @@ def main():
     }
 
     def save():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.out, report)
 
     report["copy"] = copy_bandwidth()
     copy_gbps = report["copy"]["gbps"]
@@ -703,7 +710,6 @@ def main():
     if "step" in sections:
         report["step"] = []
         for case in STEP_CASES:
-            groups = [int(g) for g in args.lookahead_groups.split(",")]
             report["step"].append(run_step(case, args.logit_scale, impls, groups))
             save()
     summarize(report)

@@ -57,6 +57,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.json_out import check_out, write_json  # noqa: E402
 from megatron_mhar.config import MHARConfig  # noqa: E402
 from megatron_mhar.models.builder import build_gpt_model, make_transformer_config  # noqa: E402
 from megatron_mhar.models.config import GPTModelConfig  # noqa: E402
@@ -525,9 +526,12 @@ def main(argv=None):
                              "and replayed, which removes the host's launch cost (CUDA only)")
     parser.add_argument("--out", help="JSON output path")
     args = parser.parse_args(argv)
-    unknown = [s for s in args.sizes.split(",") if s not in SIZES]
+    sizes = args.sizes.split(",")
+    unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         parser.error(f"unknown sizes {unknown}; choose from {list(SIZES)}")
+    if len(set(sizes)) < len(sizes):
+        parser.error(f"--sizes {args.sizes} names a size twice; give each once")
     try:
         specs = {spec: split_kernels(spec) for spec in args.models.split(",")}
         models = {spec: parse_model(config) for spec, (config, _) in specs.items()}
@@ -544,6 +548,9 @@ def main(argv=None):
     if args.warmup < 1:
         parser.error("--warmup must be >= 1: the first step creates the optimizer states, "
                      "which the peak memory (taken over the warmup) must include")
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1 (the timed rounds), got {args.steps}")
+    check_out(parser, args.out)
     kernels = {}
     if on_base:
         from benchmarks import base_kernels
@@ -574,13 +581,12 @@ def main(argv=None):
         with capture_stream(args.cuda_graph):
             if device == "cuda":  # on the stream the models run on: cuBLAS keys its workspaces by stream
                 _prime_cublas()
-            for size in args.sizes.split(","):
+            for size in sizes:
                 report["sizes"][size] = run_size(SIZES[size], models, args.steps, args.warmup,
                                                  device, profile=not args.no_profile,
                                                  cuda_graph=args.cuda_graph, kernels=kernels)
                 if args.out:
-                    with open(args.out, "w") as f:
-                        json.dump(report, f, indent=1)
+                    write_json(args.out, report)
     finally:
         destroy()
     print(json.dumps({s: {m: {k: round(v, 3) for k, v in e.items() if k in (

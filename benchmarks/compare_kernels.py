@@ -46,6 +46,7 @@ from benchmarks.bench_routing import (  # noqa: E402
     STEP_CASES,
     deepest_group,
 )
+from benchmarks.json_out import check_out, write_json  # noqa: E402
 from mhar_kernels import lookahead as LA  # noqa: E402
 
 KERNELS = ("group_forward", "group_backward", "merges_forward", "merges_backward", "new_row_grads", "row_grads")
@@ -201,12 +202,13 @@ def main(argv=None):
         parser.error(f"--heads {args.heads}: each must divide every case's width {sorted({c.d for c in cases})}")
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA device (tests/kernels/test_compare_kernels.py runs compare() in the interpreter)")
+    check_out(parser, args.out)
     try:
         base = base_kernels.load(args.base)["mhar_kernels.lookahead"]
     except ValueError as err:
         parser.error(str(err))
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device (tests/kernels/test_compare_kernels.py runs compare() in the interpreter)")
     report = {
         "note": "this checkout's lookahead kernels against --base's at each model's deepest group, default launches, "
                 "CUDA graphs; speedup = base ms / checkout ms; bitwise: every output equal",
@@ -215,9 +217,7 @@ def main(argv=None):
         "trees": {"checkout": base_kernels.describe(base_kernels.ROOT), "base": base_kernels.describe(args.base)},
         "rows": compare(base, cases, heads, kernels, "cuda", torch.bfloat16, graph_ms, args.rounds),
     }  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(args.out, report)
     print(f"wrote {args.out}")
 
 

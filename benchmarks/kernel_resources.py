@@ -26,6 +26,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from benchmarks.json_out import check_out, write_json  # noqa: E402
 from mhar_kernels import lookahead as fused  # noqa: E402
 
 H200_SHARED_BYTES = 232448  # the most shared memory one program may use on sm_90 (227 KiB)
@@ -139,6 +140,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="also write the rows as a JSON list")
     args = parser.parse_args()
+    check_out(parser, args.out)
     rows = []
     for d, heads, dtype in SHAPES:
         for launch, sizes in LAUNCHES.items():
@@ -146,8 +148,7 @@ def main():
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ gradients must be routed back to the earlier chunk outside Megatron's schedule).
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import sys
@@ -40,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: E402
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # noqa: E402
 
+from benchmarks.json_out import check_out, write_json  # noqa: E402
 from megatron_mhar.config import MHARConfig  # noqa: E402
 from megatron_mhar.models.builder import make_transformer_config  # noqa: E402
 from megatron_mhar.models.config import GPTModelConfig  # noqa: E402
@@ -122,6 +122,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write the JSON here")
     args = parser.parse_args()
+    check_out(parser, args.out)
 
     cases = []
     for layout in LAYOUTS:
@@ -157,9 +158,7 @@ def main():
         cases=cases,
     )
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+        write_json(args.out, result, indent=2)
 
 
 def _megatron_version() -> str:

@@ -66,12 +66,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="100M,350M,1B", help="comma list of 100M, 350M, 1B")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("profile_lookahead.py launches CUDA kernels: run it on a GPU (under ncu)")
     cases = {case.name: case for case in STEP_CASES if case.variant == "full"}
     unknown = sorted(set(args.sizes.split(",")) - set(cases))
     if unknown:
-        raise SystemExit(f"--sizes: unknown {unknown}; choose from {sorted(cases)}")
+        parser.error(f"--sizes: unknown {unknown}; choose from {sorted(cases)}")
+    if not torch.cuda.is_available():
+        parser.error("profile_lookahead.py launches CUDA kernels: run it on a GPU (under ncu)")
     runs = [(name, group_launches(cases[name])) for name in args.sizes.split(",")]
     for _, launches in runs:
         launches()  # compile outside the profiled range

@@ -34,7 +34,6 @@ per-site routing); ``moved_bytes`` adds every other read and write listed above.
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -43,6 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.json_out import check_out, write_json  # noqa: E402
 from megatron_mhar.ops.lookahead import auto_group_size, group_ranges  # noqa: E402
 from mhar_kernels.lookahead import _dot_heads, _use_tensor_cores  # noqa: E402
 
@@ -152,10 +152,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/routing_bytes_lookahead.json")
     args = parser.parse_args()
+    check_out(parser, args.out)
     data = report()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=1)
+    write_json(args.out, data)
     gb = 1e9
     print(f"{'model':5s} {'G':>2s} {'src GB/step per-site':>21s} {'lookahead':>9s} {'x':>5s} "
           f"{'moved GB per-site':>17s} {'lookahead':>9s} {'x':>5s}")  # fmt: skip

@@ -6,6 +6,7 @@ the rows' gradients, so every kernel of the comparison runs.
 """
 
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -77,8 +78,38 @@ def test_a_missing_entry_point_is_reported_not_raised(kernel_copy):
     (["--heads", "3"], "must divide every case's width"),
     (["--heads", "eight"], "is not a comma list of integers"),
     (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--out", "{tmp}"], "is a directory"),  # refused before the timings, not after them
+    (["--out", "{tmp}/file/ab.json"], "is a file, not a directory"),
 ])  # fmt: skip
 def test_arguments_name_their_errors(args, message, tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        compare_kernels.main([str(tmp_path), *args])
-    assert message in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        compare_kernels.main([str(tmp_path), *[a.format(tmp=tmp_path) for a in args]])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_missing_base_tree_is_named_before_the_device(tmp_path, capsys):
+    """A base directory without kernels is named, with the command that writes one, on any machine."""
+    with pytest.raises(SystemExit) as exit_info:
+        compare_kernels.main([str(tmp_path / "no-such-dir")])
+    assert exit_info.value.code == 2
+    assert "holds no mhar_kernels/__init__.py" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script, args, message", [
+    # group sizes: each an integer >= 0, parsed before the first section, not at the step section
+    ("bench_routing.py", ["--lookahead-groups", "four"], "is not a comma list of group sizes"),
+    ("bench_routing.py", ["--lookahead-groups", "4,-1"], "is not a comma list of group sizes"),
+    # group sizes that nothing would time
+    ("bench_routing.py", ["--lookahead-groups", "4", "--impls", "triton"], "add step to --sections and lookahead"),
+    ("bench_routing.py", ["--sections", ""], "nothing to run"),
+    ("bench_routing.py", ["--out", "{tmp}"], "is a directory"),
+    ("profile_lookahead.py", ["--sizes", "2B"], "--sizes: unknown ['2B']"),  # named on any machine
+    ("routing_bytes.py", ["--out", "{tmp}/file/bytes.json"], "is a file, not a directory"),
+    ("pipeline_bytes.py", ["--out", "{tmp}"], "is a directory"),
+])  # fmt: skip
+def test_other_benchmarks_name_their_errors(script, args, message, tmp_path):
+    (tmp_path / "file").write_text("")
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *[a.format(tmp=tmp_path) for a in args]],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -34,3 +36,19 @@ def test_host_bench_runs_every_site_through_the_stubs(tmp_path):
         assert entry["aten_ops"] > models["baseline"]["aten_ops"]
         assert entry["extra_ops_per_site"] == (entry["aten_ops"] - models["baseline"]["aten_ops"]) / sites
         assert len(entry["ms_all"]) == 2 and entry["ms_median"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sizes", "100m,100m"], "['100m'] twice"),  # timed twice, the first report replaced
+    (["--models", "mhar,baseline,mhar"], "['mhar'] twice"),
+    (["--sizes", "2b"], "unknown sizes/models ['2b']"),
+    (["--steps", "0"], "--steps and --warmup must be at least 1"),
+    (["--out", "{tmp}"], "is a directory"),  # refused before the run, not after it
+    (["--out", "{tmp}/file/host.json"], "is a file, not a directory"),
+])  # fmt: skip
+def test_arguments_name_their_errors(args, message, tmp_path):
+    (tmp_path / "file").write_text("")
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_host.py"),
+                          *[a.format(tmp=tmp_path) for a in args]],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]

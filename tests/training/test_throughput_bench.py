@@ -193,3 +193,53 @@ def test_base_kernels_model_routes_with_the_other_tree(tmp_path, base_kernels_mo
 def test_base_kernels_arguments_name_their_errors(args, message):
     run = _bench(*args)
     assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    # timed rounds: none would leave no step time to take a median of (after every warmup)
+    (("--steps", "0"), "--steps must be >= 1"),
+    (("--steps", "-1"), "--steps must be >= 1"),
+    # one size twice would be trained twice and its first report replaced
+    (("--sizes", "tiny,tiny"), "names a size twice"),
+    # --out paths that no report can be written to: refused before the run, not after it
+    (("--out", "{tmp}"), "is a directory"),
+    (("--out", "{tmp}/file/training.json"), "is a file, not a directory"),
+])  # fmt: skip
+def test_arguments_name_their_errors(args, message, tmp_path):
+    (tmp_path / "file").write_text("")
+    run = _bench(*[a.format(tmp=tmp_path) for a in args])
+    assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--variants", ","], "names no model"),  # nothing would run, and exit 0
+    (["--early-steps", "0"], "--early-steps >= 1"),  # the summary's max over no steps, after every run
+    (["--skip", "-1"], "--skip must be >= 0"),
+    (["--out", "{tmp}"], "is a directory"),  # the report's rename, after the first run
+])  # fmt: skip
+def test_parallel_bench_arguments_name_their_errors(args, message, tmp_path, capsys):
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks.bench_parallel import main
+    finally:
+        sys.path.remove(str(ROOT))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--device", "cpu", "--recipe", "smoke_cpu", "--run-dir", str(tmp_path / "runs"),
+              *[a.format(tmp=tmp_path) for a in args]])  # fmt: skip
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # refused before any run started
+
+
+def test_a_failed_write_keeps_the_previous_report(tmp_path):
+    """A report that fails to serialise leaves the last whole one, and no partial file."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks.json_out import write_json
+    finally:
+        sys.path.remove(str(ROOT))
+    out = tmp_path / "results" / "report.json"
+    write_json(out, {"sizes": {"tiny": 1.0}})
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        write_json(out, {"sizes": {"tiny": 1.0, "100m": object()}})
+    assert json.loads(out.read_text()) == {"sizes": {"tiny": 1.0}}
+    assert [p.name for p in out.parent.iterdir()] == ["report.json"]
