@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+from megatron_mhar.files import nearest_existing, write_atomic
+
 
 def check_out(parser, path, option="--out"):
     """``parser.error`` unless ``path`` (None: no report) can be written as a file: it is no
@@ -21,9 +23,7 @@ def check_out(parser, path, option="--out"):
     target = Path(path).absolute()
     if target.is_dir():
         parser.error(f"{option} {path} is a directory; give the report's file name, e.g. {Path(path) / 'report.json'}")
-    parent = target.parent
-    while not parent.exists():
-        parent = parent.parent
+    parent = nearest_existing(target.parent)
     if not parent.is_dir():
         parser.error(f"{option} {path}: {parent} is a file, not a directory; give a path under a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -31,13 +31,7 @@ def check_out(parser, path, option="--out"):
 
 
 def write_json(path, data, indent=1):
-    """Writes ``data`` to ``path`` (making its directories) through a temporary file renamed
-    over it: the file at ``path`` is always a whole report, the previous one or this one."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.partial")
-    try:
-        partial.write_text(json.dumps(data, indent=indent) + "\n")
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
+    """Writes ``data`` to ``path`` (making its directories) whole (``write_atomic``): the
+    file at ``path`` is always a whole report, the previous one or this one."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(data, indent=indent) + "\n")

@@ -33,6 +33,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from megatron_mhar.config import MHARConfig
+from megatron_mhar.files import nearest_existing
 from megatron_mhar.models.config import GPTModelConfig
 
 from megatron_mhar.training import checkpointing as driver
@@ -74,8 +75,8 @@ def check_output(out: Path, overwrite: bool, inputs: Tuple[Path, ...] = ()) -> N
     directory that is or holds one of the conversion's ``inputs``.
     """
     out = Path(out).absolute()
-    parent = next((p for p in out.parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
+    parent = nearest_existing(out.parent)
+    if not parent.is_dir():
         raise ValueError(f"--out {out}: {parent} is a file, not a directory; choose another --out")
     if not out.exists():
         return

@@ -26,6 +26,7 @@ from typing import Iterable, Iterator, List, Sequence
 import numpy
 
 from megatron_mhar.data.tokenizer import Tokenizer
+from megatron_mhar.files import nearest_existing
 
 _BATCH_DOCS = 256
 
@@ -133,10 +134,8 @@ def _output_problem(output_prefix: str, overwrite: bool) -> str | None:
             f"--output-prefix {output_prefix} is a directory; give a prefix inside it, e.g. "
             f"{os.path.join(output_prefix, 'corpus_text_document')} (writes .bin and .idx)"
         )
-    parent = os.path.dirname(prefix)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
+    parent = nearest_existing(os.path.dirname(prefix))
+    if not parent.is_dir():
         return f"--output-prefix {output_prefix}: {parent} is a file, not a directory"
     existing = [prefix + ext for ext in (".bin", ".idx") if os.path.exists(prefix + ext)]
     if existing and not overwrite:

@@ -40,12 +40,12 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_mhar.config import function_fields
+from megatron_mhar.files import TMP_PREFIX, fsync_dir, write_atomic
 from megatron_mhar.training.config import config_differences
 from megatron_mhar.training.model import unwrap
 from megatron_mhar.training.signals import SIGNALS as STOP_SIGNALS
 
 LATEST = "latest"
-TMP_PREFIX = ".tmp."
 CHECKPOINT_VERSION = 1
 # Config sections that define the network; any difference makes a checkpoint unusable.
 MODEL_SECTIONS = ("model", "mhar")
@@ -117,24 +117,6 @@ def reading(checkpoint: Path) -> Iterator[None]:
 
 def _is_rank0() -> bool:
     return torch.distributed.get_rank() == 0
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -252,10 +234,10 @@ def save_checkpoint(
         while final.exists():  # never rename over a checkpoint `latest` may name
             suffix += 1
             final = ckpt_dir / f"{name}.{suffix}"
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.rename(tmp, final)
-        _fsync_dir(ckpt_dir)
-        _write_atomic(ckpt_dir / LATEST, final.name + "\n")
+        fsync_dir(ckpt_dir)
+        write_atomic(ckpt_dir / LATEST, final.name + "\n")
         if keep_last:
             _prune(ckpt_dir, keep_last, keep=final)
     torch.distributed.barrier()

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from megatron_mhar.config import MHARConfig
+from megatron_mhar.files import nearest_existing
 from megatron_mhar.models.config import GPTModelConfig
 
 CUDA_GRAPH_MODES = ("none", "full_iteration")
@@ -886,7 +887,7 @@ def _check_output_dir(path: Path, keys: str) -> None:
     """``path`` is a writable directory or can be made one (checked now, not at the first
     save after hours of training)."""
     path = path.absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
+    existing = nearest_existing(path)
     if not existing.is_dir():
         raise ValueError(
             f"{path} cannot be a directory: {existing} is a file; change {keys} or move the file"

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from megatron_mhar.files import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -69,11 +70,7 @@ class MetricsWriter:
         if not self.path.is_file():
             return
         kept = [r for r in read_metrics(self.path.parent) if r.get("step", 0) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        with open(tmp, "w") as f:
-            for record in kept:
-                f.write(json.dumps(record) + "\n")
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(json.dumps(record) + "\n" for record in kept))
 
     def log(self, kind: str, step: int, scalars: Dict[str, float], extra: Optional[dict] = None) -> None:
         """One ``metrics.jsonl`` record; scalars also go to TensorBoard as ``kind/name``."""
