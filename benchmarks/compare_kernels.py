@@ -17,7 +17,9 @@ Kernels (``--kernels``), each as a training step runs it over one group of G sit
   group_forward    phase 1 over the group's old rows (``tensor_cores=None``: the auto pick)
   group_backward   phase 1's backward, row gradients stored (deferred ones added at once)
   merges_forward   the G merges of the group's new rows into the sites' partials
-  merges_backward  the G merge backwards (delta, dL/dq, dL/dw and the new rows' factors)
+  merges_backward  the G merge backwards as the model calls them: delta, a copy of the
+                   output gradient and the dL/dw partials into the group's workspaces,
+                   the new rows' factors
   new_row_grads    the G - 1 new rows' gradients from those factors (``merge_row_grad``)
   row_grads        ``add_row_grads`` of ROW_GRADS_ENTRIES groups' deferred factors to the
                    group's block of rows (only where the auto pick defers: 1B)
@@ -104,10 +106,16 @@ def launches(la, x) -> Dict[str, Callable[[], Sequence[torch.Tensor]]]:
         return (*outs, lse)
 
     def merges_backward():
+        # As the model calls them: delta, a copy of the output gradient and the dL/dw
+        # partials go into the group's workspaces (LookaheadGroup.workspace).
+        t, d = grad_outs.shape[1:]
         factors, kv = torch.zeros_like(x["factors"]), torch.zeros_like(x["kv"])
-        sums = [la.merge_backward(grad_outs[k], x["outs"][k], new[:, :k], qs[k], ws[k], x["merge_lse"][k], h, EPS,
-                                  1.0, (factors[k, :, :k], kv[k, :, :k])) for k in range(g)]  # fmt: skip
-        return (*[s for three in sums for s in three if s is not None], factors, kv)
+        deltas, copies = torch.empty((g, t, h), **fp32), torch.empty_like(grad_outs)
+        dw = torch.empty((la.merge_dw_partials(t, d, h, buf.device), g, d), **fp32)
+        for k in range(g):
+            la.merge_backward(grad_outs[k], x["outs"][k], new[:, :k], qs[k], ws[k], x["merge_lse"][k], h, EPS, 1.0,
+                              (factors[k, :, :k], kv[k, :, :k]), deltas[k], copies[k], dw[:, k])  # fmt: skip
+        return deltas, copies, dw, factors, kv
 
     def new_row_grads():
         rows = torch.empty(new.shape, dtype=buf.dtype, device=buf.device)
