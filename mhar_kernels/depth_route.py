@@ -7,8 +7,7 @@ differences are in ``README.md`` beside this file.
 Layout. The sources are a ``[T, N, D]`` view with unit stride over D and any strides
 over T and N: a slice ``buf[:, :n]`` of a ``[T, R, D]`` history buffer, or the permuted
 view of an ``[N, T, D]`` tensor. An optional ``extra`` ``[T, D]`` source takes index N:
-the running partial of the block variant, or a sublayer output that the forward also
-stores as history row N (a history write fused into the next read). Each program owns
+the running partial of the block variant, or the delta variant's null source. Each program owns
 ``BT`` tokens and the full width, held as a ``[BT, BH, BHD]`` tile (heads x head width,
 padded to powers of two; forward, a head width that is not a power of two is a tuple
 of equal power-of-two chunks instead, ``_chunked_tile``), so the RMS over D and the
@@ -153,7 +152,6 @@ def _route_fwd_kernel(
     BHD: tl.constexpr,
     C: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
-    STORE_EXTRA: tl.constexpr,
     PREFETCH: tl.constexpr,
     STAGES: tl.constexpr,
     EVICT_SRC: tl.constexpr,
@@ -193,10 +191,6 @@ def _route_fwd_kernel(
             p_v += stride_vn
     if HAS_EXTRA:
         b_e = _load_tile(E_ptr + o_t64[:, None, None] * stride_et + o_d[None, :, :], m_v, BHD, C, "")
-        if STORE_EXTRA:
-            # Write the extra source into history row N while it is in registers.
-            p_row = V_ptr + o_t64[:, None, None] * stride_vt + N * stride_vn + o_d[None, :, :]
-            _store_tile(p_row, b_e, m_v, V_ptr.dtype.element_ty, BHD, C, "")
         b_m, b_l, b_acc = _route_fwd_step(_to_f32(b_e, C), b_w, b_m, b_l, b_acc, eps, scale, D, C)
 
     b_o = ()
@@ -278,12 +272,12 @@ def _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D:
 @triton.jit
 def _route_bwd_kernel(
     V_ptr,  # [T, N, D] sources, strides (stride_vt, stride_vn, 1)
-    E_ptr,  # [T, D] extra source, strides (stride_et, 1); read if HAS_EXTRA and not EXTRA_ROW
+    E_ptr,  # [T, D] extra source, strides (stride_et, 1); read if HAS_EXTRA
     Q_ptr,  # [D] pseudo-query
     G_ptr,  # [D] norm weight
     DO_ptr,  # [T, D] gradient of the output, strides (stride_dot, 1)
     LSE_ptr,  # [T, H] fp32 log-sum-exp saved by the forward
-    DV_ptr,  # [T, N(+1), D] source gradients, strides (stride_dvt, stride_dvn, 1)
+    DV_ptr,  # [T, N, D] source gradients, strides (stride_dvt, stride_dvn, 1)
     DE_ptr,  # [T, D] contiguous gradient of the extra source; written if HAS_EXTRA
     DW_ptr,  # [P, D] fp32 per-program partial dL/dw, P = number of programs
     T,
@@ -305,7 +299,6 @@ def _route_bwd_kernel(
     BHD: tl.constexpr,
     C: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
-    EXTRA_ROW: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     PREFETCH: tl.constexpr,
     STAGES: tl.constexpr,
@@ -337,10 +330,7 @@ def _route_bwd_kernel(
         p_lse = LSE_ptr + o_t64[:, None] * H + o_h[None, :]
         b_lse = tl.load(p_lse, mask=m_t[:, None] & m_h[None, :], other=0.0)
         p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
-        if EXTRA_ROW:  # the extra source was stored as row N of the sources
-            p_e = p_v + N * stride_vn
-        else:
-            p_e = E_ptr + o_t64[:, None, None] * stride_et + o_d[None, :, :]
+        p_e = E_ptr + o_t64[:, None, None] * stride_et + o_d[None, :, :]
 
         b_l = tl.zeros([BT, BH], dtype=tl.float32)
         b_ld = tl.zeros([BT, BH], dtype=tl.float32)
@@ -379,13 +369,6 @@ def _route_bwd_kernel(
         if HAS_EXTRA:
             b_v = _to_f32(_load_tile(p_e, m_v, BHD, C, ""), C)
             b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D, C, ONE_REDUCE)
-            if EXTRA_ROW:
-                # Row N's fp32 gradient holds the share of the later reads: add it here.
-                b_old = _to_f32(_load_tile(p_dv, m_v, BHD, C, ""), C)
-                b_sum = ()
-                for c in tl.static_range(C):
-                    b_sum = b_sum + (b_dv[c] + b_old[c],)
-                b_dv = b_sum
             p_de = DE_ptr + o_t64[:, None, None] * D + o_d[None, :, :]
             _store_tile(p_de, b_dv, m_v, DE_ptr.dtype.element_ty, BHD, C, "")
 
@@ -533,12 +516,6 @@ def _bwd_config(padded_d: int, one_head: bool = False) -> LoopConfig:
     return LoopConfig(block_t, 2, False, stages, programs_per_sm=8 if block_t * padded_d <= 1024 else 4)
 
 
-def _with_next_row(rows: torch.Tensor) -> torch.Tensor:
-    """[T, N + 1, D] view of the buffer behind a [T, N, D] row view: one more row."""
-    t, n, d = rows.shape
-    return rows.as_strided((t, n + 1, d), rows.stride(), rows.storage_offset())
-
-
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -563,10 +540,7 @@ def _check_sources(sources: torch.Tensor, extra: Optional[torch.Tensor], num_hea
             )
 
 
-def _launch_fwd(
-    sources, extra, query, norm_weight, num_heads, eps, logit_scale,
-    store_extra=False, **loop,
-):  # fmt: skip
+def _launch_fwd(sources, extra, query, norm_weight, num_heads, eps, logit_scale, **loop):
     t, n, d = sources.shape
     head_dim, bh, bhd, chunks = _chunked_tile(d, num_heads)
     block_t, num_warps, prefetch, stages, l2_reuse, _ = _fwd_config(_tile_width(d, num_heads)).override(**loop)
@@ -575,14 +549,12 @@ def _launch_fwd(
     if t == 0:
         return out, lse
     ext = sources if extra is None else extra
-    if store_extra:  # hand the kernel a view that holds row N, which it writes
-        sources = _with_next_row(sources)
     _route_fwd_kernel[(triton.cdiv(t, block_t),)](
         sources, ext, query, norm_weight, out, lse,
         t, n, sources.stride(0), sources.stride(1), ext.stride(0), out.stride(0),
         eps, logit_scale,
         D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, C=chunks,
-        HAS_EXTRA=extra is not None, STORE_EXTRA=store_extra, PREFETCH=prefetch and n > 0,
+        HAS_EXTRA=extra is not None, PREFETCH=prefetch and n > 0,
         STAGES=stages, EVICT_SRC="evict_first" if l2_reuse else "",
         num_warps=num_warps,
     )  # fmt: skip
@@ -591,7 +563,7 @@ def _launch_fwd(
 
 def _launch_bwd(
     grad_out, sources, extra, query, norm_weight, lse, num_heads, eps, logit_scale,
-    grad_sources, accumulate, extra_row=False, **loop,
+    grad_sources, accumulate, **loop,
 ):  # fmt: skip
     t, n, d = sources.shape
     # One padded chunk: measured on H200 at the 1B shape, the chunked tile's backward was
@@ -604,7 +576,7 @@ def _launch_bwd(
     ).override(**loop)
     prefetch = prefetch and n > 0
     device = sources.device
-    has_extra = extra_row or extra is not None
+    has_extra = extra is not None
     grad_extra = torch.empty((t, d), dtype=sources.dtype, device=device) if has_extra else None
     num_tiles = triton.cdiv(t, block_t)
     num_programs = max(1, min(num_tiles, _num_sms(device) * programs_per_sm))
@@ -613,8 +585,6 @@ def _launch_bwd(
         grad_out = grad_out.contiguous()
     if t > 0:
         ext = sources if extra is None else extra
-        if extra_row:  # views that hold row N, which the kernel reads
-            sources, grad_sources = _with_next_row(sources), _with_next_row(grad_sources)
         _route_bwd_kernel[(num_programs,)](
             sources, ext, query, norm_weight, grad_out, lse, grad_sources,
             ext if grad_extra is None else grad_extra, dw,
@@ -623,7 +593,7 @@ def _launch_bwd(
             grad_sources.stride(0), grad_sources.stride(1),
             eps, logit_scale,
             D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, C=chunks,
-            HAS_EXTRA=has_extra, EXTRA_ROW=extra_row, ACCUMULATE=accumulate, PREFETCH=prefetch,
+            HAS_EXTRA=has_extra, ACCUMULATE=accumulate, PREFETCH=prefetch,
             STAGES=stages,
             # Pass 2 rereads the tile pass 1 just read: ask L2 to keep those lines and to
             # stream everything read or written once.
@@ -657,27 +627,20 @@ def route_forward(
     num_heads: int,
     eps: float,
     logit_scale: float,
-    store_extra: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Route over a history view in one pass.
 
     Args:
         sources: [T, N, D] view, unit stride over D, any strides over T and N.
         extra: None or [T, D], routed as source N (the block variant's running partial,
-            or a new history row).
+            or the delta variant's null source).
         query, norm_weight: [D] (any float dtype).
-        store_extra: also write ``extra`` into the buffer row just past the view (row N),
-            fusing a history write into the read; the buffer must hold that row.
 
     Returns:
         (out [T, D] in the sources' dtype, saved = log-sum-exp [T, H] fp32).
     """
     _check_sources(sources, extra, num_heads)
-    if store_extra and extra is None:
-        raise ValueError("store_extra needs the extra source to store")
-    return _launch_fwd(
-        sources, extra, query, norm_weight, num_heads, eps, float(logit_scale), store_extra
-    )
+    return _launch_fwd(sources, extra, query, norm_weight, num_heads, eps, float(logit_scale))
 
 
 def route_backward(
@@ -691,7 +654,6 @@ def route_backward(
     eps: float,
     logit_scale: float,
     grad_sources: torch.Tensor,
-    extra_row: bool = False,
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Backward of :func:`route_forward`; adds the source gradients into ``grad_sources``.
 
@@ -699,15 +661,12 @@ def route_backward(
         grad_out: [T, D] gradient of the routed output.
         saved: the log-sum-exp returned by :func:`route_forward`.
         grad_sources: fp32 [T, N, D] view (unit stride over D) that receives ``+=`` dsources.
-        extra_row: the extra source was stored as row N (``store_extra``): it is read from
-            there (``extra`` is ignored) and its gradient includes the fp32 gradient that
-            later reads left in row N of ``grad_sources``' buffer.
 
     Returns:
         (grad_extra [T, D] in the extra's dtype or None, grad_query, grad_norm_weight [D]
         in the dtypes of query and norm_weight).
     """
-    _check_sources(sources, None if extra_row else extra, num_heads)
+    _check_sources(sources, extra, num_heads)
     if (
         grad_sources.shape != sources.shape
         or grad_sources.dtype != torch.float32
@@ -720,7 +679,7 @@ def route_backward(
         )
     return _launch_bwd(
         grad_out, sources, extra, query, norm_weight, saved, num_heads, eps,
-        float(logit_scale), grad_sources, accumulate=True, extra_row=extra_row,
+        float(logit_scale), grad_sources, accumulate=True,
     )  # fmt: skip
 
 

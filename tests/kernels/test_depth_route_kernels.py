@@ -159,57 +159,6 @@ def test_route_forward_backward(t, n, d, heads, has_extra, tau, layout, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize(
-    "t,n,d,heads",
-    [
-        # The embedding row: the fused write is the first read (no earlier rows).
-        pytest.param(5, 0, 768, 8, id="N0-D768"),
-        pytest.param(7, 6, 1280, 8, id="N6-D1280"),
-        pytest.param(3, 24, 512, 8, id="N24-D512"),
-    ],
-)
-def test_store_extra_row(t, n, d, heads, dtype):
-    """A history write fused into the next read: the forward stores the new source as row
-    N and routes over N + 1 rows; the backward reads it there and returns its gradient
-    (this read's share plus what later reads left in row N's fp32 gradient)."""
-    torch.manual_seed(n + 11)
-    tokens, tau = _tokens(t), 2.0
-    sources, new_row, query, norm_weight, grad_out = _inputs(
-        tokens, n, d, heads, True, tau, "buffer", dtype
-    )
-    base = sources.as_strided((tokens, n + 3, d), sources.stride(), sources.storage_offset())
-    grad_base = torch.randn(base.shape, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(5))
-
-    def run(forward, backward, cast):
-        buffer = cast(base).clone()
-        rows, new = buffer[:, :n], cast(new_row)
-        out, saved = forward(rows, new, cast(query), cast(norm_weight), heads, EPS, tau, store_extra=True)
-        assert torch.equal(buffer[:, n], new) and torch.equal(buffer[:, n + 1 :], cast(base)[:, n + 1 :])
-        grad_buffer = grad_base.clone()
-        grad_row, gq, gg = backward(
-            cast(grad_out), rows, None, cast(query), cast(norm_weight), saved, heads, EPS, tau,
-            grad_buffer[:, :n], extra_row=True,
-        )  # fmt: skip
-        assert grad_row.dtype == buffer.dtype
-        # Rows past the new one are untouched.
-        assert torch.equal(grad_buffer[:, n + 1 :], grad_base[:, n + 1 :])
-        grad_rows = grad_buffer[:, :n] - grad_base[:, :n] if n > 0 else None
-        return out, grad_rows, grad_row, gq, gg
-
-    got = run(route_forward, route_backward, lambda x: x)
-    ref32 = run(torch_route_forward, torch_route_backward, lambda x: x.float())
-    if dtype == torch.float32:
-        for name, g, r in zip(NAMES, got, ref32):
-            if r is not None:
-                torch.testing.assert_close(
-                    g, r, rtol=2e-4, atol=_atol(name, r, 2e-5, tokens, tau), msg=name
-                )
-    else:
-        ref_lp = run(torch_route_forward, torch_route_backward, lambda x: x)
-        _assert_rule(got, ref32, ref_lp, atol_frac=2e-3, tokens=tokens, tau=tau)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize(
     "n,tokens,d,heads",
     [
         # [N, B, T, D] with two token dims, as the model calls it.
