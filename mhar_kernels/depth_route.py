@@ -152,7 +152,6 @@ def _route_fwd_kernel(
     BHD: tl.constexpr,
     C: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
-    PREFETCH: tl.constexpr,
     STAGES: tl.constexpr,
     EVICT_SRC: tl.constexpr,
 ):
@@ -175,20 +174,10 @@ def _route_fwd_kernel(
     for c in tl.static_range(C):
         b_acc = b_acc + (tl.zeros([BT, BH, BHD], dtype=tl.float32),)
     p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
-    if PREFETCH:
-        # Keep the next source's load in flight while this one is reduced.
-        b_vn = _load_tile(p_v, m_v, BHD, C, "")
-        for _ in range(1, N):
-            b_v = _to_f32(b_vn, C)
-            p_v += stride_vn
-            b_vn = _load_tile(p_v, m_v, BHD, C, "")
-            b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D, C)
-        b_m, b_l, b_acc = _route_fwd_step(_to_f32(b_vn, C), b_w, b_m, b_l, b_acc, eps, scale, D, C)
-    else:
-        for _ in tl.range(0, N, num_stages=STAGES):
-            b_v = _to_f32(_load_tile(p_v, m_v, BHD, C, EVICT_SRC), C)
-            b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D, C)
-            p_v += stride_vn
+    for _ in tl.range(0, N, num_stages=STAGES):
+        b_v = _to_f32(_load_tile(p_v, m_v, BHD, C, EVICT_SRC), C)
+        b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D, C)
+        p_v += stride_vn
     if HAS_EXTRA:
         b_e = _load_tile(E_ptr + o_t64[:, None, None] * stride_et + o_d[None, :, :], m_v, BHD, C, "")
         b_m, b_l, b_acc = _route_fwd_step(_to_f32(b_e, C), b_w, b_m, b_l, b_acc, eps, scale, D, C)
@@ -300,7 +289,6 @@ def _route_bwd_kernel(
     C: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
     ACCUMULATE: tl.constexpr,
-    PREFETCH: tl.constexpr,
     STAGES: tl.constexpr,
     EVICT_KEEP: tl.constexpr,
     EVICT_STREAM: tl.constexpr,
@@ -335,19 +323,10 @@ def _route_bwd_kernel(
         b_l = tl.zeros([BT, BH], dtype=tl.float32)
         b_ld = tl.zeros([BT, BH], dtype=tl.float32)
         p_vn = p_v
-        if PREFETCH:
-            b_vn = _load_tile(p_vn, m_v, BHD, C, "")
-            for _ in range(1, N):
-                b_v = _to_f32(b_vn, C)
-                p_vn += stride_vn
-                b_vn = _load_tile(p_vn, m_v, BHD, C, "")
-                b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C, ONE_REDUCE)
-            b_l, b_ld = _route_bwd_sums(_to_f32(b_vn, C), b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C, ONE_REDUCE)
-        else:
-            for _ in tl.range(0, N, num_stages=STAGES):
-                b_v = _to_f32(_load_tile(p_vn, m_v, BHD, C, EVICT_KEEP), C)
-                b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C, ONE_REDUCE)
-                p_vn += stride_vn
+        for _ in tl.range(0, N, num_stages=STAGES):
+            b_v = _to_f32(_load_tile(p_vn, m_v, BHD, C, EVICT_KEEP), C)
+            b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C, ONE_REDUCE)
+            p_vn += stride_vn
         if HAS_EXTRA:
             b_v = _to_f32(_load_tile(p_e, m_v, BHD, C, ""), C)
             b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C, ONE_REDUCE)
@@ -443,7 +422,6 @@ class LoopConfig(NamedTuple):
 
     block_t: int  # tokens per program
     num_warps: int
-    prefetch: bool  # the next source's load held in registers (manual double buffer)
     stages: int  # source loads pipelined through shared memory (tl.range num_stages)
     l2_reuse: bool = False  # L2 eviction hints: keep what a later read of this program needs
     programs_per_sm: int = 4  # backward grid cap (programs stride over the token tiles)
@@ -474,9 +452,9 @@ def _fwd_config(padded_d: int) -> LoopConfig:
     warps and three stages; with one head (AttnRes) 0.091 against 0.100 ms at N = 73.
     """
     if padded_d == 2048:
-        return LoopConfig(2, 1, False, 4)
+        return LoopConfig(2, 1, 4)
     block_t = max(1, 4096 // padded_d)
-    return LoopConfig(block_t, max(2, min(8, block_t * padded_d // 2048)), False, 3)
+    return LoopConfig(block_t, max(2, min(8, block_t * padded_d // 2048)), 3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -508,12 +486,12 @@ def _bwd_config(padded_d: int, one_head: bool = False) -> LoopConfig:
     sweep had tried three stages there only at 2, 3 and 6 programs per SM). At 350M, N = 9,
     three stages lose (0.142 -> 0.162 ms)."""
     if padded_d > 2048:
-        return LoopConfig(1, 8, False, 1, l2_reuse=True, programs_per_sm=2)
+        return LoopConfig(1, 8, 1, l2_reuse=True, programs_per_sm=2)
     if one_head and padded_d >= 1024:
-        return LoopConfig(4096 // padded_d, 2, False, 2, programs_per_sm=4)
+        return LoopConfig(4096 // padded_d, 2, 2, programs_per_sm=4)
     block_t = max(1, 1024 // padded_d)
     stages = 3 if padded_d == 2048 else 2
-    return LoopConfig(block_t, 2, False, stages, programs_per_sm=8 if block_t * padded_d <= 1024 else 4)
+    return LoopConfig(block_t, 2, stages, programs_per_sm=8 if block_t * padded_d <= 1024 else 4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -543,7 +521,7 @@ def _check_sources(sources: torch.Tensor, extra: Optional[torch.Tensor], num_hea
 def _launch_fwd(sources, extra, query, norm_weight, num_heads, eps, logit_scale, **loop):
     t, n, d = sources.shape
     head_dim, bh, bhd, chunks = _chunked_tile(d, num_heads)
-    block_t, num_warps, prefetch, stages, l2_reuse, _ = _fwd_config(_tile_width(d, num_heads)).override(**loop)
+    block_t, num_warps, stages, l2_reuse, _ = _fwd_config(_tile_width(d, num_heads)).override(**loop)
     out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
     lse = torch.empty((t, num_heads), dtype=torch.float32, device=sources.device)
     if t == 0:
@@ -554,7 +532,7 @@ def _launch_fwd(sources, extra, query, norm_weight, num_heads, eps, logit_scale,
         t, n, sources.stride(0), sources.stride(1), ext.stride(0), out.stride(0),
         eps, logit_scale,
         D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, C=chunks,
-        HAS_EXTRA=extra is not None, PREFETCH=prefetch and n > 0,
+        HAS_EXTRA=extra is not None,
         STAGES=stages, EVICT_SRC="evict_first" if l2_reuse else "",
         num_warps=num_warps,
     )  # fmt: skip
@@ -571,10 +549,9 @@ def _launch_bwd(
     # benchmarks/results/routing_h200_chunked.json), while its forward is faster.
     head_dim, bh, bhd = _tile(d, num_heads)
     chunks = 1
-    block_t, num_warps, prefetch, stages, l2_reuse, programs_per_sm = _bwd_config(
+    block_t, num_warps, stages, l2_reuse, programs_per_sm = _bwd_config(
         bh * bhd, num_heads == 1
     ).override(**loop)
-    prefetch = prefetch and n > 0
     device = sources.device
     has_extra = extra is not None
     grad_extra = torch.empty((t, d), dtype=sources.dtype, device=device) if has_extra else None
@@ -593,7 +570,7 @@ def _launch_bwd(
             grad_sources.stride(0), grad_sources.stride(1),
             eps, logit_scale,
             D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, C=chunks,
-            HAS_EXTRA=has_extra, ACCUMULATE=accumulate, PREFETCH=prefetch,
+            HAS_EXTRA=has_extra, ACCUMULATE=accumulate,
             STAGES=stages,
             # Pass 2 rereads the tile pass 1 just read: ask L2 to keep those lines and to
             # stream everything read or written once.
@@ -627,6 +604,7 @@ def route_forward(
     num_heads: int,
     eps: float,
     logit_scale: float,
+    **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Route over a history view in one pass.
 
@@ -635,12 +613,13 @@ def route_forward(
         extra: None or [T, D], routed as source N (the block variant's running partial,
             or the delta variant's null source).
         query, norm_weight: [D] (any float dtype).
+        loop: :class:`LoopConfig` fields overriding the default launch (tools/perf).
 
     Returns:
         (out [T, D] in the sources' dtype, saved = log-sum-exp [T, H] fp32).
     """
     _check_sources(sources, extra, num_heads)
-    return _launch_fwd(sources, extra, query, norm_weight, num_heads, eps, float(logit_scale))
+    return _launch_fwd(sources, extra, query, norm_weight, num_heads, eps, float(logit_scale), **loop)
 
 
 def route_backward(
@@ -654,6 +633,7 @@ def route_backward(
     eps: float,
     logit_scale: float,
     grad_sources: torch.Tensor,
+    **loop,
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Backward of :func:`route_forward`; adds the source gradients into ``grad_sources``.
 
@@ -661,6 +641,7 @@ def route_backward(
         grad_out: [T, D] gradient of the routed output.
         saved: the log-sum-exp returned by :func:`route_forward`.
         grad_sources: fp32 [T, N, D] view (unit stride over D) that receives ``+=`` dsources.
+        loop: :class:`LoopConfig` fields overriding the default launch (tools/perf).
 
     Returns:
         (grad_extra [T, D] in the extra's dtype or None, grad_query, grad_norm_weight [D]
@@ -679,7 +660,7 @@ def route_backward(
         )
     return _launch_bwd(
         grad_out, sources, extra, query, norm_weight, saved, num_heads, eps,
-        float(logit_scale), grad_sources, accumulate=True,
+        float(logit_scale), grad_sources, accumulate=True, **loop,
     )  # fmt: skip
 
 

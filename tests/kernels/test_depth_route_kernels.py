@@ -238,26 +238,17 @@ def test_rejects_bad_layout():
         route_forward(sources, sources[:, 0, :32], torch.ones(64), torch.ones(64), 1, EPS, 1.0)
 
 
-@pytest.mark.parametrize(
-    "prefetch,stages", [(False, 1), (True, 1), (False, 3)], ids=["plain-loop", "prefetch", "pipelined"]
-)
-def test_loop_variants(prefetch, stages):
-    """Every source loop (plain, next load in registers, loads pipelined through shared
-    memory) gives the same result."""
-    from mhar_kernels.depth_route import _launch_bwd, _launch_fwd
-
+@pytest.mark.parametrize("stages", [1, 3], ids=["plain-loop", "pipelined"])
+def test_loop_variants(stages):
+    """Both source loops (plain, loads pipelined through shared memory) give the same result."""
     t, n, d, heads = _tokens(6), 5, 512, 8
     sources, extra, query, norm_weight, grad_out = _inputs(t, n, d, heads, True, 1.0, "buffer", torch.float32)
-    out, lse = _launch_fwd(
-        sources, extra, query, norm_weight, heads, EPS, 1.0, prefetch=prefetch, stages=stages
-    )
+    out, lse = route_forward(sources, extra, query, norm_weight, heads, EPS, 1.0, stages=stages)
     grad_sources = torch.zeros(sources.shape, device=DEVICE)
-    ge, gq, gg = _launch_bwd(
-        grad_out, sources, extra, query, norm_weight, lse, heads, EPS, 1.0, grad_sources, True,
-        prefetch=prefetch, stages=stages,
+    ge, gq, gg = route_backward(
+        grad_out, sources, extra, query, norm_weight, lse, heads, EPS, 1.0, grad_sources, stages=stages
     )
     ref = _reference(sources, extra, query, norm_weight, grad_out, heads, 1.0)
     for name, g, r in zip(NAMES, (out, grad_sources, ge, gq, gg), ref):
         scale = r.abs().max().item()
         torch.testing.assert_close(g, r, rtol=2e-4, atol=2e-5 * scale + 1e-6, msg=name)
-
