@@ -27,6 +27,7 @@ from typing import Dict, Optional
 import torch
 
 from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.main_grad import accumulate_into_main_grad
 from megatron_mhar.ops.depth_route import routing_entropy
 from megatron_mhar.ops.history import SourceHistory, get_backend
 from megatron_mhar.ops.lookahead import (
@@ -156,6 +157,7 @@ class DepthStream:
                 num_heads=mhar.num_heads,
                 eps=eps,
                 logit_scale=mhar.logit_scale,
+                param_grads_hook=accumulate_into_main_grad,
             )
         else:
             self.history = _history(layout.capacity, mhar, eps, like)
