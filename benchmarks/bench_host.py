@@ -49,16 +49,15 @@ class StubBackends:
         self.calls = collections.Counter()
 
     def routing(self) -> RoutingBackend:
-        def forward(sources, extra, query, norm_weight, heads, eps, tau, store_extra=False):
+        def forward(sources, extra, query, norm_weight, heads, eps, tau):
             self.calls["route_forward"] += 1
             t, _, d = sources.shape
             return sources.new_empty(t, d), sources.new_empty(t, heads, dtype=torch.float32)
 
-        def backward(grad_out, sources, extra, query, norm_weight, saved, heads, eps, tau,
-                     grad_sources, extra_row=False):  # fmt: skip
+        def backward(grad_out, sources, extra, query, norm_weight, saved, heads, eps, tau, grad_sources):
             self.calls["route_backward"] += 1
             t, _, d = sources.shape
-            grad_extra = sources.new_empty(t, d) if extra is not None or extra_row else None
+            grad_extra = sources.new_empty(t, d) if extra is not None else None
             return grad_extra, torch.empty_like(query), torch.empty_like(norm_weight)
 
         return RoutingBackend(forward, backward)

@@ -245,12 +245,12 @@ def run_site(case, tau, impls, copy_gbps):
 
 def lookahead_step(buf, gbuf, queries, norms, grad_out, tau, group):
     """One step of the two-phase schedule over sites j = 1..S reading rows [0, j), as
-    LookaheadHistory runs it: per group, phase 1 then the merges; backward in reverse. Each
-    group's backward adds its old rows' gradients before the next (``group_backward``):
-    where the tensor-core backward runs, the history instead defers them and adds every
-    owing group's at once when the rows fall due. The merges leave their new rows'
-    gradients as factors; each new row's is formed (``merge_row_grad``) after the last
-    merge reading it, in the rows' dtype, as the history hands it to its sublayer."""
+    LookaheadHistory runs it: per group, phase 1 then the merges; backward in reverse.
+    Where the tensor-core backward runs, a group's phase-1 backward defers its old rows'
+    gradients, and every owing group's are added at once when the rows of a group fall
+    due (``add_row_grads``). The merges leave their new rows' gradients as factors; each
+    new row's is formed (``merge_row_grad``) after the last merge reading it, in the
+    rows' dtype, as the history hands it to its sublayer."""
     sites = len(queries)
     plan = []
     for sites_of_group in group_ranges(1, sites, group):
@@ -262,14 +262,17 @@ def lookahead_step(buf, gbuf, queries, norms, grad_out, tau, group):
     def step():
         saved = []
         for n0, qs, ws in plan:
-            m, l, acc = LA.group_forward(buf[:, :n0], qs, ws, HEADS, EPS, tau)
+            m, l, acc = LA.group_forward(buf[:, :n0], qs, ws, HEADS, EPS, tau, tensor_cores=None)
             lse = torch.empty((len(qs), t, HEADS), device=buf.device)
             outs = [LA.merge_forward(m[k], l[k], acc[k], buf[:, n0 : n0 + k], qs[k], ws[k], HEADS, EPS, tau,
                                      lse[k]) for k in range(len(qs))]  # fmt: skip
             del m, l, acc
             saved.append((n0, qs, ws, lse, outs))
+        owed = []
         for n0, qs, ws, lse, outs in reversed(saved):
             g = len(qs)
+            LA.add_row_grads(owed, buf, gbuf, n0)  # the group's new rows are due
+            owed = [(deferred, min(rows, n0)) for deferred, rows in owed]
             grad_outs = torch.empty((g, t, d), dtype=buf.dtype, device=buf.device)
             deltas = torch.empty((g, t, HEADS), device=buf.device)
             factors = torch.empty((g, t, g - 1, HEADS, 2), device=buf.device)
@@ -281,7 +284,11 @@ def lookahead_step(buf, gbuf, queries, norms, grad_out, tau, group):
                     row = n0 + k - 1
                     LA.merge_row_grad(buf[:, row], gbuf[:, row], torch.empty_like(grad_out), grad_outs, qs, ws,
                                       factors, kv, k - 1, (k, g), HEADS)  # fmt: skip
-            LA.group_backward(grad_outs, buf[:, :n0], qs, ws, lse, deltas, HEADS, EPS, tau, gbuf[:, :n0])
+            _, _, deferred = LA.group_backward_deferred(grad_outs, buf[:, :n0], qs, ws, lse, deltas, HEADS, EPS, tau,
+                                                        gbuf[:, :n0], tensor_cores=None)  # fmt: skip
+            if deferred:
+                owed.append((deferred, n0))
+        LA.add_row_grads(owed, buf, gbuf, 0)
 
     return step
 
@@ -412,20 +419,20 @@ def run_sweep(copy_gbps):
         # the tokens, and the former defaults: forward 2 warps and three stages (it
         # differs at the 1B width only), backward 2K fp32 per tile at 4 warps and 4
         # programs per SM. Repeats are timed once.
-        fwd_loops = [fwd, fwd.override(prefetch=True, stages=1), fwd.override(stages=2),
+        fwd_loops = [fwd, fwd.override(stages=1), fwd.override(stages=2),
                      fwd.override(stages=3), fwd.override(stages=4),
                      fwd.override(l2_reuse=not fwd.l2_reuse),
                      fwd.override(block_t=max(1, fwd.block_t // 2), num_warps=2),
                      fwd.override(block_t=2 * fwd.block_t),
                      fwd.override(block_t=2 * fwd.block_t, num_warps=8),
                      fwd.override(num_warps=2, stages=3)]  # fmt: skip
-        bwd_loops = [bwd, bwd.override(prefetch=True, stages=1), bwd.override(stages=1),
+        bwd_loops = [bwd, bwd.override(stages=1),
                      bwd.override(stages=3), bwd.override(l2_reuse=not bwd.l2_reuse),
                      bwd.override(programs_per_sm=2), bwd.override(programs_per_sm=4),
                      bwd.override(programs_per_sm=8),
                      bwd.override(block_t=max(1, bwd.block_t // 2)),
                      bwd.override(block_t=2 * bwd.block_t), bwd.override(num_warps=4),
-                     K.LoopConfig(max(1, 2048 // (bh * bhd)), 4, False, 2)]  # fmt: skip
+                     K.LoopConfig(max(1, 2048 // (bh * bhd)), 4, 2)]  # fmt: skip
         fwd_loops, bwd_loops = list(dict.fromkeys(fwd_loops)), list(dict.fromkeys(bwd_loops))
         variants = [("fwd", "fwd", loop, lambda loop: K._launch_fwd(
             view, None, query, norm_weight, HEADS, EPS, 1.0, **loop._asdict()))
@@ -518,8 +525,8 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
         bwd_variants += [dict(tensor_cores=True, num_warps=k) for k in (4, 8)]
         variants = [("group_fwd", fwd_bytes, dict(sites_per_program=k, **o), lambda k=k, o=o: LA.group_forward(
             buf, qs, ws, HEADS, EPS, 1.0, sites_per_program=k, **o)) for k, o in fwd_variants]  # fmt: skip
-        variants += [("group_bwd", bwd_bytes, o, lambda o=o: LA.group_backward(
-            grad_outs, buf, qs, ws, lse, deltas, HEADS, EPS, 1.0, gbuf, **o)) for o in bwd_variants]  # fmt: skip
+        variants += [("group_bwd", bwd_bytes, o, lambda o=o: group_backward(
+            grad_outs, buf, qs, ws, lse, deltas, gbuf, **o)) for o in bwd_variants]  # fmt: skip
         variants += merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, bh * bhd, group)
         variants += row_grads_sweep_variants(case, buf, gbuf, qs, ws, lse, deltas, grad_outs, group)
         for mode, nbytes, cfg, launch in variants:
@@ -531,6 +538,12 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
                          **t, "bytes": nbytes, "frac_copy": frac})  # fmt: skip
             print(f"  la-sweep {case.name:5s} {mode:9s} {cfg} {t['ms']:8.3f} ms {frac:5.2f}", flush=True)
     return rows
+
+
+def group_backward(grad_outs, buf, qs, ws, lse, deltas, gbuf, **options):
+    """Phase 1's backward of one group with its rows' gradients added at once."""
+    _, _, deferred = LA.group_backward_deferred(grad_outs, buf, qs, ws, lse, deltas, HEADS, EPS, 1.0, gbuf, **options)
+    LA.add_row_grads([(deferred, buf.shape[1])], buf, gbuf, 0)
 
 
 def row_grads_sweep_variants(case, buf, gbuf, qs, ws, lse, deltas, grad_outs, group):
@@ -583,7 +596,7 @@ def merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, padded_d, grou
     row_grad_bytes = (group - 1) * t * d * (4 + 2 * es) + rows * (t * d * es + pair_factors)
 
     def tile(elements, warps, stages, **extra):
-        return K.LoopConfig(max(1, elements // padded_d), warps, False, stages, **extra)
+        return K.LoopConfig(max(1, elements // padded_d), warps, stages, **extra)
 
     mf, mb = LA._merge_fwd_config(padded_d), LA._merge_bwd_config(padded_d)
     # The default, the former default (8K at 4 warps, unpipelined), then tiles around them.

@@ -95,8 +95,9 @@ def launches(la, x) -> Dict[str, Callable[[], Sequence[torch.Tensor]]]:
 
     def group_backward():
         grad = torch.empty(buf.shape, **fp32)
-        dq, dg = la.group_backward(grad_outs, buf, qs, ws, x["lse"], x["deltas"], h, EPS, 1.0, grad,
-                                   tensor_cores=None, accumulate=False)  # fmt: skip
+        dq, dg, deferred = la.group_backward_deferred(grad_outs, buf, qs, ws, x["lse"], x["deltas"], h, EPS, 1.0,
+                                                      grad, tensor_cores=None, accumulate=False)  # fmt: skip
+        la.add_row_grads([(deferred, buf.shape[1])], buf, grad, 0, accumulate=False)
         return dq, dg, grad
 
     def merges_forward():

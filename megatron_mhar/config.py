@@ -4,11 +4,12 @@ import dataclasses
 import math
 from typing import Optional
 
+from megatron_mhar.ops.depth_route import IMPLS
+from megatron_mhar.ops.lookahead import LOOKAHEAD_KERNELS
+
 VARIANTS = ("none", "full", "block", "delta")
-KERNEL_IMPLS = ("auto", "torch", "triton")
 ROUTING_SCHEDULES = ("per_site", "lookahead")
-LOOKAHEAD_KERNELS = ("auto", "row_loop", "tensor_cores")
-EXECUTION_FIELDS = ("kernel_impl", "routing_schedule", "lookahead_group", "lookahead_kernels", "fused_writes")
+EXECUTION_FIELDS = ("kernel_impl", "routing_schedule", "lookahead_group", "lookahead_kernels")
 """MHARConfig fields that choose how routing runs, not what it computes: a checkpoint or a
 converted model may be loaded with other values."""
 
@@ -55,14 +56,7 @@ class MHARConfig:
     lookahead_kernels: str = "auto"
     """Triton kernels of the lookahead schedule's phase 1: ``row_loop`` (the sites in
     registers, one row at a time), ``tensor_cores`` (dots per token and head) or ``auto``
-    (tensor cores where the H200 measured them faster: mhar_kernels/README.md, "Tensor-core
-    phase 1")."""
-
-    fused_writes: bool = False
-    """Per-site schedule, full and block variants: store each completed history row inside
-    the next site's routing kernel instead of a copy of its own (one launch and one
-    autograd node fewer per site). Off by default: on the H200 its kernels measured slower
-    than the separate copy (mhar_kernels/README.md, "Fused history writes")."""
+    (per group and direction, the family the launch rules pick: docs/kernels.md)."""
 
     def __post_init__(self):
         _require_choice("variant", self.variant, VARIANTS)
@@ -73,13 +67,11 @@ class MHARConfig:
                      "counts decoder layers and must be a positive integer")
         _require_int("lookahead_group", self.lookahead_group, 0,
                      "must be a non-negative integer (0 = auto)")
-        if not isinstance(self.fused_writes, bool):
-            raise ValueError(f"mhar.fused_writes must be true or false, got {self.fused_writes!r}")
         if self.eps is not None and not _positive_finite(self.eps):
             raise ValueError(f"mhar.eps must be a positive finite number (or None for the model's), got {self.eps!r}")
         if not _positive_finite(self.logit_scale):
             raise ValueError(f"mhar.logit_scale must be a positive finite number, got {self.logit_scale!r}")
-        _require_choice("kernel_impl", self.kernel_impl, KERNEL_IMPLS)
+        _require_choice("kernel_impl", self.kernel_impl, IMPLS)
         _require_choice("routing_schedule", self.routing_schedule, ROUTING_SCHEDULES)
         _require_choice("lookahead_kernels", self.lookahead_kernels, LOOKAHEAD_KERNELS)
         if self.routing_schedule == "lookahead" and self.variant != "full":

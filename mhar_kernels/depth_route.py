@@ -7,8 +7,7 @@ differences are in ``README.md`` beside this file.
 Layout. The sources are a ``[T, N, D]`` view with unit stride over D and any strides
 over T and N: a slice ``buf[:, :n]`` of a ``[T, R, D]`` history buffer, or the permuted
 view of an ``[N, T, D]`` tensor. An optional ``extra`` ``[T, D]`` source takes index N:
-the running partial of the block variant, or a sublayer output that the forward also
-stores as history row N (a history write fused into the next read). Each program owns
+the running partial of the block variant, or the delta variant's null source. Each program owns
 ``BT`` tokens and the full width, held as a ``[BT, BH, BHD]`` tile (heads x head width,
 padded to powers of two; forward, a head width that is not a power of two is a tuple
 of equal power-of-two chunks instead, ``_chunked_tile``), so the RMS over D and the
@@ -153,8 +152,6 @@ def _route_fwd_kernel(
     BHD: tl.constexpr,
     C: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
-    STORE_EXTRA: tl.constexpr,
-    PREFETCH: tl.constexpr,
     STAGES: tl.constexpr,
     EVICT_SRC: tl.constexpr,
 ):
@@ -177,26 +174,12 @@ def _route_fwd_kernel(
     for c in tl.static_range(C):
         b_acc = b_acc + (tl.zeros([BT, BH, BHD], dtype=tl.float32),)
     p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
-    if PREFETCH:
-        # Keep the next source's load in flight while this one is reduced.
-        b_vn = _load_tile(p_v, m_v, BHD, C, "")
-        for _ in range(1, N):
-            b_v = _to_f32(b_vn, C)
-            p_v += stride_vn
-            b_vn = _load_tile(p_v, m_v, BHD, C, "")
-            b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D, C)
-        b_m, b_l, b_acc = _route_fwd_step(_to_f32(b_vn, C), b_w, b_m, b_l, b_acc, eps, scale, D, C)
-    else:
-        for _ in tl.range(0, N, num_stages=STAGES):
-            b_v = _to_f32(_load_tile(p_v, m_v, BHD, C, EVICT_SRC), C)
-            b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D, C)
-            p_v += stride_vn
+    for _ in tl.range(0, N, num_stages=STAGES):
+        b_v = _to_f32(_load_tile(p_v, m_v, BHD, C, EVICT_SRC), C)
+        b_m, b_l, b_acc = _route_fwd_step(b_v, b_w, b_m, b_l, b_acc, eps, scale, D, C)
+        p_v += stride_vn
     if HAS_EXTRA:
         b_e = _load_tile(E_ptr + o_t64[:, None, None] * stride_et + o_d[None, :, :], m_v, BHD, C, "")
-        if STORE_EXTRA:
-            # Write the extra source into history row N while it is in registers.
-            p_row = V_ptr + o_t64[:, None, None] * stride_vt + N * stride_vn + o_d[None, :, :]
-            _store_tile(p_row, b_e, m_v, V_ptr.dtype.element_ty, BHD, C, "")
         b_m, b_l, b_acc = _route_fwd_step(_to_f32(b_e, C), b_w, b_m, b_l, b_acc, eps, scale, D, C)
 
     b_o = ()
@@ -278,12 +261,12 @@ def _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D:
 @triton.jit
 def _route_bwd_kernel(
     V_ptr,  # [T, N, D] sources, strides (stride_vt, stride_vn, 1)
-    E_ptr,  # [T, D] extra source, strides (stride_et, 1); read if HAS_EXTRA and not EXTRA_ROW
+    E_ptr,  # [T, D] extra source, strides (stride_et, 1); read if HAS_EXTRA
     Q_ptr,  # [D] pseudo-query
     G_ptr,  # [D] norm weight
     DO_ptr,  # [T, D] gradient of the output, strides (stride_dot, 1)
     LSE_ptr,  # [T, H] fp32 log-sum-exp saved by the forward
-    DV_ptr,  # [T, N(+1), D] source gradients, strides (stride_dvt, stride_dvn, 1)
+    DV_ptr,  # [T, N, D] source gradients, strides (stride_dvt, stride_dvn, 1)
     DE_ptr,  # [T, D] contiguous gradient of the extra source; written if HAS_EXTRA
     DW_ptr,  # [P, D] fp32 per-program partial dL/dw, P = number of programs
     T,
@@ -305,9 +288,7 @@ def _route_bwd_kernel(
     BHD: tl.constexpr,
     C: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
-    EXTRA_ROW: tl.constexpr,
     ACCUMULATE: tl.constexpr,
-    PREFETCH: tl.constexpr,
     STAGES: tl.constexpr,
     EVICT_KEEP: tl.constexpr,
     EVICT_STREAM: tl.constexpr,
@@ -337,27 +318,15 @@ def _route_bwd_kernel(
         p_lse = LSE_ptr + o_t64[:, None] * H + o_h[None, :]
         b_lse = tl.load(p_lse, mask=m_t[:, None] & m_h[None, :], other=0.0)
         p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
-        if EXTRA_ROW:  # the extra source was stored as row N of the sources
-            p_e = p_v + N * stride_vn
-        else:
-            p_e = E_ptr + o_t64[:, None, None] * stride_et + o_d[None, :, :]
+        p_e = E_ptr + o_t64[:, None, None] * stride_et + o_d[None, :, :]
 
         b_l = tl.zeros([BT, BH], dtype=tl.float32)
         b_ld = tl.zeros([BT, BH], dtype=tl.float32)
         p_vn = p_v
-        if PREFETCH:
-            b_vn = _load_tile(p_vn, m_v, BHD, C, "")
-            for _ in range(1, N):
-                b_v = _to_f32(b_vn, C)
-                p_vn += stride_vn
-                b_vn = _load_tile(p_vn, m_v, BHD, C, "")
-                b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C, ONE_REDUCE)
-            b_l, b_ld = _route_bwd_sums(_to_f32(b_vn, C), b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C, ONE_REDUCE)
-        else:
-            for _ in tl.range(0, N, num_stages=STAGES):
-                b_v = _to_f32(_load_tile(p_vn, m_v, BHD, C, EVICT_KEEP), C)
-                b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C, ONE_REDUCE)
-                p_vn += stride_vn
+        for _ in tl.range(0, N, num_stages=STAGES):
+            b_v = _to_f32(_load_tile(p_vn, m_v, BHD, C, EVICT_KEEP), C)
+            b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C, ONE_REDUCE)
+            p_vn += stride_vn
         if HAS_EXTRA:
             b_v = _to_f32(_load_tile(p_e, m_v, BHD, C, ""), C)
             b_l, b_ld = _route_bwd_sums(b_v, b_w, b_do, b_lse, b_l, b_ld, eps, scale, D, C, ONE_REDUCE)
@@ -379,13 +348,6 @@ def _route_bwd_kernel(
         if HAS_EXTRA:
             b_v = _to_f32(_load_tile(p_e, m_v, BHD, C, ""), C)
             b_dv, b_dw = _route_bwd_step(b_v, b_w, b_do, b_lse, b_l, b_ld, b_il, b_dw, eps, scale, D, C, ONE_REDUCE)
-            if EXTRA_ROW:
-                # Row N's fp32 gradient holds the share of the later reads: add it here.
-                b_old = _to_f32(_load_tile(p_dv, m_v, BHD, C, ""), C)
-                b_sum = ()
-                for c in tl.static_range(C):
-                    b_sum = b_sum + (b_dv[c] + b_old[c],)
-                b_dv = b_sum
             p_de = DE_ptr + o_t64[:, None, None] * D + o_d[None, :, :]
             _store_tile(p_de, b_dv, m_v, DE_ptr.dtype.element_ty, BHD, C, "")
 
@@ -460,7 +422,6 @@ class LoopConfig(NamedTuple):
 
     block_t: int  # tokens per program
     num_warps: int
-    prefetch: bool  # the next source's load held in registers (manual double buffer)
     stages: int  # source loads pipelined through shared memory (tl.range num_stages)
     l2_reuse: bool = False  # L2 eviction hints: keep what a later read of this program needs
     programs_per_sm: int = 4  # backward grid cap (programs stride over the token tiles)
@@ -491,9 +452,9 @@ def _fwd_config(padded_d: int) -> LoopConfig:
     warps and three stages; with one head (AttnRes) 0.091 against 0.100 ms at N = 73.
     """
     if padded_d == 2048:
-        return LoopConfig(2, 1, False, 4)
+        return LoopConfig(2, 1, 4)
     block_t = max(1, 4096 // padded_d)
-    return LoopConfig(block_t, max(2, min(8, block_t * padded_d // 2048)), False, 3)
+    return LoopConfig(block_t, max(2, min(8, block_t * padded_d // 2048)), 3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -525,18 +486,12 @@ def _bwd_config(padded_d: int, one_head: bool = False) -> LoopConfig:
     sweep had tried three stages there only at 2, 3 and 6 programs per SM). At 350M, N = 9,
     three stages lose (0.142 -> 0.162 ms)."""
     if padded_d > 2048:
-        return LoopConfig(1, 8, False, 1, l2_reuse=True, programs_per_sm=2)
+        return LoopConfig(1, 8, 1, l2_reuse=True, programs_per_sm=2)
     if one_head and padded_d >= 1024:
-        return LoopConfig(4096 // padded_d, 2, False, 2, programs_per_sm=4)
+        return LoopConfig(4096 // padded_d, 2, 2, programs_per_sm=4)
     block_t = max(1, 1024 // padded_d)
     stages = 3 if padded_d == 2048 else 2
-    return LoopConfig(block_t, 2, False, stages, programs_per_sm=8 if block_t * padded_d <= 1024 else 4)
-
-
-def _with_next_row(rows: torch.Tensor) -> torch.Tensor:
-    """[T, N + 1, D] view of the buffer behind a [T, N, D] row view: one more row."""
-    t, n, d = rows.shape
-    return rows.as_strided((t, n + 1, d), rows.stride(), rows.storage_offset())
+    return LoopConfig(block_t, 2, stages, programs_per_sm=8 if block_t * padded_d <= 1024 else 4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -563,26 +518,21 @@ def _check_sources(sources: torch.Tensor, extra: Optional[torch.Tensor], num_hea
             )
 
 
-def _launch_fwd(
-    sources, extra, query, norm_weight, num_heads, eps, logit_scale,
-    store_extra=False, **loop,
-):  # fmt: skip
+def _launch_fwd(sources, extra, query, norm_weight, num_heads, eps, logit_scale, **loop):
     t, n, d = sources.shape
     head_dim, bh, bhd, chunks = _chunked_tile(d, num_heads)
-    block_t, num_warps, prefetch, stages, l2_reuse, _ = _fwd_config(_tile_width(d, num_heads)).override(**loop)
+    block_t, num_warps, stages, l2_reuse, _ = _fwd_config(_tile_width(d, num_heads)).override(**loop)
     out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
     lse = torch.empty((t, num_heads), dtype=torch.float32, device=sources.device)
     if t == 0:
         return out, lse
     ext = sources if extra is None else extra
-    if store_extra:  # hand the kernel a view that holds row N, which it writes
-        sources = _with_next_row(sources)
     _route_fwd_kernel[(triton.cdiv(t, block_t),)](
         sources, ext, query, norm_weight, out, lse,
         t, n, sources.stride(0), sources.stride(1), ext.stride(0), out.stride(0),
         eps, logit_scale,
         D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, C=chunks,
-        HAS_EXTRA=extra is not None, STORE_EXTRA=store_extra, PREFETCH=prefetch and n > 0,
+        HAS_EXTRA=extra is not None,
         STAGES=stages, EVICT_SRC="evict_first" if l2_reuse else "",
         num_warps=num_warps,
     )  # fmt: skip
@@ -591,7 +541,7 @@ def _launch_fwd(
 
 def _launch_bwd(
     grad_out, sources, extra, query, norm_weight, lse, num_heads, eps, logit_scale,
-    grad_sources, accumulate, extra_row=False, **loop,
+    grad_sources, accumulate, **loop,
 ):  # fmt: skip
     t, n, d = sources.shape
     # One padded chunk: measured on H200 at the 1B shape, the chunked tile's backward was
@@ -599,12 +549,11 @@ def _launch_bwd(
     # benchmarks/results/routing_h200_chunked.json), while its forward is faster.
     head_dim, bh, bhd = _tile(d, num_heads)
     chunks = 1
-    block_t, num_warps, prefetch, stages, l2_reuse, programs_per_sm = _bwd_config(
+    block_t, num_warps, stages, l2_reuse, programs_per_sm = _bwd_config(
         bh * bhd, num_heads == 1
     ).override(**loop)
-    prefetch = prefetch and n > 0
     device = sources.device
-    has_extra = extra_row or extra is not None
+    has_extra = extra is not None
     grad_extra = torch.empty((t, d), dtype=sources.dtype, device=device) if has_extra else None
     num_tiles = triton.cdiv(t, block_t)
     num_programs = max(1, min(num_tiles, _num_sms(device) * programs_per_sm))
@@ -613,8 +562,6 @@ def _launch_bwd(
         grad_out = grad_out.contiguous()
     if t > 0:
         ext = sources if extra is None else extra
-        if extra_row:  # views that hold row N, which the kernel reads
-            sources, grad_sources = _with_next_row(sources), _with_next_row(grad_sources)
         _route_bwd_kernel[(num_programs,)](
             sources, ext, query, norm_weight, grad_out, lse, grad_sources,
             ext if grad_extra is None else grad_extra, dw,
@@ -623,7 +570,7 @@ def _launch_bwd(
             grad_sources.stride(0), grad_sources.stride(1),
             eps, logit_scale,
             D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, C=chunks,
-            HAS_EXTRA=has_extra, EXTRA_ROW=extra_row, ACCUMULATE=accumulate, PREFETCH=prefetch,
+            HAS_EXTRA=has_extra, ACCUMULATE=accumulate,
             STAGES=stages,
             # Pass 2 rereads the tile pass 1 just read: ask L2 to keep those lines and to
             # stream everything read or written once.
@@ -657,27 +604,22 @@ def route_forward(
     num_heads: int,
     eps: float,
     logit_scale: float,
-    store_extra: bool = False,
+    **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Route over a history view in one pass.
 
     Args:
         sources: [T, N, D] view, unit stride over D, any strides over T and N.
         extra: None or [T, D], routed as source N (the block variant's running partial,
-            or a new history row).
+            or the delta variant's null source).
         query, norm_weight: [D] (any float dtype).
-        store_extra: also write ``extra`` into the buffer row just past the view (row N),
-            fusing a history write into the read; the buffer must hold that row.
+        loop: :class:`LoopConfig` fields overriding the default launch (tools/perf).
 
     Returns:
         (out [T, D] in the sources' dtype, saved = log-sum-exp [T, H] fp32).
     """
     _check_sources(sources, extra, num_heads)
-    if store_extra and extra is None:
-        raise ValueError("store_extra needs the extra source to store")
-    return _launch_fwd(
-        sources, extra, query, norm_weight, num_heads, eps, float(logit_scale), store_extra
-    )
+    return _launch_fwd(sources, extra, query, norm_weight, num_heads, eps, float(logit_scale), **loop)
 
 
 def route_backward(
@@ -691,7 +633,7 @@ def route_backward(
     eps: float,
     logit_scale: float,
     grad_sources: torch.Tensor,
-    extra_row: bool = False,
+    **loop,
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Backward of :func:`route_forward`; adds the source gradients into ``grad_sources``.
 
@@ -699,15 +641,13 @@ def route_backward(
         grad_out: [T, D] gradient of the routed output.
         saved: the log-sum-exp returned by :func:`route_forward`.
         grad_sources: fp32 [T, N, D] view (unit stride over D) that receives ``+=`` dsources.
-        extra_row: the extra source was stored as row N (``store_extra``): it is read from
-            there (``extra`` is ignored) and its gradient includes the fp32 gradient that
-            later reads left in row N of ``grad_sources``' buffer.
+        loop: :class:`LoopConfig` fields overriding the default launch (tools/perf).
 
     Returns:
         (grad_extra [T, D] in the extra's dtype or None, grad_query, grad_norm_weight [D]
         in the dtypes of query and norm_weight).
     """
-    _check_sources(sources, None if extra_row else extra, num_heads)
+    _check_sources(sources, extra, num_heads)
     if (
         grad_sources.shape != sources.shape
         or grad_sources.dtype != torch.float32
@@ -720,7 +660,7 @@ def route_backward(
         )
     return _launch_bwd(
         grad_out, sources, extra, query, norm_weight, saved, num_heads, eps,
-        float(logit_scale), grad_sources, accumulate=True, extra_row=extra_row,
+        float(logit_scale), grad_sources, accumulate=True, **loop,
     )  # fmt: skip
 
 

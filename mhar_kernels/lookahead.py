@@ -1006,7 +1006,7 @@ def _group_fwd_config(padded_d: int, sites: int) -> Tuple[int, LoopConfig]:
     benchmarks/results/routing_h200_group_fwd_launch.json)."""
     sites_per_program = max(1, min(sites, 4096 // padded_d))
     num_warps = 1 if padded_d <= 512 else 2
-    return sites_per_program, LoopConfig(_fwd_tokens(sites_per_program, padded_d), num_warps, False, 3)
+    return sites_per_program, LoopConfig(_fwd_tokens(sites_per_program, padded_d), num_warps, 3)
 
 
 def _fwd_tokens(sites_per_program: int, padded_d: int) -> int:
@@ -1081,7 +1081,7 @@ def _group_fwd_dots_config(padded_heads: int, head_dim: int) -> Optional[LoopCon
     ka, kb = _head_chunks(head_dim)
     if padded_heads * 2 * SLOTS * (ka + kb) > 32768:
         return None
-    return LoopConfig(1, 4, False, 1, programs_per_sm=2)
+    return LoopConfig(1, 4, 1, programs_per_sm=2)
 
 
 # Shared memory of one Hopper SM (228 KB) and what the driver reserves per program: two
@@ -1118,8 +1118,8 @@ def _group_bwd_dots_config(padded_heads: int, head_dim: int) -> Tuple[LoopConfig
     (benchmarks/results/routing_h200_heads_flat_ab.json); 13.5 -> 9.9 ms per 1B training
     step (training_h200_graph_stop38_1b.json)."""
     ka, kb = _head_chunks(head_dim)
-    rows = LoopConfig(1, 4 if padded_heads * (ka + kb) <= 1024 else 8, False, 1, programs_per_sm=2)
-    return rows, LoopConfig(1, 4, False, 4)
+    rows = LoopConfig(1, 4 if padded_heads * (ka + kb) <= 1024 else 8, 1, programs_per_sm=2)
+    return rows, LoopConfig(1, 4, 4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1153,7 +1153,7 @@ def _group_bwd_config(padded_d: int, sites: int, padded_heads: int) -> Tuple[int
     else:
         block_t, num_warps, per_kind = max(1, 512 // padded_d), 2, 4096
     sites_per_launch = max(1, min(sites, per_kind // (block_t * padded_d)))
-    return sites_per_launch, LoopConfig(block_t, num_warps, False, stages, programs_per_sm=programs_per_sm)
+    return sites_per_launch, LoopConfig(block_t, num_warps, stages, programs_per_sm=programs_per_sm)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1163,7 +1163,7 @@ def _merge_fwd_config(padded_d: int) -> LoopConfig:
     (benchmarks/results/routing_h200_merge_fwd_sweep.json): 0.112 / 0.073 / 0.106 ms at the
     100M / 350M / 1B deepest group, best of the sweep or within 1% of it, against 0.132 /
     0.083 / 0.110 for 8K fp32 at 4 warps unpipelined (the former default)."""
-    return LoopConfig(max(1, 2048 // padded_d), 1, False, 3)
+    return LoopConfig(max(1, 2048 // padded_d), 1, 3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1171,13 +1171,13 @@ def _merge_bwd_config(padded_d: int) -> LoopConfig:
     """Merge backward: 2K fp32 per tile at 4 warps (8 above), 4 programs per SM, the new
     rows' loop unpipelined."""
     block_t = max(1, 2048 // padded_d)
-    return LoopConfig(block_t, 8 if block_t * padded_d > 2048 else 4, False, 1, programs_per_sm=4)
+    return LoopConfig(block_t, 8 if block_t * padded_d > 2048 else 4, 1, programs_per_sm=4)
 
 
 @functools.lru_cache(maxsize=None)
 def _merge_row_grad_config(padded_d: int) -> LoopConfig:
     """A new row's gradient: 4K fp32 per tile at 4 warps, the sites' loop unpipelined."""
-    return LoopConfig(max(1, 4096 // padded_d), 4, False, 1)
+    return LoopConfig(max(1, 4096 // padded_d), 4, 1)
 
 
 def _reduce_dw(dw, sources, queries, norm_weights, extra=None):
@@ -1268,7 +1268,7 @@ def group_forward(
     bg = min(g, sites_per_program or default_sites)
     if sites_per_program:  # keep the tile's size: fewer sites, more tokens
         config = config._replace(block_t=_fwd_tokens(bg, bh * bhd))
-    block_t, num_warps, _, stages, _, _ = config.override(**loop)
+    block_t, num_warps, stages, _, _ = config.override(**loop)
     m, l, acc = _empty_partials(g, num_heads, sources)
     if t == 0:
         return m, l, acc
@@ -1325,10 +1325,10 @@ def _group_forward_tensor_cores(sources, queries, norm_weights, num_heads, eps, 
     with a merge of no new rows: finishing it in the kernel (stop 29) took registers the
     row blocks needed, and the forward slowed by more than the merge costs (H200, per
     training step: 350M 11.3 -> 12.1 ms, 1B 36.3 -> 42.4 ms; README.md, "Schedule")."""
-    if sites_per_program or config.block_t != 1 or config.prefetch or config.l2_reuse:
+    if sites_per_program or config.block_t != 1 or config.l2_reuse:
         raise ValueError(
             "tensor_cores=True takes num_warps, stages and programs_per_sm as launch overrides; "
-            "drop sites_per_program, block_t, prefetch and l2_reuse or use tensor_cores=False"
+            "drop sites_per_program, block_t and l2_reuse or use tensor_cores=False"
         )
     t, n, d = sources.shape
     g = queries.shape[0]
@@ -1377,7 +1377,7 @@ def merge_forward(
         raise ValueError(f"merge_forward: acc must be fp32 or normalised in the sources' dtype {sources.dtype}, "
                          f"got {acc.dtype}")  # fmt: skip
     head_dim, bh, bhd = _tile(d, num_heads)
-    block_t, num_warps, _, stages, _, _ = _merge_fwd_config(bh * bhd).override(**loop)
+    block_t, num_warps, stages, _, _ = _merge_fwd_config(bh * bhd).override(**loop)
     if out is None:
         out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
     else:
@@ -1428,7 +1428,7 @@ def merge_backward(
     _check_sources(sources, None, num_heads)
     t, n, d = sources.shape
     head_dim, bh, bhd = _tile(d, num_heads)
-    block_t, num_warps, _, stages, _, programs_per_sm = _merge_bwd_config(bh * bhd).override(**loop)
+    block_t, num_warps, stages, _, programs_per_sm = _merge_bwd_config(bh * bhd).override(**loop)
     device = sources.device
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
@@ -1527,7 +1527,7 @@ def merge_row_grad(
     if t == 0:
         return
     head_dim, bh, bhd = _tile(d, num_heads)
-    block_t, num_warps, _, stages, _, _ = _merge_row_grad_config(bh * bhd).override(**loop)
+    block_t, num_warps, stages, _, _ = _merge_row_grad_config(bh * bhd).override(**loop)
     _merge_bwd_row_grad_kernel[(triton.cdiv(t, block_t),)](
         row, row_grad, out, grad_outs, queries, norm_weights, factors, kv,
         t, r, index, lo, hi, row.stride(0), row_grad.stride(0), out.stride(0),
@@ -1567,36 +1567,6 @@ def _folded_operand(folded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 # Entries of one _group_bwd_row_grads_kernel launch; more run in further launches, in order.
 _ROW_GRADS_ENTRIES = 16
-
-
-def group_backward(
-    grad_outs: torch.Tensor,
-    sources: torch.Tensor,
-    queries: torch.Tensor,
-    norm_weights: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    num_heads: int,
-    eps: float,
-    logit_scale: float,
-    grad_sources: torch.Tensor,
-    site_range: Optional[Tuple[int, int]] = None,
-    **options,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Backward of phase 1 with every gradient of the old rows added into ``grad_sources``
-    before it returns: :func:`group_backward_deferred` (same arguments and ``options``),
-    then :func:`add_row_grads` of its deferred part.
-
-    Returns:
-        (grad_query, grad_norm_weight) fp32 [hi - lo, D] for the sites in ``site_range``.
-    """
-    grad_query, grad_norm, deferred = group_backward_deferred(
-        grad_outs, sources, queries, norm_weights, lse, delta, num_heads, eps, logit_scale,
-        grad_sources, site_range, **options,
-    )  # fmt: skip
-    add_row_grads([(deferred, sources.shape[1])], sources, grad_sources, 0,
-                  accumulate=options.get("accumulate", True))  # fmt: skip
-    return grad_query, grad_norm
 
 
 def group_backward_deferred(
@@ -1677,7 +1647,7 @@ def group_backward_deferred(
     head_dim, bh, bhd = _tile(d, num_heads)
     default_sites, config = _group_bwd_config(bh * bhd, g, bh)
     sg = min(g, sites_per_program or default_sites)
-    block_t, num_warps, _, stages, _, programs_per_sm = config.override(**loop)
+    block_t, num_warps, stages, _, programs_per_sm = config.override(**loop)
     device = sources.device
     num_tiles = triton.cdiv(t, block_t)
     num_programs = _backward_programs(num_tiles, device, programs_per_sm)

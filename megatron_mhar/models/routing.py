@@ -27,6 +27,7 @@ from typing import Dict, Optional
 import torch
 
 from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.main_grad import accumulate_into_main_grad
 from megatron_mhar.ops.depth_route import routing_entropy
 from megatron_mhar.ops.history import SourceHistory, get_backend
 from megatron_mhar.ops.lookahead import (
@@ -156,13 +157,10 @@ class DepthStream:
                 num_heads=mhar.num_heads,
                 eps=eps,
                 logit_scale=mhar.logit_scale,
+                param_grads_hook=accumulate_into_main_grad,
             )
         else:
             self.history = _history(layout.capacity, mhar, eps, like)
-        # (row, tensor) of a completed row not yet in the history: the next read, which
-        # always reads rows [0, row], writes it in the same kernel (mhar.fused_writes).
-        self.pending = None
-        self.fuse_writes = mhar.fused_writes and self.routers is None
 
     def group_of(self, site: int):
         """(the sites of ``site``'s lookahead group, ``site``'s index in it)."""
@@ -177,12 +175,6 @@ class DepthStream:
         """The routed input ``x_site`` [s, b, h]."""
         extra = self.partial if self.layout.reads_partial(site) else None
         rows = self.layout.rows_read(site)
-        if self.pending is not None:
-            row, source = self.pending
-            if extra is None and self.entropy is None and rows == row + 1:
-                self.pending = None
-                return self.history.write_route(row, source, router.query, router.norm_weight)
-            self.flush()
         _record_entropy(self, site, router, rows, extra)
         if self.routers is not None and extra is None:
             if self.routers.get(site) is not router:
@@ -197,29 +189,14 @@ class DepthStream:
         block, position = self.layout.position(site)
         self.partial = output if position == 1 else self.partial + output
         if self.layout.completes_block(site):
-            self._write_row(block, self.partial)
+            self.history.write(block, self.partial)
             self.partial = None
 
     def write_embedding(self, embedding: torch.Tensor) -> None:
-        self._write_row(0, embedding)
-
-    def _write_row(self, row: int, source: torch.Tensor) -> None:
-        if self.fuse_writes:
-            self.flush()
-            self.pending = (row, source)
-        else:
-            self.history.write(row, source)
-
-    def flush(self) -> None:
-        """Write the pending row, if any (before the history is packed, sampled or saved)."""
-        if self.pending is not None:
-            row, source = self.pending
-            self.pending = None
-            self.history.write(row, source)
+        self.history.write(0, embedding)
 
     def pack(self, next_site: int) -> torch.Tensor:
         """The stream entering ``next_site`` as one [s, b, width * h] tensor (stage output)."""
-        self.flush()
         rows, has_partial = self.layout.boundary(next_site)
         packed = self.history.pack(rows)
         if has_partial:
@@ -240,7 +217,6 @@ class DepthStream:
         ``(token,)`` or ``(token, partial)``: the arity is fixed by the layout at a
         given boundary, so a recomputed chunk returns the same structure.
         """
-        self.flush()
         token = self.history.token
         return (token,) if self.partial is None else (token, self.partial)
 

@@ -185,8 +185,8 @@ def depth_route(
 # ---------------------------------------------------------------------------------------
 # Backend interface used by the source history. A backend routes over a [T, N, D] view of
 # the history buffer (plus an optional extra source: the running partial of the block
-# variant, or a new row the forward also stores just past the view) and accumulates
-# source gradients in place into an fp32 [T, N, D] view.
+# variant, or the delta variant's null source) and accumulates source gradients in place
+# into an fp32 [T, N, D] view.
 # ``mhar_kernels.depth_route`` provides the same two functions with fused kernels.
 # ---------------------------------------------------------------------------------------
 
@@ -199,12 +199,6 @@ def _sources_with_extra(sources: torch.Tensor, extra: Optional[torch.Tensor]) ->
     return stacked
 
 
-def _with_next_row(rows: torch.Tensor) -> torch.Tensor:
-    """[T, N + 1, D] view of the buffer behind a [T, N, D] row view: one more row."""
-    t, n, d = rows.shape
-    return rows.as_strided((t, n + 1, d), rows.stride(), rows.storage_offset())
-
-
 def torch_route_forward(
     sources: torch.Tensor,
     extra: Optional[torch.Tensor],
@@ -213,15 +207,9 @@ def torch_route_forward(
     num_heads: int,
     eps: float,
     logit_scale: float,
-    store_extra: bool = False,
 ) -> Tuple[torch.Tensor, None]:
-    """Reference forward over a history view; returns (out [T, D], saved stats: none).
-
-    ``store_extra`` also writes ``extra`` into the buffer row just past the view.
-    """
+    """Reference forward over a history view; returns (out [T, D], saved stats: none)."""
     with torch.no_grad():
-        if store_extra:
-            _with_next_row(sources)[:, -1].copy_(extra)
         out = depth_route_reference(
             _sources_with_extra(sources, extra), query, norm_weight, num_heads, eps, logit_scale
         )
@@ -239,22 +227,11 @@ def torch_route_backward(
     eps: float,
     logit_scale: float,
     grad_sources: torch.Tensor,
-    extra_row: bool = False,
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Reference backward: recompute with autograd, add dsources into ``grad_sources``.
 
-    With ``extra_row`` the extra source is
-    the row just past the view: it is routed as a row, so its gradient is that row's
-    fp32 gradient (what later reads left there plus this read's share), cast once.
     Returns (grad_extra or None, grad_query, grad_norm_weight), each in its input's dtype.
     """
-    if extra_row:
-        rows, grad_rows = _with_next_row(sources), _with_next_row(grad_sources)
-        _, grad_query, grad_norm = torch_route_backward(
-            grad_out, rows, None, query, norm_weight, saved, num_heads, eps, logit_scale,
-            grad_rows,
-        )  # fmt: skip
-        return grad_rows[:, -1].to(sources.dtype), grad_query, grad_norm
     with torch.enable_grad():
         src = sources.detach().requires_grad_(True)
         ext = None if extra is None else extra.detach().requires_grad_(True)

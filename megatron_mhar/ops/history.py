@@ -196,19 +196,6 @@ class SourceHistory:
         self.token = _WriteRow.apply(self, row, source, self.token)
         self.rows_written = max(self.rows_written, row + 1)
 
-    def write_route(
-        self, row: int, source: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor
-    ) -> torch.Tensor:
-        """:meth:`write` ``source`` as row ``row``, then :meth:`route` over rows ``[0, row]``,
-        as one op (the full variant's step from a sublayer output to the next input)."""
-        if not 0 <= row < self.capacity:
-            raise IndexError(f"row {row} outside the history's {self.capacity} rows")
-        if row > self.rows_written:
-            raise IndexError(f"writing row {row} but only {self.rows_written} rows are written")
-        out, self.token = _WriteRoute.apply(self, row, source, self.token, query, norm_weight)
-        self.rows_written = max(self.rows_written, row + 1)
-        return out
-
     def route(
         self,
         num_rows: int,
@@ -256,8 +243,8 @@ class _WriteRow(torch.autograd.Function):
         return None, None, ctx.history.due_row_grad(ctx.row, ctx.dtype), None
 
 
-def _route_forward(ctx, history, num_rows, query, norm_weight, extra, store_extra):
-    """Forward of a read (shared by _RouteRows and _WriteRoute); returns out [s, b, h]."""
+def _route_forward(ctx, history, num_rows, query, norm_weight, extra):
+    """Forward of a read; returns out [s, b, h]."""
     s, b, h = history.shape
     flat_extra = None if extra is None else extra.reshape(s * b, h)
     out, saved = history.backend.forward(
@@ -268,7 +255,6 @@ def _route_forward(ctx, history, num_rows, query, norm_weight, extra, store_extr
         history.num_heads,
         history.eps,
         history.logit_scale,
-        store_extra,
     )
     out = out.view(s, b, h)
     ctx.set_materialize_grads(False)
@@ -276,7 +262,7 @@ def _route_forward(ctx, history, num_rows, query, norm_weight, extra, store_extr
     return out
 
 
-def _route_backward(ctx, grad_out, query, norm_weight, extra, extra_row):
+def _route_backward(ctx, grad_out, query, norm_weight, extra):
     """(grad_extra [s, b, h] or None, grad_query, grad_norm) of a read."""
     history = ctx.history
     s, b, h = history.shape
@@ -291,7 +277,6 @@ def _route_backward(ctx, grad_out, query, norm_weight, extra, extra_row):
         history.eps,
         history.logit_scale,
         history.grad_rows(ctx.num_rows),
-        extra_row,
     )
     if grad_extra is not None:
         grad_extra = grad_extra.view(s, b, h)
@@ -302,48 +287,17 @@ class _RouteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, history, num_rows, token, query, norm_weight, extra):
         ctx.save_for_backward(query, norm_weight, extra)
-        return _route_forward(ctx, history, num_rows, query, norm_weight, extra, False)
+        return _route_forward(ctx, history, num_rows, query, norm_weight, extra)
 
     @staticmethod
     def backward(ctx, grad_out):
         if grad_out is None:  # the routed output was not used
             return (None,) * 6
         query, norm_weight, extra = ctx.saved_tensors
-        grad_extra, grad_query, grad_norm = _route_backward(
-            ctx, grad_out, query, norm_weight, extra, False
-        )
+        grad_extra, grad_query, grad_norm = _route_backward(ctx, grad_out, query, norm_weight, extra)
         # Tokens carry ordering only; their gradient is None (materialize_grads is off,
         # so no zero tensors are allocated, and autograd still runs the producers).
         return None, None, None, grad_query, grad_norm, grad_extra
-
-
-class _WriteRoute(torch.autograd.Function):
-    """Write ``source`` as row ``row`` and route over rows ``[0, row]``: one kernel.
-
-    The routed output is the next site's input; its backward is the last to touch row
-    ``row`` (every later read consumed the token this op returns), so it adds its own
-    share to the fp32 gradient the later reads left in that row and hands the sum to
-    the producing sublayer in one go.
-    """
-
-    @staticmethod
-    def forward(ctx, history, row, source, token, query, norm_weight):
-        out = _route_forward(ctx, history, row, query, norm_weight, source, True)
-        ctx.dtype = source.dtype
-        ctx.save_for_backward(query, norm_weight)
-        return out, _new_token(source)
-
-    @staticmethod
-    def backward(ctx, grad_out, _grad_token):
-        history, row = ctx.history, ctx.num_rows
-        if grad_out is None:  # the routed output was not used: only later reads contribute
-            return None, None, history.due_row_grad(row, ctx.dtype), None, None, None
-        history.due_grads(row + 1, row)  # the kernel reads the later reads' share of the row
-        query, norm_weight = ctx.saved_tensors
-        grad_source, grad_query, grad_norm = _route_backward(
-            ctx, grad_out, query, norm_weight, None, True
-        )
-        return None, None, grad_source, None, grad_query, grad_norm
 
 
 class _PackRows(torch.autograd.Function):

@@ -43,14 +43,19 @@ whose reads go through groups. The per-site path is untouched.
 
 import functools
 import math
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_mhar.config import LOOKAHEAD_KERNELS
 from megatron_mhar.ops.depth_route import resolve_impl
 from megatron_mhar.ops.history import RoutingBackend, SourceHistory
-from megatron_mhar.ops.main_grad import add_to_main_grads, fusable
+
+# The Triton kernel families of phase 1 (``mhar.lookahead_kernels``) -> the ``tensor_cores``
+# argument of mhar_kernels' phase-1 functions: the row loops (the sites in registers, one
+# row at a time), the tensor-core dots per token and head, or per group and direction the
+# family the launch rules pick (``auto``).
+_TENSOR_CORES = {"auto": None, "row_loop": False, "tensor_cores": True}
+LOOKAHEAD_KERNELS = tuple(_TENSOR_CORES)
 
 # ---------------------------------------------------------------------------------------
 # Reference backend: same signatures as mhar_kernels.lookahead. Shapes: T tokens, N rows,
@@ -318,7 +323,7 @@ class SiteFactors(NamedTuple):
     logit_scale: float
 
 
-def torch_group_backward(
+def torch_group_backward_deferred(
     grad_outs: torch.Tensor,
     sources: torch.Tensor,
     queries: torch.Tensor,
@@ -332,38 +337,27 @@ def torch_group_backward(
     site_range: Optional[Tuple[int, int]] = None,
     merge_dw: Optional[torch.Tensor] = None,
     accumulate: bool = True,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Backward of phase 1: every site's gradient to the old rows, each row read once.
+) -> Tuple[torch.Tensor, torch.Tensor, Tuple[SiteFactors, ...]]:
+    """Backward of phase 1: every site's gradient to its parameters now, and to the old rows
+    as factors for :func:`torch_add_row_grads`, which the history calls when the rows'
+    gradients are due (``grad_sources`` is not touched here; the kernels' row loop adds
+    into it at once, or with ``accumulate`` False stores into it, and their tensor-core
+    path defers as this does).
 
     Args:
         grad_outs: [G, T, D] gradients of the sites' routed outputs.
-        sources: [T, N, D] old rows; grad_sources: fp32 [T, N, D] view receiving ``+=``.
+        sources: [T, N, D] old rows; grad_sources: their fp32 gradients [T, N, D].
         queries, norm_weights: [G, D]; lse, delta: [G, T, H] fp32 from the merges.
         site_range: (lo, hi), the sites whose merges ran in this graph (default: all).
         merge_dw: [P, G, D] fp32, the merges' dL/dw (:func:`torch_merge_backward`'s
             ``dw_out``, site j's at [:, j]), added to the old rows' share.
-        accumulate: False where ``grad_sources`` holds no gradient yet: stored, not added.
+        accumulate: False where ``grad_sources`` holds no gradient yet (the kernels' row
+            loop then stores instead of adding; unused here).
 
     Returns:
         (dquery, dnorm_weight) fp32 [hi - lo, D]: the old rows' share, plus the merges'
-        with ``merge_dw``.
+        with ``merge_dw``; and the rows' deferred gradients.
     """
-    dq, dg, deferred = torch_group_backward_deferred(
-        grad_outs, sources, queries, norm_weights, lse, delta, num_heads, eps, logit_scale,
-        grad_sources, site_range, merge_dw,
-    )  # fmt: skip
-    torch_add_row_grads([(deferred, sources.shape[1])], sources, grad_sources, 0, accumulate)
-    return dq, dg
-
-
-def torch_group_backward_deferred(
-    grad_outs, sources, queries, norm_weights, lse, delta, num_heads, eps, logit_scale, grad_sources,
-    site_range=None, merge_dw=None, accumulate=True,
-) -> Tuple[torch.Tensor, torch.Tensor, Tuple[SiteFactors, ...]]:  # fmt: skip
-    """:func:`torch_group_backward`'s parameter gradients now, the rows' gradients left for
-    :func:`torch_add_row_grads` (``grad_sources`` is not touched; the kernels' row loop
-    adds into it, or with ``accumulate`` False, where it holds no gradient yet, stores into
-    it; their tensor-core path defers as this does)."""
     lo, hi = site_range if site_range is not None else (0, queries.shape[0])
     grad_outs, queries, norm_weights = grad_outs[lo:hi], queries[lo:hi], norm_weights[lo:hi]
     w = _folded(queries, norm_weights, sources.dtype, num_heads)
@@ -427,11 +421,6 @@ TORCH_LOOKAHEAD = LookaheadBackend(
     torch_group_forward, torch_merge_forward, torch_merge_backward, torch_group_backward_deferred,
     torch_add_row_grads, torch_merge_row_grad, torch_merge_dw_partials,
 )
-
-
-# mhar.lookahead_kernels -> the ``tensor_cores`` argument of the Triton phase-1 functions.
-_TENSOR_CORES = {"auto": None, "row_loop": False, "tensor_cores": True}
-assert set(_TENSOR_CORES) == set(LOOKAHEAD_KERNELS), "every mhar.lookahead_kernels value needs a kernel family"
 
 
 def get_lookahead_backend(impl: str, device: torch.device, kernels: str = "auto") -> LookaheadBackend:
@@ -593,6 +582,9 @@ class RoutingGroup:
         self._slices = self.site_lse = ()
 
 
+ParamGradsHook = Callable[[Sequence[torch.Tensor], Tuple[torch.Tensor, ...]], Optional[List[torch.Tensor]]]
+
+
 class LookaheadHistory(SourceHistory):
     """A :class:`SourceHistory` whose reads run the two-phase schedule group by group.
 
@@ -606,7 +598,13 @@ class LookaheadHistory(SourceHistory):
     the sites merged in its graph.
 
     Args:
-        lookahead: the two-phase backend; the other arguments are :class:`SourceHistory`'s.
+        lookahead: the two-phase backend.
+        param_grads_hook: called by each group's backward with the routing parameters of its
+            sites (queries, then norm weights) and their fp32 gradients stacked per kind
+            ``(dquery [k, D], dnorm [k, D])``; it returns the tensors autograd should get as
+            their gradients (the hook took the values itself, e.g. into a gradient buffer),
+            or None, and autograd then gets the gradients cast to the parameters' dtypes.
+        The other arguments are :class:`SourceHistory`'s.
     """
 
     def __init__(
@@ -618,9 +616,11 @@ class LookaheadHistory(SourceHistory):
         num_heads: int,
         eps: float,
         logit_scale: float,
+        param_grads_hook: Optional[ParamGradsHook] = None,
     ):
         super().__init__(capacity, like, backend, num_heads, eps, logit_scale)
         self.lookahead = lookahead
+        self.param_grads_hook = param_grads_hook
         self.group: Optional[RoutingGroup] = None
         self.group_token: Optional[torch.Tensor] = None
         # The old-row counts of every group run (its first row that phase 1 does not read).
@@ -794,9 +794,10 @@ class _GroupPartials(torch.autograd.Function):
             history.defer(deferred, group.old_rows)
             sites = group.sites[lo:hi]
             params = [s.query for s in sites] + [s.norm_weight for s in sites]
-            if fusable(params):  # into Megatron DDP's fp32 buffer, no cast, no hook add
-                placeholders = add_to_main_grads(params, [*dq.unbind(), *dg.unbind()])
-                grads[lo:hi], grads[g + lo : g + hi] = placeholders[: hi - lo], placeholders[hi - lo :]
+            hook = history.param_grads_hook
+            handed = None if hook is None else hook(params, (dq, dg))
+            if handed is not None:  # the hook took the fp32 values (no cast)
+                grads[lo:hi], grads[g + lo : g + hi] = handed[: hi - lo], handed[hi - lo :]
             else:  # cast once per kind (the stacks carry the parameters' dtypes)
                 grads[lo:hi] = dq.to(queries.dtype).unbind()
                 grads[g + lo : g + hi] = dg.to(norms.dtype).unbind()

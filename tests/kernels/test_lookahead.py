@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_mhar.ops.depth_route import torch_route_backward, torch_route_forward
-from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, torch_group_backward, torch_merge_row_grad
+from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, torch_merge_row_grad
 from mhar_kernels import lookahead as fused
 
 CUDA = torch.cuda.is_available()
@@ -25,6 +25,21 @@ DEVICE = "cuda" if CUDA else "cpu"
 EPS = 1e-6
 DTYPES = [torch.bfloat16, torch.float32] if CUDA else [torch.float32]
 GPU_ONLY = pytest.mark.skipif(not CUDA, reason="slow in the Triton interpreter")
+
+
+def _whole_group_backward(group_backward_deferred, add_row_grads):
+    """Phase 1's backward with the old rows' gradients added before it returns, as the
+    history has them once they are due: the deferred backward, then its rows' factors
+    (none from the row loop, which adds at once)."""
+
+    def group_backward(grad_outs, sources, *args, **options):
+        grad_sources = args[7]
+        dq, dg, deferred = group_backward_deferred(grad_outs, sources, *args, **options)
+        add_row_grads([(deferred, sources.shape[1])], sources, grad_sources, 0,
+                      accumulate=options.get("accumulate", True))  # fmt: skip
+        return dq, dg
+
+    return group_backward
 
 
 def _phase1_kernels(tensor_cores: bool) -> types.SimpleNamespace:
@@ -35,7 +50,9 @@ def _phase1_kernels(tensor_cores: bool) -> types.SimpleNamespace:
         group_forward=functools.partial(fused.group_forward, tensor_cores=tensor_cores),
         merge_forward=fused.merge_forward,
         merge_backward=fused.merge_backward,
-        group_backward=functools.partial(fused.group_backward, tensor_cores=tensor_cores),
+        group_backward=_whole_group_backward(
+            functools.partial(fused.group_backward_deferred, tensor_cores=tensor_cores), fused.add_row_grads
+        ),
         group_backward_deferred=functools.partial(fused.group_backward_deferred, tensor_cores=tensor_cores),
         add_row_grads=fused.add_row_grads,
         merge_row_grad=fused.merge_row_grad,
@@ -43,11 +60,20 @@ def _phase1_kernels(tensor_cores: bool) -> types.SimpleNamespace:
     )
 
 
+def _fused_group_backward(*args, tensor_cores=False, **options):
+    """The Triton phase-1 backward with its rows' gradients added (``_whole_group_backward``)."""
+    deferred = functools.partial(fused.group_backward_deferred, tensor_cores=tensor_cores)
+    return _whole_group_backward(deferred, fused.add_row_grads)(*args, **options)
+
+
 BACKENDS = {
     "triton-row-loop": _phase1_kernels(False),
     "triton-tensor-cores": _phase1_kernels(True),
     # The history's backend, plus the one-call backward the group tests run.
-    "torch": types.SimpleNamespace(**TORCH_LOOKAHEAD._asdict(), group_backward=torch_group_backward),
+    "torch": types.SimpleNamespace(
+        **TORCH_LOOKAHEAD._asdict(),
+        group_backward=_whole_group_backward(TORCH_LOOKAHEAD.group_backward_deferred, TORCH_LOOKAHEAD.add_row_grads),
+    ),
 }
 
 CASES = [
@@ -618,7 +644,7 @@ def test_tensor_cores_auto(d, heads, g, forward_dots, backward_dots, dtype):
     grads = []
     for tensor_cores in (None, backward_dots):
         grad_rows = torch.zeros(rows.shape, device=DEVICE)
-        dq, dg = fused.group_backward(grad_outs, rows, queries, norms, lse, delta, heads, EPS, 1.0,
+        dq, dg = _fused_group_backward(grad_outs, rows, queries, norms, lse, delta, heads, EPS, 1.0,
                                       grad_rows, (0, 2), tensor_cores=tensor_cores)  # fmt: skip
         grads.append((grad_rows, dq, dg))
     for a, b in zip(*grads):
@@ -641,7 +667,7 @@ def test_sites_per_program_split():
     grads = []
     for sites in (g, 2, 1):
         grad_rows = torch.zeros(rows.shape, device=DEVICE)
-        dq, dg = fused.group_backward(grad_outs, rows, queries, norms, lse, delta, heads, EPS, 1.0,
+        dq, dg = _fused_group_backward(grad_outs, rows, queries, norms, lse, delta, heads, EPS, 1.0,
                                       grad_rows, sites_per_program=sites, tensor_cores=False)  # fmt: skip
         grads.append((grad_rows, dq, dg))
     for other in grads[1:]:
@@ -745,7 +771,7 @@ def test_sites_per_program_must_be_positive(call):
             fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=0)
         else:
             stats = torch.zeros(g, t, heads, device=DEVICE)
-            fused.group_backward(grad_outs, rows, queries, norms, stats, stats, heads, EPS, 1.0,
+            _fused_group_backward(grad_outs, rows, queries, norms, stats, stats, heads, EPS, 1.0,
                                  torch.zeros(rows.shape, device=DEVICE), sites_per_program=-2)  # fmt: skip
 
 
@@ -761,7 +787,7 @@ def test_tensor_cores_reject_row_loop_overrides():
     grad_rows = torch.zeros(rows.shape, device=DEVICE)
     for override in (dict(block_t=2), dict(sites_per_program=1)):
         with pytest.raises(ValueError, match="tensor_cores=True takes only num_warps"):
-            fused.group_backward(grad_outs, rows, queries, norms, stats, stats, heads, EPS, 1.0,
+            _fused_group_backward(grad_outs, rows, queries, norms, stats, stats, heads, EPS, 1.0,
                                  grad_rows, tensor_cores=True, **override)  # fmt: skip
     assert not grad_rows.any()  # nothing written before the error
 

@@ -246,20 +246,6 @@ def test_recompute_gives_same_loss_and_grads(megatron_world1, mhar_fields, recom
     _assert_same_loss_and_grads(mhar, mhar, bitwise=False, **recompute)
 
 
-@pytest.mark.parametrize(
-    "mhar_fields",
-    [pytest.param(dict(variant="full"), id="full"),
-     pytest.param(dict(variant="block", block_size=3), id="block3")],
-)
-@pytest.mark.parametrize("recompute", [{}, RECOMPUTE[0]], ids=["plain", "full-recompute"])
-def test_fused_writes_give_same_loss_and_grads(megatron_world1, mhar_fields, recompute):
-    """Rows written inside the next read: bitwise the loss and every gradient (under
-    recompute, where the chunks write their last row separately, equal within rounding)."""
-    mhar = MHARConfig(num_heads=4, **mhar_fields)
-    fused = dataclasses.replace(mhar, fused_writes=True)
-    _assert_same_loss_and_grads(mhar, fused, bitwise=not recompute, **recompute)
-
-
 def test_mhar_trains_through_megatron_schedule(megatron_world1):
     """Megatron's non-pipelined forward/backward schedule with 2 micro-batches on CPU."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -300,7 +286,6 @@ CONFIG_ERRORS = [
     pytest.param(dict(eps="1e-6"), {}, r"eps must be a positive finite number \(or None", id="string-eps"),
     pytest.param(dict(eps=float("inf")), {}, r"eps must be a positive finite number", id="inf-eps"),
     pytest.param(dict(kernel_impl="cuda"), {}, "kernel_impl must be one of", id="bad-impl"),
-    pytest.param(dict(fused_writes="yes"), {}, "fused_writes must be true or false", id="bad-fused"),
     pytest.param({}, dict(context_parallel_size=2), "context_parallel_size", id="context-parallel"),
     pytest.param({}, dict(num_moe_experts=4), "MoE", id="moe"),
 ]

@@ -61,62 +61,6 @@ def test_history_matches_stacked_reference(num_sublayers):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def _chain(history, embedding, routers, weights, fused):
-    """Sublayers routed over the history; ``fused`` writes each row with the next read."""
-    if fused:
-        pending = embedding
-    else:
-        history.write(0, embedding)
-    for j, weight in enumerate(weights, start=1):
-        query, norm = routers[j - 1]
-        if fused:
-            x = history.write_route(j - 1, pending, query, norm)
-        else:
-            x = history.route(j, query, norm)
-        out = _sublayer(x, weight)
-        if fused:
-            pending = out
-        else:
-            history.write(j, out)
-    query, norm = routers[-1]
-    if fused:
-        return history.write_route(len(weights), pending, query, norm)
-    return history.route(len(weights) + 1, query, norm)
-
-
-@pytest.mark.parametrize("num_sublayers", [0, 5], ids=["embedding-only", "five"])
-def test_write_route_equals_write_then_route(num_sublayers):
-    """The fused write+read gives bitwise the outputs and every gradient of the two ops."""
-    embedding = torch.randn(S, B, D, requires_grad=True)
-    routers = [_router() for _ in range(num_sublayers + 1)]
-    weights = [(torch.randn(D, D) * 0.3).requires_grad_(True) for _ in range(num_sublayers)]
-    leaves = [embedding, *weights, *[t for r in routers for t in r]]
-    grad_out = torch.randn(S, B, D)
-    results = []
-    for fused in (False, True):
-        history = _history(num_sublayers + 1, embedding)
-        out = _chain(history, embedding, routers, weights, fused)
-        results.append((out, torch.autograd.grad(out, leaves, grad_out), history.buffer.clone()))
-    (out0, grads0, buf0), (out1, grads1, buf1) = results
-    assert torch.equal(out0, out1) and torch.equal(buf0, buf1)
-    for a, b in zip(grads0, grads1):
-        assert torch.equal(a, b)
-
-
-def test_write_route_unused_output_still_passes_row_gradient():
-    """A fused write whose routed output is unused hands the row's later gradient back."""
-    rows = [torch.randn(S, B, D, requires_grad=True) for _ in range(2)]
-    history = _history(3, rows[0])
-    history.write(0, rows[0])
-    query, norm = _router()
-    history.write_route(1, rows[1], query, norm)  # output dropped
-    x = history.route(2, query, norm)
-    (grad,) = torch.autograd.grad(x.square().sum(), [rows[1]])
-    expected = depth_route_reference(torch.stack(rows), query, norm, H, logit_scale=1.3)
-    (want,) = torch.autograd.grad(expected.square().sum(), [rows[1]])
-    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
-
-
 def test_route_reads_only_earlier_rows():
     """Causality: the input of site j has zero gradient w.r.t. rows at or after j."""
     rows = [torch.randn(S, B, D, requires_grad=True) for _ in range(5)]
@@ -180,5 +124,3 @@ def test_reading_unwritten_rows_raises():
         history.write(4, like)
     with pytest.raises(ValueError, match="expected"):
         history.load(torch.zeros(S, B, 3 * D + 1), 3)
-    with pytest.raises(IndexError, match="only 1 rows are written"):
-        history.write_route(2, like, torch.zeros(D), torch.ones(D))

@@ -177,10 +177,10 @@ def _ddp_main_grads(model, fused, monkeypatch):
     the routers' gradient-accumulation fusion on or off."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    import megatron_mhar.ops.lookahead as lookahead_ops
+    import megatron_mhar.models.main_grad as main_grad
 
     if not fused:
-        monkeypatch.setattr(lookahead_ops, "fusable", lambda params: False)
+        monkeypatch.setattr(main_grad, "fusable", lambda params: False)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     ddp.zero_grad_buffer()
     for seed in (0, 1):

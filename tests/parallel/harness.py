@@ -31,8 +31,6 @@ SEED = 1234
 VARIANTS = {
     "none": dict(variant="none"),
     "full": dict(variant="full", num_heads=4),
-    # History rows written inside the next read: pipeline sends must flush them first.
-    "full-fused": dict(variant="full", num_heads=4, fused_writes=True),
     "block": dict(variant="block", block_size=3, num_heads=2),
     # delta: a block source after every decoder layer, so rows, the stream and the
     # block start all cross stage boundaries.

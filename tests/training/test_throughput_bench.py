@@ -75,7 +75,6 @@ def test_model_overrides_name_their_errors():
     assert parse_model("mhar_lookahead") == MODELS["mhar_lookahead"]
     g8 = parse_model("mhar_lookahead@lookahead_group=8@lookahead_kernels=tensor_cores")
     assert (g8.lookahead_group, g8.lookahead_kernels) == (8, "tensor_cores")
-    assert parse_model("mhar@fused_writes=true").fused_writes is True
     with pytest.raises(ValueError, match="unknown model 'mhr'"):
         parse_model("mhr@lookahead_group=8")
     with pytest.raises(ValueError, match="'group=8' is not field=value"):

@@ -203,12 +203,12 @@ def test_load_into_different_model_names_fields(tiny):
 
 
 def test_resume_may_change_how_routing_runs(tiny):
-    """Execution choices (kernel, schedule, fused writes) are not part of the model: a
+    """Execution choices (kernel, schedule) are not part of the model: a
     checkpoint resumes under other values."""
     _run(tiny("training.train_iters=3", "eval.interval=0", "checkpoint.interval=3", name="exec"))
     resumed = _run(tiny(
         "training.train_iters=4", "eval.interval=0", "mhar.kernel_impl=torch",
-        "mhar.fused_writes=true", "mhar.routing_schedule=lookahead", "mhar.lookahead_group=2",
+        "mhar.routing_schedule=lookahead", "mhar.lookahead_group=2",
         name="exec",
     ))  # fmt: skip
     assert resumed.iteration == 4 and min(resumed.losses) == 4

@@ -6,13 +6,16 @@ one add per query and one per norm weight, plus the casts to the parameters' dty
 Megatron's own layers skip that add with gradient-accumulation fusion: they accumulate the
 weight gradient into ``main_grad`` themselves, set ``param.grad_added_to_main_grad`` so the
 hook leaves it, and hand autograd an uninitialised placeholder so the hook still runs (and,
-with overlapped gradient reduction, marks the bucket ready). The lookahead schedule's group
-backward does the same with the fp32 sums it already holds (the per-site schedule does not yet), in one multi-tensor launch per list of gradients, not
-one per parameter; the gradients are accumulated in fp32 without the round trip through
-the parameters' dtype.
+with overlapped gradient reduction, marks the bucket ready).
+
+:func:`accumulate_into_main_grad` does the same for the lookahead schedule's routing
+parameters: it is the ``param_grads_hook`` of :class:`~megatron_mhar.ops.lookahead.LookaheadHistory`,
+which hands it the fp32 sums each group's backward already holds. They are added in one
+multi-tensor launch per group, not one per parameter, and in fp32, without the round trip
+through the parameters' dtype. The per-site schedule's parameters take DDP's own path.
 """
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -30,24 +33,30 @@ def fusable(params: Sequence[torch.Tensor]) -> bool:
     )
 
 
-def add_to_main_grads(
-    params: Sequence[torch.Tensor], *grad_lists: Sequence[Optional[torch.Tensor]]
-) -> List[torch.Tensor]:
-    """Add each list's fp32 gradients (aligned with ``params``; None adds nothing) into the
-    parameters' ``main_grad``, flag them added and return the placeholders to give autograd
-    as their gradients. Call only where :func:`fusable` holds.
+def add_to_main_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Add the fp32 gradients ``grads`` (aligned with ``params``) into the parameters'
+    ``main_grad``, flag them added and return the placeholders to give autograd as their
+    gradients. Call only where :func:`fusable` holds.
 
     As Megatron's layers do, a parameter with ``zero_out_wgrad`` set gets zeros (DDP's hook
     adds whatever it receives for those), every other one an uninitialised tensor, which the
     hook drops without reading."""
-    targets = [p.main_grad for p in params]
-    for grads in grad_lists:
-        pairs = [(t, g) for t, g in zip(targets, grads, strict=True) if g is not None]
-        if pairs:
-            torch._foreach_add_([t for t, _ in pairs], [g for _, g in pairs])
+    torch._foreach_add_([p.main_grad for p in params], list(grads))
     placeholders = []
     for p in params:
         p.grad_added_to_main_grad = True
         make = torch.zeros_like if getattr(p, "zero_out_wgrad", False) else torch.empty_like
         placeholders.append(make(p, memory_format=torch.contiguous_format))
     return placeholders
+
+
+def accumulate_into_main_grad(
+    params: Sequence[torch.Tensor], grad_stacks: Tuple[torch.Tensor, ...]
+) -> Optional[List[torch.Tensor]]:
+    """A ``param_grads_hook``: the fp32 gradients ``grad_stacks`` (stacks whose rows, in
+    order, are the gradients of ``params``) added into Megatron DDP's ``main_grad`` and the
+    placeholders for autograd returned; None, touching nothing, where the parameters are not
+    :func:`fusable`."""
+    if not fusable(params):
+        return None
+    return add_to_main_grads(params, [grad for stack in grad_stacks for grad in stack.unbind()])
