@@ -26,7 +26,7 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.ops.depth_route import routing_entropy
 from megatron_mhar.ops.history import SourceHistory, get_backend
 from megatron_mhar.ops.lookahead import (

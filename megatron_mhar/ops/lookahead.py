@@ -47,7 +47,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_mhar.config import LOOKAHEAD_KERNELS
+from megatron_mhar.models.mhar_config import LOOKAHEAD_KERNELS
 from megatron_mhar.ops.depth_route import resolve_impl
 from megatron_mhar.ops.history import RoutingBackend, SourceHistory
 from megatron_mhar.ops.main_grad import add_to_main_grads, fusable

@@ -33,9 +33,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.files import nearest_existing
-from megatron_mhar.models.config import GPTModelConfig
+from megatron_mhar.models.gpt_config import GPTModelConfig
 
 CUDA_GRAPH_MODES = ("none", "full_iteration")
 """Values of ``training.cuda_graph`` (see :mod:`megatron_mhar.training.cuda_graphs`)."""
