@@ -316,7 +316,7 @@ def test_cpt_recipe_matches_a_converted_llama31_8b():
     """`hf_to_mcore_mhar.py --variant delta --seq-length 4096` on Marin-8B (Llama-3.1-8B)
     writes exactly the model and mhar sections recipes/cpt_8b_mhar_delta.yaml carries."""
     from megatron_mhar.models.mhar_config import MHARConfig
-    from megatron_mhar.training.config import load_config
+    from megatron_mhar.training.recipes import load_config
 
     recipe = load_config("cpt_8b_mhar_delta")
     converted = hf_config.model_config_from_hf(LLAMA31_8B, seq_length=4096)
