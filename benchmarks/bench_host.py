@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_training import MODELS, SIZES  # noqa: E402
 from benchmarks.json_out import check_out, write_json  # noqa: E402
 from megatron_mhar.models.builder import build_gpt_model, make_transformer_config  # noqa: E402
-from megatron_mhar.models.config import GPTModelConfig  # noqa: E402
+from megatron_mhar.models.gpt_config import GPTModelConfig  # noqa: E402
 from megatron_mhar.ops.history import RoutingBackend  # noqa: E402
 from megatron_mhar.ops.lookahead import LookaheadBackend  # noqa: E402
 

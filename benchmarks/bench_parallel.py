@@ -46,8 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_training import environment  # noqa: E402
 from benchmarks.json_out import check_out, write_json  # noqa: E402
-from megatron_mhar.training.config import load_config, validate_launch  # noqa: E402
+from megatron_mhar.training.launch_checks import validate_launch  # noqa: E402
 from megatron_mhar.training.metrics import read_metrics  # noqa: E402
+from megatron_mhar.training.recipes import load_config  # noqa: E402
 
 REFERENCE_LAYOUT = "single"
 

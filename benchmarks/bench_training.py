@@ -58,9 +58,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.json_out import check_out, write_json  # noqa: E402
-from megatron_mhar.config import MHARConfig  # noqa: E402
+from megatron_mhar.models.mhar_config import MHARConfig  # noqa: E402
 from megatron_mhar.models.builder import build_gpt_model, make_transformer_config  # noqa: E402
-from megatron_mhar.models.config import GPTModelConfig  # noqa: E402
+from megatron_mhar.models.gpt_config import GPTModelConfig  # noqa: E402
 from megatron_mhar.training.cuda_graphs import (  # noqa: E402
     CUDA_GRAPH_MODES,
     FullIterationGraph,

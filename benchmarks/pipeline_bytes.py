@@ -40,9 +40,9 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build 
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # noqa: E402
 
 from benchmarks.json_out import check_out, write_json  # noqa: E402
-from megatron_mhar.config import MHARConfig  # noqa: E402
+from megatron_mhar.models.mhar_config import MHARConfig  # noqa: E402
 from megatron_mhar.models.builder import make_transformer_config  # noqa: E402
-from megatron_mhar.models.config import GPTModelConfig  # noqa: E402
+from megatron_mhar.models.gpt_config import GPTModelConfig  # noqa: E402
 from megatron_mhar.models.routing import DepthLayout  # noqa: E402
 
 BYTES_PER_ELEMENT = 2  # bf16 pipeline_dtype

@@ -46,7 +46,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides for both runs")
     args = parser.parse_args(argv)
 
-    from megatron_mhar.training.config import load_config
+    from megatron_mhar.training.recipes import load_config
     from megatron_mhar.training.loop import SUMMARY_FILE, run
     from megatron_mhar.training.metrics import read_metrics
 

@@ -20,8 +20,8 @@ from typing import Optional, Union
 
 import torch
 
-from megatron_mhar.config import MHARConfig
-from megatron_mhar.models.config import GPTModelConfig
+from megatron_mhar.models.mhar_config import MHARConfig
+from megatron_mhar.models.gpt_config import GPTModelConfig
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEVICE_TYPES = ("cpu", "cuda")

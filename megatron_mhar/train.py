@@ -1,12 +1,13 @@
 """Train a GPT (plain or MHAR) with Megatron-Core from a YAML recipe.
 
     python -m megatron_mhar.train [RECIPE] [dotted.key=value ...]
-    torchrun --nproc-per-node 8 -m megatron_mhar.train recipes/pretrain_350m_mhar.yaml
+    torchrun --nproc-per-node 8 -m megatron_mhar.train pretrain_350m_mhar
 
-RECIPE is a path or a name in ``recipes/`` (default: ``smoke_cpu``, tiny models on
-the embedded corpus). ``--print-config`` shows the resolved config and exits.
-The run writes ``runs/<run.name>/``: config.yaml, metrics.jsonl, tensorboard/,
-checkpoints/ and summary.json; it resumes from its own checkpoints when restarted.
+RECIPE is a YAML file or the name of a recipe shipped in the package
+(``megatron_mhar/recipes/``; default: ``smoke_cpu``, tiny models on the embedded
+corpus). ``--print-config`` shows the resolved config and exits. The run writes
+``runs/<run.name>/``: config.yaml, metrics.jsonl, tensorboard/, checkpoints/ and
+summary.json; it resumes from its own checkpoints when restarted.
 """
 
 import argparse
@@ -30,7 +31,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Installed first: a SIGTERM/SIGUSR1 during imports, data preparation or checkpoint
     # loading is then honoured at the first step (save and exit) instead of killing the rank.
     with StopSignal() as stop:
-        from megatron_mhar.training.config import load_config, to_yaml, validate_launch
+        from megatron_mhar.training.launch_checks import validate_launch
+        from megatron_mhar.training.recipes import load_config, to_yaml
 
         try:
             cfg = load_config(recipe, overrides)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Continued pretraining of an 8B Llama-3.1-architecture model (Marin-8B) with the MHAR
-# delta variant (recipes/cpt_8b_mhar_delta.yaml), multi-node: 4 nodes of 8 GPUs by
-# default (tensor parallel 4 within a node, data parallel across), any count with -N.
+# delta variant (recipe cpt_8b_mhar_delta, megatron_mhar/recipes/), multi-node: 4 nodes
+# of 8 GPUs by default (tensor parallel 4 within a node, data parallel across), any
+# count with -N.
 #
 #   cd megatron_mhar                                  # submit from the repository root
 #   export MHAR_MARIN_8B_CKPT=/ckpt/marin8b_delta_tp4 # start point: HF weights converted by
@@ -29,7 +30,7 @@
 # Submitting the same command again also continues from the newest checkpoint.
 #
 # CPU smoke run of this same script (what tests/slurm does, on a CPU-only Slurm):
-#   RECIPE=recipes/smoke_cpu.yaml sbatch -N 1 --gpus-per-node=0 --ntasks-per-node=1 \
+#   RECIPE=smoke_cpu sbatch -N 1 --gpus-per-node=0 --ntasks-per-node=1 \
 #       slurm/cpt_8b_mhar_delta.sh mhar.variant=delta training.train_iters=50
 #
 # ---------------------------------------------------------------------------- resources
@@ -53,8 +54,9 @@ set -euo pipefail
 # Every knob is an environment variable: set it in the shell you submit from
 # (sbatch passes the environment on) or edit the default here.
 
-# The run configuration, relative to the repository root (or absolute).
-export RECIPE=${RECIPE:-recipes/cpt_8b_mhar_delta.yaml}
+# The run configuration: a recipe name (megatron_mhar/recipes/NAME.yaml) or a YAML file,
+# relative to the repository root or absolute.
+export RECIPE=${RECIPE:-cpt_8b_mhar_delta}
 # Start point, training data and tokenizer, read by the recipe (required, no default):
 # a Megatron checkpoint converted from the HF weights, a Megatron .bin/.idx prefix
 # written with the Llama-3 tokenizer, and that tokenizer's directory (tokenizer.json).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Pretrain the 1B MHAR model (recipes/pretrain_1b_mhar.yaml) on one node of 8 GPUs, or
-# on any number of nodes (data parallel) with sbatch -N.
+# Pretrain the 1B MHAR model (recipe pretrain_1b_mhar, megatron_mhar/recipes/) on one
+# node of 8 GPUs, or on any number of nodes (data parallel) with sbatch -N.
 #
 #   cd megatron_mhar                                  # submit from the repository root
 #   export MHAR_DATA_PREFIX=/data/qwen3/fineweb_text_document  # .bin/.idx prefix (Qwen3 tokens)
@@ -21,7 +21,7 @@
 # Submitting the same command again also continues from the newest checkpoint.
 #
 # CPU smoke run of this same script (what tests/slurm does, on a CPU-only Slurm):
-#   RECIPE=recipes/smoke_cpu.yaml sbatch --gpus-per-node=0 --ntasks-per-node=1 \
+#   RECIPE=smoke_cpu sbatch --gpus-per-node=0 --ntasks-per-node=1 \
 #       slurm/pretrain_1b_mhar.sh training.train_iters=50
 #
 # ---------------------------------------------------------------------------- resources
@@ -45,8 +45,9 @@ set -euo pipefail
 # Every knob is an environment variable: set it in the shell you submit from
 # (sbatch passes the environment on) or edit the default here.
 
-# The run configuration, relative to the repository root (or absolute).
-export RECIPE=${RECIPE:-recipes/pretrain_1b_mhar.yaml}
+# The run configuration: a recipe name (megatron_mhar/recipes/NAME.yaml) or a YAML file,
+# relative to the repository root or absolute.
+export RECIPE=${RECIPE:-pretrain_1b_mhar}
 # Training data, read by the recipe (required, no default): a Megatron .bin/.idx prefix
 # written with the Qwen3 tokenizer, and that tokenizer's directory (tokenizer.json).
 # Export both in the shell you submit from (see the usage above); write the data with

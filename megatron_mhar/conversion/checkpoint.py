@@ -32,9 +32,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.files import nearest_existing
-from megatron_mhar.models.config import GPTModelConfig
+from megatron_mhar.models.gpt_config import GPTModelConfig
 
 from megatron_mhar.training import checkpointing as driver
 

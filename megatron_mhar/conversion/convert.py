@@ -26,9 +26,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from megatron_mhar.config import MHARConfig, function_fields
+from megatron_mhar.models.mhar_config import MHARConfig, function_fields
 from megatron_mhar.conversion import checkpoint, hf_config, hf_io, mapping
-from megatron_mhar.models.config import GPTModelConfig
+from megatron_mhar.models.gpt_config import GPTModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from megatron_mhar.models.config import GPTModelConfig
+from megatron_mhar.models.gpt_config import GPTModelConfig
 
 # architecture class -> (model_type, per-head q/k RMSNorm, default head_dim or None for d/heads)
 ARCHITECTURES = {

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional
 
-from megatron_mhar.data.preprocess import write_indexed_dataset
+from megatron_mhar.data.indexed_writer import write_indexed_dataset
 from megatron_mhar.data.tokenizer import Tokenizer, train_builtin_tokenizer
 
 _SKIP_TOP = {"site-packages", "dist-packages", "test", "idlelib", "lib2to3", "tkinter", "turtledemo"}

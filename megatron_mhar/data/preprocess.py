@@ -20,15 +20,12 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
-from typing import Iterable, Iterator, List, Sequence
+from typing import Iterator, Sequence
 
-import numpy
-
+from megatron_mhar.data.corpus import prepare_embedded
+from megatron_mhar.data.indexed_writer import write_indexed_dataset
 from megatron_mhar.data.tokenizer import Tokenizer
 from megatron_mhar.files import nearest_existing
-
-_BATCH_DOCS = 256
 
 
 def iter_documents(paths: Sequence[str], json_key: str = "text", line_docs: bool = False) -> Iterator[str]:
@@ -81,51 +78,6 @@ def _json_type(value) -> str:
     return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
-def _batched(items: Iterable[str], size: int) -> Iterator[List[str]]:
-    batch: List[str] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def write_indexed_dataset(documents: Iterable[str], tokenizer: Tokenizer, output_prefix: str) -> dict:
-    """Tokenize ``documents`` (each followed by EOD) into ``output_prefix.{bin,idx}``.
-
-    Returns ``{"documents": n, "tokens": n}``. Empty documents are skipped.
-    """
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
-    prefix = os.path.abspath(output_prefix)
-    os.makedirs(os.path.dirname(prefix), exist_ok=True)
-    tmp_prefix = f"{prefix}.tmp{os.getpid()}"
-    dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    builder = IndexedDatasetBuilder(tmp_prefix + ".bin", dtype=dtype)
-    n_docs = n_tokens = 0
-    try:
-        for batch in _batched(documents, _BATCH_DOCS):
-            for ids in tokenizer.tokenize_batch(batch):
-                if not ids:
-                    continue
-                ids.append(tokenizer.eod)
-                builder.add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
-                n_docs += 1
-                n_tokens += len(ids)
-        builder.finalize(tmp_prefix + ".idx")
-        if n_docs == 0:
-            raise ValueError("no non-empty documents in the input")
-        os.replace(tmp_prefix + ".bin", prefix + ".bin")
-        os.replace(tmp_prefix + ".idx", prefix + ".idx")
-    finally:
-        for ext in (".bin", ".idx"):
-            if os.path.exists(tmp_prefix + ext):
-                os.remove(tmp_prefix + ext)
-    return {"documents": n_docs, "tokens": n_tokens}
-
-
 def _output_problem(output_prefix: str, overwrite: bool) -> str | None:
     """Why ``output_prefix`` cannot be written (checked before any work), or ``None``."""
     prefix = os.path.abspath(output_prefix)
@@ -155,8 +107,6 @@ def load_tokenizer(spec: str, eod_token: str | None = None, embedded_dir: str | 
     ``max_bytes``, the ``data.embedded_*`` settings of a recipe.
     """
     if spec == "builtin":
-        from megatron_mhar.data.corpus import prepare_embedded
-
         return prepare_embedded(embedded_dir, vocab_size, max_bytes).tokenizer()
     return Tokenizer.from_dir(os.path.expanduser(spec), eod_token)
 

@@ -14,9 +14,9 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.models.block import MHARTransformerBlock
-from megatron_mhar.models.config import GPTModelConfig
+from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.norms import SequenceParallelTorchNorm
 from megatron_mhar.models.specs import get_mhar_layer_spec
 

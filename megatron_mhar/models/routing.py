@@ -26,8 +26,8 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron_mhar.config import MHARConfig
 from megatron_mhar.models.main_grad import accumulate_into_main_grad
+from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.ops.depth_route import routing_entropy
 from megatron_mhar.ops.history import SourceHistory, get_backend
 from megatron_mhar.ops.lookahead import (

@@ -5,9 +5,9 @@ from typing import Optional
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.models.attention import SDPACoreAttention
-from megatron_mhar.models.config import GPTModelConfig
+from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.layer import MHARTransformerLayer
 
 

@@ -1,5 +1,6 @@
-"""The training driver: recipes (config), the loop, checkpointing, metrics and signals.
+"""The training driver: the run configuration (schema, recipes, launch checks), the loop,
+checkpointing, metrics and signals.
 
-``python -m megatron_mhar.train RECIPE [dotted.key=value ...]`` is the entry point;
-:func:`megatron_mhar.training.loop.run` trains one run on one rank.
+``mhar-train RECIPE [dotted.key=value ...]`` (or ``python -m megatron_mhar.train``) is the
+entry point; :func:`megatron_mhar.training.loop.run` trains one run on one rank.
 """

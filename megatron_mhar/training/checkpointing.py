@@ -39,9 +39,9 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_mhar.config import function_fields
+from megatron_mhar.models.mhar_config import function_fields
 from megatron_mhar.files import TMP_PREFIX, fsync_dir, write_atomic
-from megatron_mhar.training.config import config_differences
+from megatron_mhar.training.recipes import config_differences
 from megatron_mhar.training.model import unwrap
 from megatron_mhar.training.signals import SIGNALS as STOP_SIGNALS
 

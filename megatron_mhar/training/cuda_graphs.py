@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from megatron_mhar.training.config import CUDA_GRAPH_MODES
+from megatron_mhar.training.schema import CUDA_GRAPH_MODES
 
 
 class FullIterationGraph:

@@ -40,9 +40,11 @@ from megatron_mhar.data.datasets import MicroBatches, build_gpt_datasets
 from megatron_mhar.parallel import pipeline
 from megatron_mhar.runtime.distributed import DistributedContext, destroy, initialize_model_parallel_from_env
 from megatron_mhar.training import checkpointing, cuda_graphs
-from megatron_mhar.training.config import TrainConfig, expand_path, to_yaml, validate_launch
+from megatron_mhar.training.launch_checks import expand_path, validate_launch
 from megatron_mhar.training.metrics import MetricsWriter, StepTimer, format_duration
 from megatron_mhar.training.model import build_model_chunks, transformer_config, unwrap
+from megatron_mhar.training.recipes import to_yaml
+from megatron_mhar.training.schema import TrainConfig
 from megatron_mhar.training.signals import StopSignal
 
 SUMMARY_FILE = "summary.json"

@@ -10,7 +10,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
-from megatron_mhar.training.config import TrainConfig
+from megatron_mhar.training.schema import TrainConfig
 
 
 def transformer_config(cfg: TrainConfig, on_cpu: bool) -> TransformerConfig:

@@ -63,7 +63,7 @@ def _convert(hf_dir, out, variant):
 def _run_from(checkpoint, tmp_path, embedded_dir, name, *overrides, record=None):
     """Train from a converted checkpoint; ``record`` collects the micro-batches of step 1."""
     from megatron_mhar.training import loop
-    from megatron_mhar.training.config import load_config
+    from megatron_mhar.training.recipes import load_config
 
     sections = yaml.safe_load((checkpoint / "iter_0000000" / "train_config.yaml").read_text())
     copied = [f"{section}.{key}={'null' if value is None else value}"

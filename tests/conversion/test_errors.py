@@ -315,8 +315,8 @@ def test_reverse_map_covers_the_table_and_refuses_unknown_tensors(hf_dirs):
 def test_cpt_recipe_matches_a_converted_llama31_8b():
     """`hf_to_mcore_mhar.py --variant delta --seq-length 4096` on Marin-8B (Llama-3.1-8B)
     writes exactly the model and mhar sections recipes/cpt_8b_mhar_delta.yaml carries."""
-    from megatron_mhar.config import MHARConfig
-    from megatron_mhar.training.config import load_config
+    from megatron_mhar.models.mhar_config import MHARConfig
+    from megatron_mhar.training.recipes import load_config
 
     recipe = load_config("cpt_8b_mhar_delta")
     converted = hf_config.model_config_from_hf(LLAMA31_8B, seq_length=4096)
@@ -326,7 +326,7 @@ def test_cpt_recipe_matches_a_converted_llama31_8b():
 
 
 def test_hf_config_round_trip_for_models_trained_from_scratch():
-    from megatron_mhar.models.config import GPTModelConfig
+    from megatron_mhar.models.gpt_config import GPTModelConfig
 
     model = GPTModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                            ffn_hidden_size=96, vocab_size=100, qk_layernorm=True)

@@ -7,13 +7,12 @@ import os
 import re
 import sysconfig
 
-import numpy
 import pytest
 import torch
 
 from megatron_mhar.data.corpus import prepare_embedded, stdlib_files
+from megatron_mhar.data.indexed_writer import write_indexed_dataset
 from megatron_mhar.data.preprocess import main as preprocess_main
-from megatron_mhar.data.preprocess import write_indexed_dataset
 from megatron_mhar.data.tokenizer import EOD_TOKEN, Tokenizer
 
 VOCAB = 384

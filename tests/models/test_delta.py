@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.ops import depth_route_reference
 from tests.models.test_mhar_model import (
     _batch,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import megatron_mhar
-from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.mhar_config import MHARConfig
 
 VOCAB, SEQ = 100, 8  # VOCAB pads to 128 rows: ids 100..127 index padding rows
 
@@ -14,7 +14,7 @@ def checkpoint_dir(megatron_world1, tmp_path):
     """A tiny full-variant model saved in the driver's layout (``latest`` -> ``iter_0000000``)."""
     from megatron_mhar.conversion import checkpoint
     from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
-    from megatron_mhar.models.config import GPTModelConfig
+    from megatron_mhar.models.gpt_config import GPTModelConfig
 
     model = GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
                            seq_length=SEQ)

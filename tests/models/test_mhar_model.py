@@ -5,14 +5,14 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.ops import depth_route_reference
 
 SEQ, BATCH, VOCAB = 8, 2, 64
 
 
 def _model_config(**overrides):
-    from megatron_mhar.models.config import GPTModelConfig
+    from megatron_mhar.models.gpt_config import GPTModelConfig
 
     fields = dict(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                   ffn_hidden_size=48, vocab_size=VOCAB, seq_length=SEQ, qk_layernorm=True)

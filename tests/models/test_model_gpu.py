@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.mhar_config import MHARConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +27,7 @@ BF16 = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat1
 
 
 def _model_config(attention_backend):
-    from megatron_mhar.models.config import GPTModelConfig
+    from megatron_mhar.models.gpt_config import GPTModelConfig
 
     return GPTModelConfig(num_layers=4, hidden_size=256, num_attention_heads=8,
                           num_query_groups=4, ffn_hidden_size=512, vocab_size=VOCAB,

@@ -7,7 +7,7 @@ kernels themselves are compared with the per-site reference in tests/kernels.
 import pytest
 import torch
 
-from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.ops.history import TORCH_BACKEND, SourceHistory
 from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, GroupSite, LookaheadHistory, auto_group_size, group_ranges
 from tests.models.test_mhar_model import _batch, _build, _model_config, _randomize_routers

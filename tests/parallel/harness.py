@@ -62,7 +62,7 @@ class Layout:
 
 
 def model_config():
-    from megatron_mhar.models.config import GPTModelConfig
+    from megatron_mhar.models.gpt_config import GPTModelConfig
 
     return GPTModelConfig(
         num_layers=NUM_LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -72,7 +72,7 @@ def model_config():
 
 
 def mhar_config(variant: str):
-    from megatron_mhar.config import MHARConfig
+    from megatron_mhar.models.mhar_config import MHARConfig
 
     return MHARConfig(**VARIANTS[variant])
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_mhar.config import MHARConfig
+from megatron_mhar.models.mhar_config import MHARConfig
 
 
 def _sent_messages(pp, chunks, table):
@@ -61,7 +61,7 @@ def test_receive_order_matches_what_neighbours_send(pp, chunks, microbatches, gr
 
 
 def _model_config():
-    from megatron_mhar.models.config import GPTModelConfig
+    from megatron_mhar.models.gpt_config import GPTModelConfig
 
     return GPTModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64)
 

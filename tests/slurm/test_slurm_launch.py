@@ -5,7 +5,7 @@ munge, slurmctld, slurmd and shellcheck from the distribution's packages and sta
 one-node cluster on localhost. These tests submit the production scripts
 (``slurm/pretrain_1b_mhar.sh``, ``slurm/cpt_8b_mhar_delta.sh``) with ``sbatch``,
 changed only by overrides: ``--gpus-per-node=0 --ntasks-per-node=1 -N 1`` on the
-sbatch command line (one CPU rank), ``RECIPE=recipes/smoke_cpu.yaml`` and a tiny
+sbatch command line (one CPU rank), ``RECIPE=smoke_cpu`` and a tiny
 model as training overrides.
 
 * ``uninterrupted``: the pretrain script runs ``STEPS`` steps to the end; it must
@@ -187,7 +187,7 @@ class Job:
         log_pattern = root / f"{run_name}-%j.log"
         env = dict(
             cluster.env,
-            RECIPE="recipes/smoke_cpu.yaml",
+            RECIPE="smoke_cpu",
             RUN_NAME=run_name,
             OUTPUT_DIR=str(root / "runs"),
             PYTHON=sys.executable,

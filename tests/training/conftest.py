@@ -57,7 +57,7 @@ def single_process(monkeypatch):
 @pytest.fixture
 def tiny(tmp_path, embedded_dir, single_process):
     """``tiny(*overrides)``: the smoke recipe shrunk to seconds, writing under tmp_path."""
-    from megatron_mhar.training.config import load_config
+    from megatron_mhar.training.recipes import load_config
 
     def make(*overrides, name="tiny"):
         base = TINY + [

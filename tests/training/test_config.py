@@ -11,13 +11,9 @@ import textwrap
 import pytest
 import torch
 
-from megatron_mhar.training.config import (
-    TrainConfig,
-    apply_overrides,
-    from_dict,
-    load_config,
-    validate_launch,
-)
+from megatron_mhar.training.launch_checks import validate_launch
+from megatron_mhar.training.recipes import apply_overrides, load_config
+from megatron_mhar.training.schema import TrainConfig, from_dict
 
 
 def _write(path, text):
@@ -135,7 +131,7 @@ def test_yaml_merge_keys_may_override():
     """Only keys written twice are refused, not a merge key's values overridden."""
     import yaml
 
-    from megatron_mhar.training.config import _RecipeLoader
+    from megatron_mhar.training.recipes import _RecipeLoader
 
     assert yaml.load("a: &x {b: 1, c: 2}\nd:\n  <<: *x\n  b: 3\n", Loader=_RecipeLoader)["d"] == {"b": 3, "c": 2}
 

@@ -9,7 +9,7 @@ from tests.training.conftest import TINY
 
 
 def _train(overrides):
-    from megatron_mhar.training.config import load_config
+    from megatron_mhar.training.recipes import load_config
     from megatron_mhar.training.loop import run
 
     return run(load_config("smoke_cpu", TINY + overrides)).losses

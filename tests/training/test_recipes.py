@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_mhar.training.config import RECIPES_DIR, load_config
+from megatron_mhar.training.recipes import load_config, recipe_names
 
-RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+RECIPES = recipe_names()
 
 # The paper's configurations: d, layers, heads, KV heads, FFN, seq, global batch, micro-batch
 PUBLISHED = {

@@ -1,52 +1,32 @@
-"""Run configuration: YAML recipes mapped one-to-one onto nested dataclasses.
+"""Run configuration schema: nested dataclasses, one per recipe section, and typed loading.
 
-A recipe is a YAML mapping whose top-level keys are the sections of
-:class:`TrainConfig` (``run``, ``model``, ``mhar``, ``parallel``, ``training``,
-``optimizer``, ``eval``, ``data``, ``checkpoint``, ``logging``). Two extra
-mechanisms keep recipes free of copy-paste:
+:class:`TrainConfig` holds one dataclass per top-level section of a recipe (``run``,
+``model``, ``mhar``, ``parallel``, ``training``, ``optimizer``, ``eval``, ``data``,
+``checkpoint``, ``logging``). Every section's ``__post_init__`` checks its own values and
+:class:`TrainConfig` checks the values that depend on several sections.
+:func:`from_dict` builds the dataclasses from a nested dict, strictly: an unknown key
+names the closest valid key, a value of the wrong type names the expected type.
 
-* ``include: [base/pretrain.yaml, ...]`` (paths relative to the including file)
-  merges other recipes first, in order; the including file's own keys win.
-  Mappings merge key by key, lists and scalars replace.
-* Command-line overrides ``dotted.key=value`` (``model.num_layers=4``,
-  ``data.paths=[a,b]``) apply last; the value is parsed as YAML except for string
-  fields, which take the text verbatim.
-
-Loading is strict and happens before any process group starts: an unknown key
-names the closest valid key, a value of the wrong type names the expected type,
-and every section's ``__post_init__`` checks its own values. Checks that need the
-launch (world size, files on disk) live in :func:`validate_launch`.
+Reading YAML recipes and overrides is :mod:`megatron_mhar.training.recipes`; checks that
+need the launch (world size, files on disk) are :mod:`megatron_mhar.training.launch_checks`.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
-import importlib.util
 import math
 import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-import yaml
-
-from megatron_mhar.config import MHARConfig
-from megatron_mhar.files import nearest_existing
-from megatron_mhar.models.config import GPTModelConfig
+from megatron_mhar.models.gpt_config import GPTModelConfig
+from megatron_mhar.models.mhar_config import MHARConfig
 
 CUDA_GRAPH_MODES = ("none", "full_iteration")
 """Values of ``training.cuda_graph`` (see :mod:`megatron_mhar.training.cuda_graphs`)."""
-
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
-"""The repository's recipes; a bare name such as ``smoke_cpu`` resolves here."""
-
-DEFAULT_RECIPE = "smoke_cpu"
-"""Recipe used when the command line names none: tiny models on the embedded corpus."""
-
-INCLUDE_KEY = "include"
 
 
 @dataclasses.dataclass
@@ -395,10 +375,10 @@ class TrainConfig:
     """Name, output directory, seed, device."""
 
     model: GPTModelConfig = dataclasses.field(default_factory=GPTModelConfig)
-    """Architecture (megatron_mhar.models.config.GPTModelConfig)."""
+    """Architecture (megatron_mhar.models.gpt_config.GPTModelConfig)."""
 
     mhar: MHARConfig = dataclasses.field(default_factory=MHARConfig)
-    """Depth routing (megatron_mhar.config.MHARConfig); ``variant: none`` is the baseline."""
+    """Depth routing (megatron_mhar.models.mhar_config.MHARConfig); ``variant: none`` is the baseline."""
 
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     """Tensor / pipeline / data parallel layout."""
@@ -492,77 +472,10 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+
 # --------------------------------------------------------------------------------------
-# Loading: YAML -> merged dict -> typed dataclasses
+# Typed loading: nested dict -> dataclasses, strict keys and types
 # --------------------------------------------------------------------------------------
-
-
-def resolve_recipe(recipe: str) -> Path:
-    """A recipe path, or a bare name (``smoke_cpu``) looked up in the repository's recipes."""
-    path = Path(recipe).expanduser()
-    if path.is_file():
-        return path
-    for candidate in (RECIPES_DIR / recipe, RECIPES_DIR / f"{recipe}.yaml"):
-        if candidate.is_file():
-            return candidate
-    known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")) if RECIPES_DIR.is_dir() else []
-    close = difflib.get_close_matches(Path(recipe).stem, known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; known recipes: {', '.join(known)}"
-    raise ValueError(f"recipe {recipe!r} is neither a file nor a name in {RECIPES_DIR}{hint}")
-
-
-class _RecipeLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
-    silently: a second ``training:`` section would drop every key of the first)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                if key_node.value in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key_node.value!r} appears twice in one mapping; keep one",
-                        key_node.start_mark,
-                    )
-                seen.add(key_node.value)
-        return super().construct_mapping(node, deep)
-
-
-def _read_yaml(path: Path, chain: Tuple[Path, ...] = ()) -> Dict[str, Any]:
-    """One recipe file with its includes merged in (depth first, in order)."""
-    path = path.resolve()
-    if path in chain:
-        cycle = " -> ".join(p.name for p in chain + (path,))
-        raise ValueError(f"recipe include cycle: {cycle}")
-    with open(path) as f:
-        try:
-            raw = yaml.load(f, Loader=_RecipeLoader) or {}
-        except yaml.YAMLError as err:
-            raise ValueError(f"not valid YAML: {err}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: a recipe must be a YAML mapping, got {type(raw).__name__}")
-    includes = raw.pop(INCLUDE_KEY, [])
-    if isinstance(includes, str):
-        includes = [includes]
-    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
-        raise ValueError(f"{path}: '{INCLUDE_KEY}' must be a path or a list of paths")
-    merged: Dict[str, Any] = {}
-    for include in includes:
-        target = (path.parent / include).resolve()
-        if not target.is_file():
-            raise ValueError(f"{path}: included recipe {include!r} not found at {target}")
-        merged = _deep_merge(merged, _read_yaml(target, chain + (path,)))
-    return _deep_merge(merged, raw)
-
-
-def _deep_merge(base: Dict[str, Any], top: Dict[str, Any]) -> Dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 def _field_types(cls) -> Dict[str, Any]:
@@ -601,6 +514,7 @@ def _unknown_key(path: str) -> ValueError:
         p for p in valid if "." not in p
     ]
     return ValueError(f"unknown config key {path!r}; valid keys here: {', '.join(options)}")
+
 
 
 def _type_name(hint) -> str:
@@ -673,7 +587,8 @@ def _build(cls, raw: Dict[str, Any], prefix: str):
     return cls(**kwargs)
 
 
-def _field_hint(path: str):
+
+def field_hint(path: str):
     """The annotation of a dotted key, or an unknown-key error."""
     cls, hint = TrainConfig, None
     for part in path.split("."):
@@ -684,48 +599,6 @@ def _field_hint(path: str):
     return hint
 
 
-def _is_str_field(hint) -> bool:
-    if hint is str:
-        return True
-    args = typing.get_args(hint)
-    return typing.get_origin(hint) in (typing.Union, types.UnionType) and str in args
-
-
-def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
-    """Apply ``dotted.key=value`` overrides to a recipe dict (returns a new dict)."""
-    raw = copy.deepcopy(raw)
-    for item in overrides:
-        try:
-            _apply_override(raw, item)
-        except ValueError as err:
-            message = str(err)
-            raise ValueError(message if message.startswith("override") else f"override {item!r}: {message}") from None
-    return raw
-
-
-def _apply_override(raw: Dict[str, Any], item: str) -> None:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"override {item!r} must look like dotted.key=value")
-        hint = _field_hint(key)
-        if dataclasses.is_dataclass(hint):
-            raise ValueError(f"override {key!r} names a whole section; set one of its keys")
-        if _is_str_field(hint) and text.strip() not in ("null", "~"):
-            value: Any = text
-        else:
-            try:
-                value = yaml.safe_load(text)
-            except yaml.YAMLError as err:
-                raise ValueError(f"override {item!r}: cannot parse value: {err}") from None
-        node = raw
-        *parents, leaf = key.split(".")
-        for part in parents:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = node[part] = {}
-            node = child
-        node[leaf] = value
 
 
 def from_dict(raw: Dict[str, Any], source: str = "config") -> TrainConfig:
@@ -735,168 +608,3 @@ def from_dict(raw: Dict[str, Any], source: str = "config") -> TrainConfig:
     except ValueError as err:
         raise ValueError(f"{source}: {err}") from None
 
-
-def load_config(recipe: Optional[str] = None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Read a recipe (a path or a name in ``recipes/``), merge includes and overrides."""
-    path = resolve_recipe(recipe or DEFAULT_RECIPE)
-    try:
-        raw = apply_overrides(_read_yaml(path), overrides)
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
-    return from_dict(raw, source=str(path))
-
-
-def to_yaml(cfg: TrainConfig) -> str:
-    """The resolved config as YAML (what the run directory records)."""
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-
-
-def config_differences(
-    saved: Dict[str, Any], current: Dict[str, Any], prefix: str = ""
-) -> List[str]:
-    """``key: saved -> current`` for every leaf that differs between two config dicts."""
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
-        if isinstance(a, dict) and isinstance(b, dict):
-            out.extend(config_differences(a, b, f"{prefix}{key}."))
-        elif a != b:
-            out.append(f"{prefix}{key}: {a!r} (checkpoint) vs {b!r} (config)")
-    return out
-
-
-# --------------------------------------------------------------------------------------
-# Launch checks: need the world size and the file system, still no process group
-# --------------------------------------------------------------------------------------
-
-
-def expand_path(text: str, key: str) -> str:
-    """``~`` and ``${VAR}`` expanded; an unset variable is an error naming ``key``."""
-    expanded = os.path.expandvars(os.path.expanduser(text))
-    if "$" in expanded:
-        raise ValueError(
-            f"{key}={text!r} uses an environment variable that is not set; export it or "
-            f"override {key}"
-        )
-    return expanded
-
-
-def validate_launch(cfg: TrainConfig, world_size: int) -> None:
-    """Checks that need the launch: parallel layout vs world size, batch sizes, files.
-
-    Runs before any process group starts, on every rank (all reach the same verdict).
-    """
-    par, tr = cfg.parallel, cfg.training
-    if world_size % par.model_parallel_size:
-        raise ValueError(
-            f"world size {world_size} is not a multiple of tensor_model_parallel_size x "
-            f"pipeline_model_parallel_size = {par.model_parallel_size}; change the parallel "
-            f"sizes or the number of processes"
-        )
-    dp = world_size // par.model_parallel_size
-    per_step = tr.micro_batch_size * dp
-    if tr.global_batch_size % per_step:
-        raise ValueError(
-            f"training.global_batch_size={tr.global_batch_size} is not a multiple of "
-            f"training.micro_batch_size x data-parallel size = {tr.micro_batch_size} x {dp}; "
-            f"use a global batch of a multiple of {per_step}"
-        )
-    num_micro = tr.global_batch_size // per_step
-    pp = par.pipeline_model_parallel_size
-    if par.virtual_pipeline_model_parallel_size and num_micro % pp:
-        raise ValueError(
-            f"the interleaved pipeline schedule needs the micro-batches per step ({num_micro}) "
-            f"to be a multiple of pipeline_model_parallel_size={pp}; raise "
-            f"training.global_batch_size"
-        )
-    if par.sequence_parallel and cfg.model.seq_length % par.tensor_model_parallel_size:
-        raise ValueError(
-            f"model.seq_length={cfg.model.seq_length} must be a multiple of "
-            f"tensor_model_parallel_size={par.tensor_model_parallel_size} with sequence parallelism"
-        )
-
-    cuda = _cuda_available()
-    if cfg.run.device == "cuda" and not cuda:
-        raise ValueError("run.device=cuda but CUDA is not available; set run.device=cpu")
-    on_cpu = cfg.run.device == "cpu" or (cfg.run.device == "auto" and not cuda)
-    if on_cpu and tr.precision == "bf16":
-        raise ValueError(
-            "training.precision=bf16 runs on GPUs; on CPU set training.precision=fp32"
-        )
-    if on_cpu and cfg.mhar.kernel_impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError(
-            "mhar.kernel_impl=triton runs on GPUs (or in Triton's interpreter with TRITON_INTERPRET=1); "
-            "on CPU set mhar.kernel_impl=auto or torch"
-        )
-    if on_cpu and tr.cuda_graph != "none":
-        raise ValueError(
-            f"training.cuda_graph={tr.cuda_graph} needs a GPU; on CPU set training.cuda_graph=none"
-        )
-
-    data = cfg.data
-    from megatron_mhar.data.datasets import open_indexed, sampled_max_token
-
-    for i, prefix in enumerate(data.paths):
-        path = expand_path(prefix, f"data.paths[{i}]")
-        try:  # both files there, and one intact pair: before any process group starts
-            open_indexed(path)
-        except ValueError as err:
-            raise ValueError(f"data.paths[{i}]={prefix!r}: {err}") from None
-        # Ids past the vocabulary would train the padded embedding rows or fail deep in a
-        # step (a device-side assert on GPUs): data written with another tokenizer. Read on
-        # rank 0 only: a blend of many prefixes on every rank would be a storm of reads.
-        if int(os.environ.get("RANK", "0")) != 0:
-            continue
-        largest = sampled_max_token(path)
-        if largest >= cfg.model.vocab_size:
-            raise ValueError(
-                f"data.paths[{i}]={prefix!r} holds token id {largest}, beyond model.vocab_size="
-                f"{cfg.model.vocab_size}: it was written with another tokenizer; rewrite it with "
-                f"python -m megatron_mhar.data.preprocess --tokenizer <data.tokenizer>, or fix the path"
-            )
-    if data.tokenizer != "builtin":
-        tok_dir = expand_path(data.tokenizer, "data.tokenizer")
-        if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-            raise ValueError(
-                f"data.tokenizer={data.tokenizer!r}: no tokenizer.json in {tok_dir}; give a local "
-                f"Hugging Face tokenizer directory (e.g. a download of Qwen/Qwen3-0.6B) or 'builtin'"
-            )
-        from megatron_mhar.data.tokenizer import Tokenizer
-
-        vocab = Tokenizer.from_dir(tok_dir, data.eod_token).vocab_size
-        source = f"the tokenizer in {tok_dir}"
-    else:
-        vocab, source = data.embedded_vocab_size, "data.embedded_vocab_size (builtin tokenizer)"
-    if vocab > cfg.model.vocab_size:
-        raise ValueError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than {source} ({vocab} tokens); "
-            f"set model.vocab_size>={vocab}"
-        )
-    if importlib.util.find_spec("psutil") is None:
-        # Megatron's checkpoint writer processes need it and hang the save without it.
-        raise ValueError("megatron.core.dist_checkpointing needs psutil: pip install psutil")
-    _check_output_dir(cfg.run.dir, "run.output_dir/run.name")
-    _check_output_dir(cfg.checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "run.output_dir/run.name")
-    if cfg.checkpoint.load is not None:
-        load = expand_path(cfg.checkpoint.load, "checkpoint.load")
-        if not os.path.isdir(load):
-            raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r}: no such directory")
-
-
-def _check_output_dir(path: Path, keys: str) -> None:
-    """``path`` is a writable directory or can be made one (checked now, not at the first
-    save after hours of training)."""
-    path = path.absolute()
-    existing = nearest_existing(path)
-    if not existing.is_dir():
-        raise ValueError(
-            f"{path} cannot be a directory: {existing} is a file; change {keys} or move the file"
-        )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{path} is not writable ({existing} is read-only to this user); change {keys}")
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -1,0 +1,149 @@
+"""Launch-time checks: what needs the world size and the file system, before any process group.
+
+:func:`validate_launch` runs on every rank before the process groups start (all ranks reach
+the same verdict): the parallel layout against the world size, the device against the
+precision and kernels, the data files and tokenizer against the model's vocabulary, and
+the output directories. A recipe's own consistency is checked when it loads
+(:mod:`megatron_mhar.training.schema`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from megatron_mhar.files import nearest_existing
+from megatron_mhar.training.schema import TrainConfig
+
+
+def expand_path(text: str, key: str) -> str:
+    """``~`` and ``${VAR}`` expanded; an unset variable is an error naming ``key``."""
+    expanded = os.path.expandvars(os.path.expanduser(text))
+    if "$" in expanded:
+        raise ValueError(
+            f"{key}={text!r} uses an environment variable that is not set; export it or "
+            f"override {key}"
+        )
+    return expanded
+
+
+def validate_launch(cfg: TrainConfig, world_size: int) -> None:
+    """Checks that need the launch: parallel layout vs world size, batch sizes, files.
+
+    Runs before any process group starts, on every rank (all reach the same verdict).
+    """
+    par, tr = cfg.parallel, cfg.training
+    if world_size % par.model_parallel_size:
+        raise ValueError(
+            f"world size {world_size} is not a multiple of tensor_model_parallel_size x "
+            f"pipeline_model_parallel_size = {par.model_parallel_size}; change the parallel "
+            f"sizes or the number of processes"
+        )
+    dp = world_size // par.model_parallel_size
+    per_step = tr.micro_batch_size * dp
+    if tr.global_batch_size % per_step:
+        raise ValueError(
+            f"training.global_batch_size={tr.global_batch_size} is not a multiple of "
+            f"training.micro_batch_size x data-parallel size = {tr.micro_batch_size} x {dp}; "
+            f"use a global batch of a multiple of {per_step}"
+        )
+    num_micro = tr.global_batch_size // per_step
+    pp = par.pipeline_model_parallel_size
+    if par.virtual_pipeline_model_parallel_size and num_micro % pp:
+        raise ValueError(
+            f"the interleaved pipeline schedule needs the micro-batches per step ({num_micro}) "
+            f"to be a multiple of pipeline_model_parallel_size={pp}; raise "
+            f"training.global_batch_size"
+        )
+    if par.sequence_parallel and cfg.model.seq_length % par.tensor_model_parallel_size:
+        raise ValueError(
+            f"model.seq_length={cfg.model.seq_length} must be a multiple of "
+            f"tensor_model_parallel_size={par.tensor_model_parallel_size} with sequence parallelism"
+        )
+
+    cuda = _cuda_available()
+    if cfg.run.device == "cuda" and not cuda:
+        raise ValueError("run.device=cuda but CUDA is not available; set run.device=cpu")
+    on_cpu = cfg.run.device == "cpu" or (cfg.run.device == "auto" and not cuda)
+    if on_cpu and tr.precision == "bf16":
+        raise ValueError(
+            "training.precision=bf16 runs on GPUs; on CPU set training.precision=fp32"
+        )
+    if on_cpu and cfg.mhar.kernel_impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            "mhar.kernel_impl=triton runs on GPUs (or in Triton's interpreter with TRITON_INTERPRET=1); "
+            "on CPU set mhar.kernel_impl=auto or torch"
+        )
+    if on_cpu and tr.cuda_graph != "none":
+        raise ValueError(
+            f"training.cuda_graph={tr.cuda_graph} needs a GPU; on CPU set training.cuda_graph=none"
+        )
+
+    data = cfg.data
+    from megatron_mhar.data.datasets import open_indexed, sampled_max_token
+
+    for i, prefix in enumerate(data.paths):
+        path = expand_path(prefix, f"data.paths[{i}]")
+        try:  # both files there, and one intact pair: before any process group starts
+            open_indexed(path)
+        except ValueError as err:
+            raise ValueError(f"data.paths[{i}]={prefix!r}: {err}") from None
+        # Ids past the vocabulary would train the padded embedding rows or fail deep in a
+        # step (a device-side assert on GPUs): data written with another tokenizer. Read on
+        # rank 0 only: a blend of many prefixes on every rank would be a storm of reads.
+        if int(os.environ.get("RANK", "0")) != 0:
+            continue
+        largest = sampled_max_token(path)
+        if largest >= cfg.model.vocab_size:
+            raise ValueError(
+                f"data.paths[{i}]={prefix!r} holds token id {largest}, beyond model.vocab_size="
+                f"{cfg.model.vocab_size}: it was written with another tokenizer; rewrite it with "
+                f"python -m megatron_mhar.data.preprocess --tokenizer <data.tokenizer>, or fix the path"
+            )
+    if data.tokenizer != "builtin":
+        tok_dir = expand_path(data.tokenizer, "data.tokenizer")
+        if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+            raise ValueError(
+                f"data.tokenizer={data.tokenizer!r}: no tokenizer.json in {tok_dir}; give a local "
+                f"Hugging Face tokenizer directory (e.g. a download of Qwen/Qwen3-0.6B) or 'builtin'"
+            )
+        from megatron_mhar.data.tokenizer import Tokenizer
+
+        vocab = Tokenizer.from_dir(tok_dir, data.eod_token).vocab_size
+        source = f"the tokenizer in {tok_dir}"
+    else:
+        vocab, source = data.embedded_vocab_size, "data.embedded_vocab_size (builtin tokenizer)"
+    if vocab > cfg.model.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than {source} ({vocab} tokens); "
+            f"set model.vocab_size>={vocab}"
+        )
+    if importlib.util.find_spec("psutil") is None:
+        # Megatron's checkpoint writer processes need it and hang the save without it.
+        raise ValueError("megatron.core.dist_checkpointing needs psutil: pip install psutil")
+    _check_output_dir(cfg.run.dir, "run.output_dir/run.name")
+    _check_output_dir(cfg.checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "run.output_dir/run.name")
+    if cfg.checkpoint.load is not None:
+        load = expand_path(cfg.checkpoint.load, "checkpoint.load")
+        if not os.path.isdir(load):
+            raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r}: no such directory")
+
+
+def _check_output_dir(path: Path, keys: str) -> None:
+    """``path`` is a writable directory or can be made one (checked now, not at the first
+    save after hours of training)."""
+    path = path.absolute()
+    existing = nearest_existing(path)
+    if not existing.is_dir():
+        raise ValueError(
+            f"{path} cannot be a directory: {existing} is a file; change {keys} or move the file"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{path} is not writable ({existing} is read-only to this user); change {keys}")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,199 @@
+"""Recipes: YAML files read into a :class:`~megatron_mhar.training.schema.TrainConfig`.
+
+A recipe is a YAML mapping whose top-level keys are the sections of
+:class:`~megatron_mhar.training.schema.TrainConfig`. Two mechanisms keep recipes free of
+copy-paste:
+
+* ``include: [base/pretrain.yaml, ...]`` (paths relative to the including file)
+  merges other recipes first, in order; the including file's own keys win.
+  Mappings merge key by key, lists and scalars replace.
+* Command-line overrides ``dotted.key=value`` (``model.num_layers=4``,
+  ``data.paths=[a,b]``) apply last; the value is parsed as YAML except for string
+  fields, which take the text verbatim.
+
+The recipes of the paper's runs ship inside the package (``megatron_mhar/recipes``,
+package data), so a bare name such as ``smoke_cpu`` resolves in a checkout and in an
+installed copy alike. Loading is strict (:func:`~megatron_mhar.training.schema.from_dict`)
+and happens before any process group starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import types
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+from megatron_mhar.training.schema import TrainConfig, field_hint, from_dict
+
+
+def _packaged_recipes_dir() -> Path:
+    root = resources.files("megatron_mhar") / "recipes"
+    if not isinstance(root, Path):  # includes resolve against the including file's directory
+        raise RuntimeError(
+            f"megatron_mhar's recipes are not files on disk ({root!r}); install the package "
+            f"into a directory (pip install), not as a zip archive"
+        )
+    return root
+
+
+RECIPES_DIR = _packaged_recipes_dir()
+"""The packaged recipes (``megatron_mhar/recipes``); a bare name such as ``smoke_cpu`` resolves here."""
+
+DEFAULT_RECIPE = "smoke_cpu"
+"""Recipe used when the command line names none: tiny models on the embedded corpus."""
+
+INCLUDE_KEY = "include"
+
+
+def recipe_names() -> List[str]:
+    """Names of the packaged recipes (``base/`` holds the pieces they include, not recipes)."""
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_recipe(recipe: str) -> Path:
+    """A recipe path, or a bare name (``smoke_cpu``) looked up in the packaged recipes."""
+    path = Path(recipe).expanduser()
+    if path.is_file():
+        return path
+    for candidate in (RECIPES_DIR / recipe, RECIPES_DIR / f"{recipe}.yaml"):
+        if candidate.is_file():
+            return candidate
+    known = recipe_names()
+    close = difflib.get_close_matches(Path(recipe).stem, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known recipes: {', '.join(known)}"
+    raise ValueError(f"recipe {recipe!r} is neither a file nor a name in {RECIPES_DIR}{hint}")
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    silently: a second ``training:`` section would drop every key of the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key_node.value!r} appears twice in one mapping; keep one",
+                        key_node.start_mark,
+                    )
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep)
+
+
+def _read_yaml(path: Path, chain: Tuple[Path, ...] = ()) -> Dict[str, Any]:
+    """One recipe file with its includes merged in (depth first, in order)."""
+    path = path.resolve()
+    if path in chain:
+        cycle = " -> ".join(p.name for p in chain + (path,))
+        raise ValueError(f"recipe include cycle: {cycle}")
+    with open(path) as f:
+        try:
+            raw = yaml.load(f, Loader=_RecipeLoader) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a recipe must be a YAML mapping, got {type(raw).__name__}")
+    includes = raw.pop(INCLUDE_KEY, [])
+    if isinstance(includes, str):
+        includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise ValueError(f"{path}: '{INCLUDE_KEY}' must be a path or a list of paths")
+    merged: Dict[str, Any] = {}
+    for include in includes:
+        target = (path.parent / include).resolve()
+        if not target.is_file():
+            raise ValueError(f"{path}: included recipe {include!r} not found at {target}")
+        merged = _deep_merge(merged, _read_yaml(target, chain + (path,)))
+    return _deep_merge(merged, raw)
+
+
+def _deep_merge(base: Dict[str, Any], top: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _is_str_field(hint) -> bool:
+    if hint is str:
+        return True
+    args = typing.get_args(hint)
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and str in args
+
+
+def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+    """Apply ``dotted.key=value`` overrides to a recipe dict (returns a new dict)."""
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        try:
+            _apply_override(raw, item)
+        except ValueError as err:
+            message = str(err)
+            raise ValueError(message if message.startswith("override") else f"override {item!r}: {message}") from None
+    return raw
+
+
+def _apply_override(raw: Dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError(f"override {item!r} must look like dotted.key=value")
+    hint = field_hint(key)
+    if dataclasses.is_dataclass(hint):
+        raise ValueError(f"override {key!r} names a whole section; set one of its keys")
+    if _is_str_field(hint) and text.strip() not in ("null", "~"):
+        value: Any = text
+    else:
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"override {item!r}: cannot parse value: {err}") from None
+    node = raw
+    *parents, leaf = key.split(".")
+    for part in parents:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[leaf] = value
+
+
+def load_config(recipe: Optional[str] = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read a recipe (a path or a packaged recipe's name), merge includes and overrides."""
+    path = resolve_recipe(recipe or DEFAULT_RECIPE)
+    try:
+        raw = apply_overrides(_read_yaml(path), overrides)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    return from_dict(raw, source=str(path))
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    """The resolved config as YAML (what the run directory records)."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def config_differences(
+    saved: Dict[str, Any], current: Dict[str, Any], prefix: str = ""
+) -> List[str]:
+    """``key: saved -> current`` for every leaf that differs between two config dicts."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(config_differences(a, b, f"{prefix}{key}."))
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} (checkpoint) vs {b!r} (config)")
+    return out
+
