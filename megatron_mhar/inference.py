@@ -97,6 +97,7 @@ def load_model(
     """
     from megatron.core import parallel_state
 
+    from megatron_mhar.checkpoint_format import read_configs, stored_dtype
     from megatron_mhar.conversion import checkpoint
     from megatron_mhar.runtime import initialize_model_parallel_from_env
 
@@ -107,7 +108,7 @@ def load_model(
             f"pass a torch.dtype such as torch.bfloat16, not a string"
         )
     found = checkpoint.find_checkpoint(Path(path))
-    model_cfg, mhar, _ = checkpoint.read_configs(found)
+    model_cfg, mhar, _ = read_configs(found)
     if not torch.distributed.is_initialized():
         initialize_model_parallel_from_env(
             device="cpu" if device.type == "cpu" else "cuda", create_gloo_process_groups=False
@@ -117,7 +118,7 @@ def load_model(
     if tp != 1 or pp != 1:
         raise ValueError(f"load_model builds a TP=PP=1 model; Megatron is initialised with TP={tp}, PP={pp}")
     gpt = checkpoint.build_model(
-        model_cfg, mhar, dtype or checkpoint.stored_dtype(found), device="cpu" if device.type == "cpu" else "cuda"
+        model_cfg, mhar, dtype or stored_dtype(found), device="cpu" if device.type == "cpu" else "cuda"
     )
     checkpoint.load_into(gpt, found)
     return CausalLM(gpt.to(device), model_cfg, mhar).eval()

@@ -8,9 +8,15 @@ Fixtures:
         before every test, so a test's result does not depend on test order.
     cpu_runtime: the Megatron CPU runtime (``megatron_mhar.runtime.cpu``) for
         the duration of one test.
+    nan_uninitialised: deterministic mode, in which ``torch.empty`` reads as NaN.
+    single_process: no launcher variables in the environment (a world of one).
     megatron_world1: a single-process Megatron (world size 1, TP=PP=1) on the
         CPU runtime with gloo, torn down after the test; yields the
         ``DistributedContext``.
+    embedded_dir: the embedded corpus, builtin tokenizer and dataset the driver
+        tests train on, built once per test run.
+
+Plain helpers that test modules import live in ``tests/helpers.py``.
 
 Markers:
     gpu: the test needs CUDA; skipped cleanly on CPU-only machines.
@@ -24,9 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-# Variables a launcher (torchrun, srun wrappers) may leave in a CI job's
-# environment; single-process fixtures must not try to rendezvous with them.
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+from tests.helpers import EMBEDDED_BYTES, EMBEDDED_VOCAB, LAUNCHER_ENV
 
 
 def pytest_configure(config):
@@ -71,17 +75,32 @@ def nan_uninitialised():
 
 
 @pytest.fixture
-def megatron_world1(monkeypatch):
+def single_process(monkeypatch):
+    """No launcher variables: Megatron (and the driver) start a world of one."""
+    for name in LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def megatron_world1(single_process):
     """Single-process Megatron (TP=PP=1, gloo, CPU runtime); destroyed after the test.
 
     Seeds Megatron's RNG tracker with ``model_parallel_cuda_manual_seed(1234)``.
     """
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
 
-    for name in _LAUNCHER_ENV:
-        monkeypatch.delenv(name, raising=False)
     ctx = initialize_model_parallel_from_env(tp=1, pp=1, seed=1234, device="cpu")
     try:
         yield ctx
     finally:
         destroy()
+
+
+@pytest.fixture(scope="session")
+def embedded_dir(tmp_path_factory):
+    """The embedded corpus, builtin tokenizer and dataset, built once per test run."""
+    from megatron_mhar.data.corpus import prepare_embedded
+
+    root = tmp_path_factory.mktemp("embedded")
+    prepare_embedded(str(root), EMBEDDED_VOCAB, EMBEDDED_BYTES)
+    return root

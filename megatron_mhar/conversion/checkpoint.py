@@ -1,8 +1,7 @@
-"""Megatron distributed checkpoints of converted models: layout, publishing, build and load.
+"""Megatron distributed checkpoints of converted models: output checks, publishing, build and load.
 
-A converted checkpoint uses the training driver's layout and names
-(:mod:`megatron_mhar.training.checkpointing`), so ``checkpoint.load`` of a recipe
-points at it directly::
+A converted checkpoint has the layout and names of :mod:`megatron_mhar.checkpoint_format`
+(the training driver's), so ``checkpoint.load`` of a recipe points at it directly::
 
     out/
       latest                  text: iter_0000000
@@ -18,7 +17,7 @@ reads: ``config`` (``{"model": ..., "mhar": ...}`` as dicts of
 ``train_state`` and ``checkpoint_version``. There is no optimizer state, so a run
 starting from it sets ``checkpoint.load_model_only: true``.
 
-The whole ``out/`` directory is written under ``.tmp.<name>`` beside it and renamed
+The whole ``out/`` directory is written in its staging directory beside it and renamed
 into place only once complete (:func:`publish`).
 """
 
@@ -32,40 +31,33 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from megatron_mhar.models.mhar_config import MHARConfig
-from megatron_mhar.files import nearest_existing
+from megatron_mhar import checkpoint_format
+from megatron_mhar.checkpoint_format import CHECKPOINT_VERSION, LATEST, TRAIN_CONFIG_FILE, reading, staging_dir
+
+# convert.py reads a checkpoint's configs and dtype through this module.
+from megatron_mhar.checkpoint_format import read_configs, stored_dtype  # noqa: F401
+from megatron_mhar.files import fsync_dir, nearest_existing
 from megatron_mhar.models.gpt_config import GPTModelConfig
+from megatron_mhar.models.mhar_config import MHARConfig
 
-from megatron_mhar.training import checkpointing as driver
-
-# The driver's names, so the layouts cannot drift apart.
-LATEST = driver.LATEST
-TMP_PREFIX = driver.TMP_PREFIX
-CHECKPOINT_VERSION = driver.CHECKPOINT_VERSION
-ITERATION_DIR = driver.checkpoint_name(0)
+ITERATION_DIR = checkpoint_format.checkpoint_name(0)
 OLD_PREFIX = ".old."
 HF_SUBDIR = "hf"
 CONVERSION_FILE = "conversion.json"
-TRAIN_CONFIG_FILE = "train_config.yaml"
 
 
 # ---------------------------------------------------------------- layout and publishing
 
 
 def find_checkpoint(path: Path) -> Path:
-    """The checkpoint ``path`` designates (the driver's rule: its ``latest`` file, or itself)."""
-    found = driver.find_checkpoint(Path(path))
+    """The checkpoint ``path`` designates (:func:`checkpoint_format.find_checkpoint`'s rule:
+    its ``latest`` file, or itself); raises where there is none."""
+    found = checkpoint_format.find_checkpoint(Path(path))
     if found is None:
         raise FileNotFoundError(
             f"{path} is not a Megatron distributed checkpoint (no {LATEST} file, no metadata.json)"
         )
     return found
-
-
-def staging_dir(out: Path) -> Path:
-    """Where ``out`` is written before :func:`publish` renames it into place."""
-    out = Path(out).absolute()
-    return out.parent / f"{TMP_PREFIX}{out.name}"
 
 
 def check_output(out: Path, overwrite: bool, inputs: Tuple[Path, ...] = ()) -> None:
@@ -117,53 +109,10 @@ def publish(tmp: Path, out: Path) -> Path:
             shutil.rmtree(old)
         os.rename(out, old)
     os.rename(tmp, out)
-    fd = os.open(out.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old)
     return out
-
-
-# ---------------------------------------------------------------- configs
-
-
-def config_dicts(model: GPTModelConfig, mhar: MHARConfig) -> Dict[str, Any]:
-    """The ``config`` entry of the common state (the driver compares these sections)."""
-    return {"model": dataclasses.asdict(model), "mhar": dataclasses.asdict(mhar)}
-
-
-def read_configs(checkpoint: Path) -> Tuple[GPTModelConfig, MHARConfig, Dict[str, Any]]:
-    """(model config, mhar config, common state) of a converted or trained checkpoint."""
-    from megatron.core import dist_checkpointing
-
-    with driver.reading(checkpoint):
-        common = dist_checkpointing.load_common_state_dict(str(checkpoint))
-    saved = common.get("config") if isinstance(common, dict) else None
-    if not isinstance(saved, dict) or "model" not in saved:
-        raise ValueError(
-            f"{checkpoint} has no model config in its common state; it was written neither by "
-            f"hf_to_mcore_mhar.py nor by megatron_mhar.train"
-        )
-    try:
-        model = GPTModelConfig(**saved["model"])
-        mhar = MHARConfig(**saved.get("mhar", {"variant": "none"}))
-    except TypeError as err:
-        raise ValueError(f"{checkpoint}: its model/mhar config does not fit this version: {err}") from None
-    return model, mhar, common
-
-
-def stored_dtype(checkpoint: Path) -> torch.dtype:
-    """The dtype the checkpoint stores the word embeddings in."""
-    from megatron.core import dist_checkpointing
-
-    with driver.reading(checkpoint):
-        metadata = dist_checkpointing.load_tensors_metadata(str(checkpoint))
-    if "embedding.word_embeddings.weight" not in metadata:
-        raise ValueError(f"{checkpoint} holds no embedding.word_embeddings.weight; is it a GPT model checkpoint?")
-    return metadata["embedding.word_embeddings.weight"].dtype
 
 
 # ---------------------------------------------------------------- models
@@ -288,13 +237,18 @@ def load_into(chunk, checkpoint: Path) -> None:
     """Collective: load the weights of ``checkpoint`` into ``chunk`` (any layout, strict)."""
     from megatron.core import dist_checkpointing
 
-    with driver.reading(checkpoint):
+    with reading(checkpoint):
         loaded = dist_checkpointing.load(sharded_state(chunk), str(checkpoint))
     missing, unexpected = chunk.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(f"{checkpoint}: missing tensors {missing}, unexpected tensors {unexpected}")
+
+
+def config_dicts(model: GPTModelConfig, mhar: MHARConfig) -> Dict[str, Any]:
+    """The ``config`` entry of the common state (the driver compares these sections)."""
+    return {"model": dataclasses.asdict(model), "mhar": dataclasses.asdict(mhar)}
 
 
 def common_state(model: GPTModelConfig, mhar: MHARConfig, conversion: Dict[str, Any]) -> Dict[str, Any]:

@@ -2,7 +2,7 @@
 
 ``cpu`` makes unmodified Megatron-Core code run on CPU for smoke runs and tests;
 ``distributed`` initialises torch.distributed and Megatron's parallel state from
-torchrun's environment.
+torchrun's environment (and finds a free port for ranks started locally).
 """
 
 from megatron_mhar.runtime.cpu import (
@@ -14,6 +14,7 @@ from megatron_mhar.runtime.cpu import (
 from megatron_mhar.runtime.distributed import (
     DistributedContext,
     destroy,
+    free_port,
     initialize_model_parallel_from_env,
 )
 
@@ -23,6 +24,7 @@ __all__ = [
     "destroy",
     "disable_cpu_runtime",
     "enable_cpu_runtime",
+    "free_port",
     "initialize_model_parallel_from_env",
     "is_cpu_runtime_enabled",
 ]

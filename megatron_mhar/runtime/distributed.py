@@ -7,7 +7,7 @@ One call for the training driver and the tests::
     destroy()
 
 It reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
-``MASTER_PORT`` (set by torchrun, srun wrappers, or ``tests/multiprocess.py``),
+``MASTER_PORT`` (set by torchrun, srun wrappers, or ``tests/helpers.py``),
 initialises ``torch.distributed`` (nccl on CUDA, gloo on CPU), then Megatron's
 ``parallel_state.initialize_model_parallel`` and its model-parallel RNG tracker.
 Without those variables it starts a single process (world size 1) on an
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -33,7 +34,7 @@ from megatron_mhar.runtime.cpu import (
     is_cpu_runtime_enabled,
 )
 
-__all__ = ["DistributedContext", "destroy", "initialize_model_parallel_from_env"]
+__all__ = ["DistributedContext", "destroy", "free_port", "initialize_model_parallel_from_env"]
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,13 @@ def initialize_model_parallel_from_env(
         device=torch_device,
         backend=backend,
     )
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for ``MASTER_PORT`` of ranks started here."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _check_layout(rank: int, world_size: int, **sizes: Optional[int]) -> None:

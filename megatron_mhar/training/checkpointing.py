@@ -1,18 +1,11 @@
-"""Megatron distributed checkpoints, written aside and published atomically.
+"""Checkpoints of a training run: saved aside and published atomically, resumed, pruned.
 
-Layout of a checkpoint directory::
-
-    checkpoints/
-      latest                 text: the name of the newest complete checkpoint
-      iter_0000200/          one megatron.core.dist_checkpointing checkpoint
-        common.pt, metadata.json, __*.distcp, train_config.yaml
-      .tmp.iter_0000300/     a save in progress (or interrupted): never read
-
-A save writes into ``.tmp.<name>``, then rank 0 renames it to ``<name>`` (a new
-name, never over an existing checkpoint) and replaces ``latest`` with
-``os.replace``. A save interrupted at any point leaves ``latest`` naming the last
-good checkpoint, which no step of a save ever touches; the next save clears the
-leftovers.
+The directory layout, the stored run config and how a checkpoint is read are
+:mod:`megatron_mhar.checkpoint_format`'s. A save writes into the staging directory
+``.tmp.<name>``, then rank 0 renames it to ``<name>`` (a new name, never over an
+existing checkpoint) and replaces ``latest`` with ``os.replace``. A save interrupted at
+any point leaves ``latest`` naming the last good checkpoint, which no step of a save
+ever touches; the next save clears the leftovers.
 
 A checkpoint holds the model chunks, the optimizer (Megatron's sharded optimizer
 state), the LR scheduler, per-rank RNG states, the iteration and consumed samples
@@ -23,96 +16,40 @@ names every differing field.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-import re
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy
 import torch
 import yaml
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_mhar.models.mhar_config import function_fields
-from megatron_mhar.files import TMP_PREFIX, fsync_dir, write_atomic
-from megatron_mhar.training.recipes import config_differences
+from megatron_mhar.checkpoint_format import (
+    CHECKPOINT_VERSION,
+    LATEST,
+    TMP_PREFIX,
+    TRAIN_CONFIG_FILE,
+    check_config,
+    checkpoint_name,
+    find_checkpoint,  # the driver's resume: the run's checkpoint, or checkpoint.load's
+    reading,
+    staging_dir,
+)
+from megatron_mhar.files import fsync_dir, write_atomic
 from megatron_mhar.training.model import unwrap
 from megatron_mhar.training.signals import SIGNALS as STOP_SIGNALS
 
-LATEST = "latest"
-CHECKPOINT_VERSION = 1
-# Config sections that define the network; any difference makes a checkpoint unusable.
-MODEL_SECTIONS = ("model", "mhar")
 # How Megatron's distributed optimizer writes its state: per parameter, in the parameter's
 # own shape (gathered over the data-parallel ranks at a save), so that dist_checkpointing
 # reshards it to any TP/PP/DP layout like the weights and the plain optimizer's state.
 # megatron-core 0.16's default ('fully_sharded_model_space') cannot be saved at all (its
 # flattened shards are refused), and 'dp_reshardable' would reshard over DP only.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-_SAVE_NAME = re.compile(r"iter_(\d+)(?:\.(\d+))?")  # checkpoint_name, and a repeated save's suffix
-
-
-def checkpoint_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
-
-
-def find_checkpoint(path: Path) -> Optional[Path]:
-    """The checkpoint ``path`` designates: via its ``latest`` file, or ``path`` itself, or,
-    where no ``latest`` names one, its newest published ``iter_*`` checkpoint.
-
-    A save publishes ``iter_*`` (a complete checkpoint, renamed into place) and then writes
-    ``latest``; a job stopped in between, or a ``latest`` removed by hand, leaves checkpoints
-    that nothing names. Starting afresh beside them would lose them (and ``keep_last``
-    would prune them), so the newest is resumed instead, with a line saying so.
-    """
-    path = Path(path)
-    latest = path / LATEST
-    if latest.is_file():
-        name = latest.read_text().strip()
-        target = path / name
-        if not (target / "metadata.json").is_file():
-            raise ValueError(f"{latest} names {name!r}, but {target} is not a complete checkpoint")
-        return target
-    if (path / "metadata.json").is_file():
-        return path
-    published = {p: _SAVE_NAME.fullmatch(p.name) for p in path.glob("iter_*")} if path.is_dir() else {}
-    published = {p: m for p, m in published.items() if m and (p / "metadata.json").is_file()}
-    if not published:
-        return None
-    # (iteration, save): iter_0000012, then iter_0000012.2 for a second save at the same
-    # iteration (save_checkpoint never renames over a published one).
-    newest = max(published, key=lambda p: (int(published[p][1]), int(published[p][2] or 1)))
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(f"{path} has no {LATEST!r} file; using its newest checkpoint, {newest.name}", flush=True)
-    return newest
-
-
-@contextlib.contextmanager
-def reading(checkpoint: Path) -> Iterator[None]:
-    """Inside, a failure to read ``checkpoint``'s files (truncated, corrupt, half-copied)
-    is raised as a ``ValueError`` that names the checkpoint and the way back, instead of
-    the reader's own exception (torch's ``CheckpointException`` is a ``BaseException``
-    wrapping each rank's)."""
-    try:
-        yield
-    except (Exception, CheckpointException) as err:
-        cause = err
-        if isinstance(err, CheckpointException) and err.failures:
-            cause = next(iter(err.failures.values()))[0]
-        first = (str(cause).strip().splitlines() or [""])[0]
-        raise ValueError(
-            f"checkpoint {checkpoint} cannot be read ({type(cause).__name__}: {first}); it is truncated "
-            f"or corrupt (an interrupted copy, a full disk?). Copy it again, or use an earlier one: "
-            f"write its name into {Path(checkpoint).parent / LATEST} or give its iter_* directory"
-        ) from err
 
 
 def _is_rank0() -> bool:
@@ -203,7 +140,7 @@ def save_checkpoint(
         check_optimizer_checkpointable(optimizer)
     ckpt_dir = Path(ckpt_dir)
     name = checkpoint_name(iteration)
-    tmp = ckpt_dir / f"{TMP_PREFIX}{name}"
+    tmp = staging_dir(ckpt_dir / name)
     if _is_rank0():
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         for stale in ckpt_dir.glob(f"{TMP_PREFIX}*"):  # leftovers of interrupted saves
@@ -229,7 +166,7 @@ def save_checkpoint(
 
     final = ckpt_dir / name
     if _is_rank0():
-        (tmp / "train_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        (tmp / TRAIN_CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
         suffix = 1
         while final.exists():  # never rename over a checkpoint `latest` may name
             suffix += 1
@@ -251,29 +188,6 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: Path) -> None:
     for old in published[:-keep_last]:
         if old != keep:
             shutil.rmtree(old)
-
-
-def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:
-    """The checkpoint's common state; raises if it was written for another model."""
-    with reading(checkpoint):
-        common = dist_checkpointing.load_common_state_dict(str(checkpoint))
-    saved = common.get("config")
-    if saved is None:
-        raise ValueError(f"{checkpoint} has no run config; was it written by megatron_mhar.train?")
-    diffs = []
-    for section in MODEL_SECTIONS:
-        old, new = saved.get(section, {}), config.get(section, {})
-        if section == "mhar":  # how routing runs may change between runs
-            old, new = function_fields(old), function_fields(new)
-        diffs += config_differences(old, new, f"{section}.")
-    if diffs:
-        raise ValueError(
-            f"checkpoint {checkpoint} was written for a different model; differing fields:\n  "
-            + "\n  ".join(diffs)
-            + "\nuse the checkpoint's model/mhar settings (its train_config.yaml) or another "
-            "checkpoint directory"
-        )
-    return common
 
 
 def _layout(config: Dict[str, Any], world_size: Optional[int]) -> Tuple:

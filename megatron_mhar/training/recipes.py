@@ -183,17 +183,3 @@ def to_yaml(cfg: TrainConfig) -> str:
     """The resolved config as YAML (what the run directory records)."""
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
-
-def config_differences(
-    saved: Dict[str, Any], current: Dict[str, Any], prefix: str = ""
-) -> List[str]:
-    """``key: saved -> current`` for every leaf that differs between two config dicts."""
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
-        if isinstance(a, dict) and isinstance(b, dict):
-            out.extend(config_differences(a, b, f"{prefix}{key}."))
-        elif a != b:
-            out.append(f"{prefix}{key}: {a!r} (checkpoint) vs {b!r} (config)")
-    return out
-

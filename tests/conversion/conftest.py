@@ -1,4 +1,4 @@
-"""Tiny random HF models built locally (no download) and their conversions, shared per session.
+"""Tiny random HF models built locally (no download) and their conversions, built once per test run.
 
 Fixtures:
     hf_dirs: {name: directory} of ``save_pretrained(safe_serialization=True)`` models:
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-VOCAB = 100
-SEQ = 16
+from tests.helpers import HF_SEQ, HF_VOCAB
+
 COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=16384,
+              intermediate_size=96, vocab_size=HF_VOCAB, max_position_embeddings=16384,
               rms_norm_eps=1e-6)
 
 MODELS = {
@@ -78,31 +78,9 @@ def convert(hf_dirs, tmp_path_factory):
         key = (name, variant, tp, pp, divisible_by, tuple(sorted(mhar.items())))
         if key not in cache:
             out = root / f"{name}_{variant}_tp{tp}_pp{pp}_{len(cache)}"
-            plan = plan_import(hf_dirs[name], out, variant, tp=tp, pp=pp, seq_length=SEQ,
+            plan = plan_import(hf_dirs[name], out, variant, tp=tp, pp=pp, seq_length=HF_SEQ,
                                make_vocab_size_divisible_by=divisible_by, mhar_overrides=mhar)
             cache[key] = hf_to_mcore(plan)
         return cache[key]
 
     return _convert
-
-
-def token_batch(seed: int = 0, batch: int = 2, seq: int = SEQ) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(tokens).logits
-
-
-def read_safetensors(directory: Path) -> dict:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for path in sorted(Path(directory).glob("*.safetensors")):
-        if path.name != "mhar_params.safetensors":
-            tensors.update(load_file(str(path)))
-    return tensors

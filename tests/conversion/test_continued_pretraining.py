@@ -16,24 +16,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import _LAUNCHER_ENV
-from tests.training.conftest import EMBEDDED_BYTES, EMBEDDED_VOCAB, TINY
-
-
-@pytest.fixture
-def single_process(monkeypatch):
-    """No launcher variables: the driver starts a world of one."""
-    for name in _LAUNCHER_ENV:
-        monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture(scope="module")
-def embedded_dir(tmp_path_factory):
-    from megatron_mhar.data.corpus import prepare_embedded
-
-    root = tmp_path_factory.mktemp("embedded")
-    prepare_embedded(str(root), EMBEDDED_VOCAB, EMBEDDED_BYTES)
-    return root
+from tests.helpers import EMBEDDED_VOCAB, TINY
 
 
 @pytest.fixture(scope="module")

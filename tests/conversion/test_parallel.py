@@ -8,8 +8,7 @@ and 192 at TP=2, so loading across layouts exercises Megatron's vocab resharding
 import pytest
 import torch
 
-from tests.conversion.conftest import token_batch
-from tests.multiprocess import run_distributed
+from tests.helpers import run_distributed, token_batch
 
 CASES = {
     # TP=2: GQA groups, SwiGLU fc1 halves and the untied output layer split over ranks

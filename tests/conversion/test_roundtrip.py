@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tests.conversion.conftest import hf_logits, read_safetensors, token_batch
+from tests.helpers import hf_logits, read_safetensors, token_batch
 
 MODELS = [
     pytest.param("llama", id="llama-gqa-untied-llama3-rope"),  # GQA, lm_head, RoPE scaling
@@ -93,7 +93,7 @@ def test_delta_export_writes_base_weights_and_side_file(megatron_world1, hf_dirs
 def test_bf16_checkpoint_loads_into_fp32(megatron_world1, hf_dirs, convert):
     """A bf16 conversion (the HF dtype is kept) loads into fp32 parameters exactly."""
     import megatron_mhar
-    from megatron_mhar.conversion.checkpoint import find_checkpoint, stored_dtype
+    from megatron_mhar.checkpoint_format import find_checkpoint, stored_dtype
 
     ckpt = convert("qwen3_bf16", "delta")
     assert stored_dtype(find_checkpoint(ckpt)) == torch.bfloat16

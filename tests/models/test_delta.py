@@ -5,37 +5,31 @@ import torch
 
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.ops import depth_route_reference
-from tests.models.test_mhar_model import (
-    _batch,
-    _build,
-    _model_config,
-    _randomize_routers,
-    capture_sublayers,
-)
+from tests.helpers import build_gpt, capture_sublayers, gpt_batch, randomize_routers, tiny_gpt_config
 
 
 def test_delta_at_init_computes_the_base_model_exactly(megatron_world1):
     """Zero gates: a converted model's logits equal the base GPT's, bitwise in fp32."""
-    model_cfg = _model_config(num_layers=5, attention_backend="megatron")
-    base = _build(model_cfg, MHARConfig(variant="none"))
-    delta = _build(model_cfg, MHARConfig(variant="delta", delta_block_layers=2), seed=99)
+    model_cfg = tiny_gpt_config(num_layers=5, attention_backend="megatron")
+    base = build_gpt(model_cfg, MHARConfig(variant="none"))
+    delta = build_gpt(model_cfg, MHARConfig(variant="delta", delta_block_layers=2), seed=99)
     missing, unexpected = delta.load_state_dict(base.state_dict(), strict=False)
     assert not unexpected and missing and all("router." in k for k in missing)
-    _randomize_routers(delta)
+    randomize_routers(delta)
     with torch.no_grad():  # only the gates must be zero; queries, norms and nulls may be anything
         for name, param in delta.named_parameters():
             if name.endswith("router.gate"):
                 param.zero_()
-    tokens, positions = _batch()
+    tokens, positions = gpt_batch()
     with torch.no_grad():
         assert torch.equal(delta(tokens, positions, None), base(tokens, positions, None))
 
 
 def test_delta_parameters(megatron_world1):
     """Per sublayer: query, norm weight and null source (d each) and one gate; no final site."""
-    model_cfg = _model_config()
-    base = _build(model_cfg, MHARConfig(variant="none"))
-    delta = _build(model_cfg, MHARConfig(variant="delta", delta_block_layers=model_cfg.num_layers))
+    model_cfg = tiny_gpt_config()
+    base = build_gpt(model_cfg, MHARConfig(variant="none"))
+    delta = build_gpt(model_cfg, MHARConfig(variant="delta", delta_block_layers=model_cfg.num_layers))
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     d, layers = model_cfg.hidden_size, model_cfg.num_layers
     assert count(delta) - count(base) == 2 * layers * (3 * d + 1)
@@ -47,10 +41,10 @@ def test_delta_parameters(megatron_world1):
 
 @pytest.mark.parametrize("block_layers", [1, 2, 4], ids=["every-layer", "two-layer-blocks", "no-block-read"])
 def test_delta_sites_read_embedding_and_completed_block_deltas(megatron_world1, block_layers):
-    model_cfg = _model_config(num_layers=5)
+    model_cfg = tiny_gpt_config(num_layers=5)
     mhar = MHARConfig(variant="delta", delta_block_layers=block_layers, num_heads=8)
-    model = _build(model_cfg, mhar)
-    _randomize_routers(model)
+    model = build_gpt(model_cfg, mhar)
+    randomize_routers(model)
     inputs, outputs = capture_sublayers(model)
 
     routers = [r for layer in model.decoder.layers for r in (layer.input_router, layer.pre_mlp_router)]
@@ -69,12 +63,12 @@ def test_delta_sites_read_embedding_and_completed_block_deltas(megatron_world1, 
 
 
 def test_delta_gates_leave_zero_and_then_routing_learns(megatron_world1):
-    model_cfg = _model_config()
-    model = _build(model_cfg, MHARConfig(variant="delta", delta_block_layers=1))
+    model_cfg = tiny_gpt_config()
+    model = build_gpt(model_cfg, MHARConfig(variant="delta", delta_block_layers=1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     for step in range(2):
         optimizer.zero_grad()
-        tokens, positions = _batch(step)
+        tokens, positions = gpt_batch(step)
         model(tokens, positions, None, labels=tokens).float().mean().backward()
         query_grads = [p.grad for n, p in model.named_parameters() if n.endswith("router.query")]
         if step == 0:  # zero gates block every gradient but the gates' own

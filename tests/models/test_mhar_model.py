@@ -7,55 +7,23 @@ import torch
 
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.ops import depth_route_reference
-
-SEQ, BATCH, VOCAB = 8, 2, 64
-
-
-def _model_config(**overrides):
-    from megatron_mhar.models.gpt_config import GPTModelConfig
-
-    fields = dict(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                  ffn_hidden_size=48, vocab_size=VOCAB, seq_length=SEQ, qk_layernorm=True)
-    fields.update(overrides)
-    return GPTModelConfig(**fields)
-
-
-def _build(model_cfg, mhar, seed=7, **config_overrides):
-    from megatron.core import tensor_parallel
-
-    from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
-
-    config = make_transformer_config(model_cfg, mhar, use_cpu_initialization=True, **config_overrides)
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return build_gpt_model(model_cfg, mhar, config)
-
-
-def _batch(seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
-    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    return tokens, positions
+from tests.helpers import (
+    GPT_BATCH,
+    GPT_SEQ,
+    build_gpt,
+    capture_sublayers,
+    gpt_batch,
+    randomize_routers,
+    tiny_gpt_config,
+)
 
 
 def _loss_and_grads(model, seed=0):
-    tokens, positions = _batch(seed)
+    tokens, positions = gpt_batch(seed)
     loss = model(tokens, positions, None, labels=tokens).float().mean()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads
-
-
-def _randomize_routers(model, seed=3):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("router.query"):
-                param.copy_(torch.randn(param.shape, generator=generator))
-            elif name.endswith("router.norm_weight"):
-                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
-            elif name.endswith("router.gate") or name.endswith("router.null_source"):
-                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
 
 
 @pytest.mark.parametrize("attention_backend", ["megatron", "sdpa"])
@@ -66,8 +34,8 @@ def test_variant_none_is_megatron_gpt(megatron_world1, attention_backend):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    model_cfg = _model_config(attention_backend=attention_backend)
-    ours = _build(model_cfg, MHARConfig(variant="none"))
+    model_cfg = tiny_gpt_config(attention_backend=attention_backend)
+    ours = build_gpt(model_cfg, MHARConfig(variant="none"))
     assert type(ours) is GPTModel
 
     config = TransformerConfig(**model_cfg.transformer_config_kwargs(), use_cpu_initialization=True)
@@ -76,7 +44,7 @@ def test_variant_none_is_megatron_gpt(megatron_world1, attention_backend):
     theirs = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
-        vocab_size=128, max_sequence_length=SEQ, share_embeddings_and_output_weights=True,
+        vocab_size=128, max_sequence_length=GPT_SEQ, share_embeddings_and_output_weights=True,
         position_embedding_type="rope", rotary_base=10000,
     )
     ours_sd, theirs_sd = ours.state_dict(), theirs.state_dict()
@@ -86,7 +54,7 @@ def test_variant_none_is_megatron_gpt(megatron_world1, attention_backend):
     for key, value in theirs_sd.items():
         if torch.is_tensor(value):
             assert torch.equal(ours_sd[key], value), key
-    tokens, positions = _batch()
+    tokens, positions = gpt_batch()
     ours_logits = ours(tokens, positions, None)
     theirs_logits = theirs(tokens, positions, None)
     if attention_backend == "megatron":
@@ -98,9 +66,9 @@ def test_variant_none_is_megatron_gpt(megatron_world1, attention_backend):
 @pytest.mark.parametrize("variant,block_size", [("full", 1), ("block", 4)], ids=["full", "block4"])
 def test_parameters_and_init(megatron_world1, variant, block_size):
     """The paper's initialisation: zero queries, unit norm weights, 4d per layer + 2d; Megatron keys kept."""
-    model_cfg = _model_config()
-    base = _build(model_cfg, MHARConfig(variant="none"))
-    model = _build(model_cfg, MHARConfig(variant=variant, block_size=block_size))
+    model_cfg = tiny_gpt_config()
+    base = build_gpt(model_cfg, MHARConfig(variant="none"))
+    model = build_gpt(model_cfg, MHARConfig(variant=variant, block_size=block_size))
     d, layers = model_cfg.hidden_size, model_cfg.num_layers
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert count(model) - count(base) == 4 * d * layers + 2 * d
@@ -131,37 +99,6 @@ def _expected_sources(variant, block_size, outputs):
     return reads
 
 
-def capture_sublayers(model):
-    """One no-grad forward; returns (inputs, outputs) of every sublayer.
-
-    ``inputs[j - 1]`` is what site j fed its pre-norm (the final norm's input last, when
-    the model has one); ``outputs[0]`` is the embedding and ``outputs[j]`` sublayer j's
-    output (no bias, no dropout in these models).
-    """
-    inputs, outputs, hooks = [], [], []
-
-    def capture_in(module, args, out):
-        inputs.append(args[0])
-
-    def capture_out(module, args, out):
-        outputs.append(out[0] if isinstance(out, tuple) else out)
-
-    hooks.append(model.embedding.register_forward_hook(capture_out))
-    for layer in model.decoder.layers:
-        hooks.append(layer.input_layernorm.register_forward_hook(capture_in))
-        hooks.append(layer.self_attention.register_forward_hook(capture_out))
-        hooks.append(layer.pre_mlp_layernorm.register_forward_hook(capture_in))
-        hooks.append(layer.mlp.register_forward_hook(capture_out))
-    if model.decoder.final_router is not None:
-        hooks.append(model.decoder.final_layernorm.register_forward_hook(capture_in))
-    tokens, positions = _batch()
-    with torch.no_grad():
-        model(tokens, positions, None)
-    for hook in hooks:
-        hook.remove()
-    return inputs, outputs
-
-
 @pytest.mark.parametrize(
     "variant,block_size,heads",
     [
@@ -176,11 +113,11 @@ def capture_sublayers(model):
 def test_every_site_routes_the_right_sources(megatron_world1, variant, block_size, heads, zero_queries):
     """Capture every sublayer input and output; each input must be the routed mixture of
     exactly the sources the paper's variants list for it (so no site sees a later source)."""
-    model_cfg = _model_config()
+    model_cfg = tiny_gpt_config()
     mhar = MHARConfig(variant=variant, block_size=block_size, num_heads=heads)
-    model = _build(model_cfg, mhar)
+    model = build_gpt(model_cfg, mhar)
     if not zero_queries:
-        _randomize_routers(model)
+        randomize_routers(model)
     inputs, outputs = capture_sublayers(model)
     routers = [r for layer in model.decoder.layers for r in (layer.input_router, layer.pre_mlp_router)]
     routers.append(model.decoder.final_router)
@@ -212,10 +149,10 @@ RECOMPUTE = [
 
 def _assert_same_loss_and_grads(mhar, other_mhar, bitwise, **other_overrides):
     """Two builds with the same weights (random routers): equal loss and gradients."""
-    model_cfg = _model_config(attention_backend="megatron")
-    model = _build(model_cfg, mhar)
-    _randomize_routers(model)
-    other = _build(model_cfg, other_mhar, **other_overrides)
+    model_cfg = tiny_gpt_config(attention_backend="megatron")
+    model = build_gpt(model_cfg, mhar)
+    randomize_routers(model)
+    other = build_gpt(model_cfg, other_mhar, **other_overrides)
     other.load_state_dict(model.state_dict())
     loss, grads = _loss_and_grads(model)
     loss_o, grads_o = _loss_and_grads(other)
@@ -250,10 +187,10 @@ def test_mhar_trains_through_megatron_schedule(megatron_world1):
     """Megatron's non-pipelined forward/backward schedule with 2 micro-batches on CPU."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    model_cfg = _model_config()
-    model = _build(model_cfg, MHARConfig(variant="full", num_heads=8))
+    model_cfg = tiny_gpt_config()
+    model = build_gpt(model_cfg, MHARConfig(variant="full", num_heads=8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    batches = [_batch(seed) for seed in range(2)]
+    batches = [gpt_batch(seed) for seed in range(2)]
 
     def forward_step(data_iterator, model):
         tokens, positions = next(data_iterator)
@@ -265,7 +202,7 @@ def test_mhar_trains_through_megatron_schedule(megatron_world1):
         optimizer.zero_grad()
         result = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-            num_microbatches=2, seq_length=SEQ, micro_batch_size=BATCH, forward_only=False,
+            num_microbatches=2, seq_length=GPT_SEQ, micro_batch_size=GPT_BATCH, forward_only=False,
         )
         optimizer.step()
         losses.append(sum(r["loss"].item() for r in result) / 2)
@@ -297,7 +234,7 @@ def test_config_errors_name_the_fix(mhar_fields, config_overrides, message):
 
     with pytest.raises(ValueError, match=message):
         mhar = MHARConfig(**mhar_fields)
-        make_transformer_config(_model_config(), mhar, **config_overrides)
+        make_transformer_config(tiny_gpt_config(), mhar, **config_overrides)
 
 
 MODEL_CONFIG_ERRORS = [
@@ -326,7 +263,7 @@ MODEL_CONFIG_ERRORS = [
 @pytest.mark.parametrize("fields,message", MODEL_CONFIG_ERRORS)
 def test_model_config_errors_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
-        _model_config(**fields)
+        tiny_gpt_config(**fields)
 
 
 def test_builder_refuses_mismatched_inputs(megatron_world1):
@@ -334,19 +271,19 @@ def test_builder_refuses_mismatched_inputs(megatron_world1):
 
     mhar = MHARConfig(num_heads=4)
     with pytest.raises(ValueError, match="takes a GPTModelConfig and an MHARConfig"):
-        make_transformer_config(_model_config(), {"variant": "full"})
+        make_transformer_config(tiny_gpt_config(), {"variant": "full"})
     with pytest.raises(ValueError, match="params_dtype must be a torch.dtype"):
-        make_transformer_config(_model_config(), mhar, params_dtype="bf16")
+        make_transformer_config(tiny_gpt_config(), mhar, params_dtype="bf16")
     # A config of another architecture built the config's model, not the one asked for.
-    config = make_transformer_config(_model_config(), mhar, use_cpu_initialization=True)
+    config = make_transformer_config(tiny_gpt_config(), mhar, use_cpu_initialization=True)
     with pytest.raises(ValueError, match="config.num_layers=3 differs from the model's 5"):
-        build_gpt_model(_model_config(num_layers=5), mhar, config)
+        build_gpt_model(tiny_gpt_config(num_layers=5), mhar, config)
     # Parallel sizes that Megatron's parallel state does not have (TP=PP=1 here).
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        config = make_transformer_config(_model_config(), mhar, use_cpu_initialization=True,
+        config = make_transformer_config(tiny_gpt_config(), mhar, use_cpu_initialization=True,
                                          pipeline_dtype=torch.float32, **{name: 2})
         with pytest.raises(ValueError, match=f"config.{name}=2 but Megatron's parallel state"):
-            build_gpt_model(_model_config(), mhar, config)
+            build_gpt_model(tiny_gpt_config(), mhar, config)
 
 
 def test_mhar_config_is_a_plain_dataclass():
@@ -371,9 +308,9 @@ def test_graph_and_history_are_freed_after_backward(megatron_world1, monkeypatch
         created.append(weakref.ref(self))
 
     monkeypatch.setattr(history_module.SourceHistory, "__init__", recording_init)
-    model = _build(_model_config(), MHARConfig(variant=variant, delta_block_layers=1))
+    model = build_gpt(tiny_gpt_config(), MHARConfig(variant=variant, delta_block_layers=1))
     for seed in range(2):
-        tokens, positions = _batch(seed)
+        tokens, positions = gpt_batch(seed)
         model(tokens, positions, None, labels=tokens).float().mean().backward()
     gc.collect()
     assert len(created) == 2
@@ -393,8 +330,8 @@ def test_routing_entropy_is_recorded_on_request(megatron_world1, mhar_fields, so
     """Zero queries route uniformly: every head's entropy is ln(sources read)."""
     import math
 
-    model = _build(_model_config(), MHARConfig(num_heads=4, **mhar_fields))
-    tokens, positions = _batch()
+    model = build_gpt(tiny_gpt_config(), MHARConfig(num_heads=4, **mhar_fields))
+    tokens, positions = gpt_batch()
     model(tokens, positions, None)
     assert model.decoder.routing_entropy() is None  # off by default
     model.decoder.record_routing_entropy = True

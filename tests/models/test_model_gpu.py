@@ -11,11 +11,9 @@ SEQ, BATCH, VOCAB = 128, 2, 512
 
 
 @pytest.fixture
-def megatron_cuda_world1(monkeypatch):
+def megatron_cuda_world1(single_process):
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
     ctx = initialize_model_parallel_from_env(tp=1, pp=1, seed=1234, device="cuda")
     try:
         yield ctx

@@ -10,14 +10,14 @@ import torch
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.ops.history import TORCH_BACKEND, SourceHistory
 from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, GroupSite, LookaheadHistory, auto_group_size, group_ranges
-from tests.models.test_mhar_model import _batch, _build, _model_config, _randomize_routers
+from tests.helpers import build_gpt, gpt_batch, randomize_routers, tiny_gpt_config
 
 
 def _models(group, **mhar_fields):
-    model_cfg = _model_config(attention_backend="megatron")
-    per_site = _build(model_cfg, MHARConfig(variant="full", num_heads=4, **mhar_fields))
-    _randomize_routers(per_site)
-    lookahead = _build(
+    model_cfg = tiny_gpt_config(attention_backend="megatron")
+    per_site = build_gpt(model_cfg, MHARConfig(variant="full", num_heads=4, **mhar_fields))
+    randomize_routers(per_site)
+    lookahead = build_gpt(
         model_cfg,
         MHARConfig(variant="full", num_heads=4, routing_schedule="lookahead", lookahead_group=group,
                    **mhar_fields),
@@ -31,7 +31,7 @@ def _loss_and_grads(model, seeds):
     model.zero_grad(set_to_none=True)
     losses = []
     for seed in seeds:
-        tokens, positions = _batch(seed)
+        tokens, positions = gpt_batch(seed)
         losses.append(model(tokens, positions, None, labels=tokens).float().mean())
     torch.stack(losses).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -85,7 +85,7 @@ def test_lookahead_history_is_freed(megatron_world1):
     lookahead_module.LookaheadHistory.__init__ = recording_init
     try:
         for seed in range(2):
-            tokens, positions = _batch(seed)
+            tokens, positions = gpt_batch(seed)
             model(tokens, positions, None, labels=tokens).float().mean().backward()
     finally:
         lookahead_module.LookaheadHistory.__init__ = original_init
@@ -184,7 +184,7 @@ def _ddp_main_grads(model, fused, monkeypatch):
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     ddp.zero_grad_buffer()
     for seed in (0, 1):
-        tokens, positions = _batch(seed)
+        tokens, positions = gpt_batch(seed)
         ddp(tokens, positions, None, labels=tokens).float().mean().backward()
     monkeypatch.undo()
     return {n: p for n, p in model.named_parameters()}

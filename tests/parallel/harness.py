@@ -1,6 +1,6 @@
 """Train one tiny MHAR GPT under a parallel layout and under a single process, compare.
 
-Workers live at module level so that ``tests.multiprocess.run_distributed`` can pickle
+Workers live at module level so that ``tests.helpers.run_distributed`` can pickle
 them. One spawned process group runs many (layout, variant) jobs in a row: Megatron's
 model-parallel state is rebuilt per job, torch.distributed is set up once.
 
@@ -19,6 +19,8 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from tests.helpers import lm_batches
 
 SEQ, MBS, NUM_MICROBATCHES, VOCAB, NUM_LAYERS = 8, 2, 4, 64, 4
 STEPS = 3
@@ -165,17 +167,7 @@ def load_full_weights(chunk: torch.nn.Module, full: Dict[str, torch.Tensor]) -> 
 
 
 def global_batches() -> List[Dict[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(NUM_MICROBATCHES):
-        tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=generator)
-        batches.append(dict(
-            tokens=tokens,
-            labels=torch.roll(tokens, shifts=-1, dims=1),
-            position_ids=torch.arange(SEQ).expand(MBS, SEQ),
-            loss_mask=torch.ones(MBS, SEQ),
-        ))
-    return batches
+    return lm_batches(NUM_MICROBATCHES, MBS, SEQ, VOCAB)
 
 
 def _loss_func(loss_mask, output_tensor):

@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from tests.multiprocess import run_distributed
+from tests.helpers import LAUNCHER_ENV, run_distributed
 from tests.parallel import harness as H
 
 L = H.Layout
@@ -51,7 +51,6 @@ UNMARKED = {v: L(tp=2, sp=True, unmark_routing_sp=True) for v in ("full", "block
 LOSS_RTOL = 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-5  # atol relative to the tensor's largest reference grad
 # (for a scalar, to its module's largest; see _assert_grads_close)
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from tests.multiprocess import run_distributed
+from tests.helpers import LAUNCHER_ENV, lm_batches, run_distributed
 
 SEQ, MBS, VOCAB, HIDDEN, HEADS = 16, 2, 128, 64, 4
 NUM_MICROBATCHES = 2
@@ -119,19 +119,7 @@ def _load_full_weights(chunk: torch.nn.Module, full: Dict[str, torch.Tensor]) ->
 
 
 def _batches(seed: int = 0) -> List[Dict[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(NUM_MICROBATCHES):
-        tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=generator)
-        batches.append(
-            dict(
-                tokens=tokens,
-                labels=torch.roll(tokens, shifts=-1, dims=1),
-                position_ids=torch.arange(SEQ).expand(MBS, SEQ),
-                loss_mask=torch.ones(MBS, SEQ),
-            )
-        )
-    return batches
+    return lm_batches(NUM_MICROBATCHES, MBS, SEQ, VOCAB, seed)
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -437,7 +425,7 @@ def test_initialize_errors_leave_nothing_initialised(monkeypatch, kwargs, env, m
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
     from megatron_mhar.runtime.cpu import is_cpu_runtime_enabled
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for name in LAUNCHER_ENV:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multiprocess import run_distributed
-from tests.training.conftest import TINY
+from tests.helpers import TINY, run_distributed
 
 
 def _train(overrides):

@@ -24,8 +24,8 @@ import sys
 
 import pytest
 
-from tests.conftest import _LAUNCHER_ENV
-from tests.training.conftest import TINY
+from megatron_mhar.runtime import free_port
+from tests.helpers import LAUNCHER_ENV, TINY
 
 RTOL = 1e-4
 STOP, STEPS = 3, 6  # preempted after step 3 of 6
@@ -48,15 +48,13 @@ LAYOUTS = {
 
 def _train(tmp_path, embedded_dir, layout, name, *overrides):
     """``megatron_mhar.train`` under ``layout`` (torchrun for two processes): stdout."""
-    from benchmarks.bench_parallel import _free_port
-
     processes, layout_overrides = LAYOUTS[layout]
     launcher = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={processes}",
-                f"--master-port={_free_port()}"] if processes > 1 else []
+                f"--master-port={free_port()}"] if processes > 1 else []
     command = [sys.executable, *launcher, "-m", "megatron_mhar.train", "smoke_cpu", *TINY, *COMMON,
                f"data.embedded_dir={embedded_dir}", f"run.output_dir={tmp_path}", f"run.name={name}",
                *layout_overrides, *overrides]
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
@@ -122,7 +120,7 @@ def test_distributed_optimizer_without_fused_adam_fails_before_training(tmp_path
     command = [sys.executable, "-m", "megatron_mhar.train", "smoke_cpu", *TINY, *COMMON,
                f"data.embedded_dir={embedded_dir}", f"run.output_dir={tmp_path}", "run.name=distopt",
                "parallel.use_distributed_optimizer=true"]
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode != 0
     assert "cannot save and resume this optimizer's state" in done.stderr, done.stderr[-3000:]

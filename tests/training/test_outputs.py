@@ -13,7 +13,7 @@ import numpy
 import pytest
 
 from megatron_mhar.training.metrics import read_metrics
-from tests.training.conftest import TINY
+from tests.helpers import TINY
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path, embedded_dir, single_process):

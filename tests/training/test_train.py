@@ -126,7 +126,7 @@ def test_checkpoints_without_latest_are_resumed(tiny, capsys):
     assert "has no 'latest' file; using its newest checkpoint, iter_0000003" in capsys.readouterr().out
     assert min(resumed.losses) == 4 and resumed.iteration == 5
     assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["iter_0000005", "latest"]
-    from megatron_mhar.training.checkpointing import find_checkpoint
+    from megatron_mhar.checkpoint_format import find_checkpoint
 
     for name in ("iter_0000005.2", "iter_0000004", "iter_notes"):
         (cfg.checkpoint_dir / name).mkdir()

@@ -1,4 +1,4 @@
-"""tests/multiprocess.py: per-rank results, torchrun environment, failures, timeouts."""
+"""tests/helpers.py's run_distributed: per-rank results, torchrun environment, failures, timeouts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from tests.multiprocess import DistributedTestError, run_distributed
+from tests.helpers import DistributedTestError, run_distributed
 
 
 def _all_reduce_rank(scale: float):

@@ -31,7 +31,7 @@ LOAD_ERRORS = [
     pytest.param(dict(dtype="bfloat16"), "dtype must be None .* not a string", id="dtype-string"),
     pytest.param(dict(dtype=torch.int64), "dtype must be None", id="integer-dtype"),
     pytest.param(dict(device="gpu"), "device must be 'cpu', 'cuda'", id="unknown-device"),
-    pytest.param(dict(device="meta"), "device must be 'cpu', 'cuda'", id="meta-device"),  # was "CUDA is not available"
+    pytest.param(dict(device="meta"), "device must be 'cpu', 'cuda'", id="meta-device"),  # a device type load_model does not run on
 ]
 
 

@@ -1,0 +1,352 @@
+"""Plain helpers shared by the test modules (fixtures live in the conftest.py files).
+
+* Processes: :data:`LAUNCHER_ENV`, :func:`run_distributed` (a test function on several
+  gloo ranks) and :class:`DistributedTestError`.
+* Models: the tiny GPT of the model tests (:func:`tiny_gpt_config`, :func:`build_gpt`,
+  :func:`gpt_batch`, :func:`randomize_routers`, :func:`capture_sublayers`) and
+  :func:`lm_batches`, the micro-batches of the schedule tests.
+* Training driver: :data:`TINY`, the smoke recipe shrunk to seconds, over the embedded
+  corpus of :data:`EMBEDDED_VOCAB` tokens.
+* Conversion: the tiny HF models' :data:`HF_VOCAB` and :data:`HF_SEQ`,
+  :func:`token_batch`, :func:`hf_logits`, :func:`read_safetensors`.
+
+No CUDA calls and no Megatron import at import time.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue as queue_module
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.multiprocessing as mp
+
+from megatron_mhar.runtime.distributed import free_port
+
+# Variables a launcher (torchrun, srun wrappers) may leave in a CI job's environment;
+# single-process tests must not try to rendezvous with them.
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+# ---------------------------------------------------------------- processes
+
+# Seconds the parent waits for the other ranks after the first failure, so that
+# a secondary error (e.g. a peer seeing the connection close) is also reported.
+_GRACE_AFTER_FAILURE_S = 3.0
+
+
+class DistributedTestError(RuntimeError):
+    """One or more ranks failed or did not finish in time."""
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    env: Dict[str, str],
+    results: "mp.Queue",
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        payload = ("ok", _dumps(fn(*args, **kwargs)))
+    except BaseException:  # report everything, including KeyboardInterrupt/SystemExit
+        payload = ("error", traceback.format_exc())
+    results.put((rank, *payload))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: Dict[str, str] | None = None,
+    **kwargs: Any,
+) -> List[Any]:
+    """Run ``fn(*args, **kwargs)`` in ``world_size`` spawned processes::
+
+        def _worker(tp):                       # module level: spawn pickles it by name
+            ctx = initialize_model_parallel_from_env(tp=tp, device="cpu")
+            try:
+                return compute_something()
+            finally:
+                destroy()
+
+        results = run_distributed(_worker, 2, 2, timeout=120)   # [rank0_result, rank1_result]
+
+    Each rank is a fresh ``spawn`` process with torchrun's environment (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1`` and a free
+    ``MASTER_PORT``), so the worker initialises the process group exactly like the
+    training driver does. Return values travel back through ``torch.save`` bytes (no
+    shared-memory tensor handles that die with the child). If any rank raises, the
+    others are stopped (they would hang in a collective) and the parent raises
+    :class:`DistributedTestError` with every failing rank's traceback. A run that does
+    not finish within ``timeout`` seconds is killed and reported the same way.
+
+    Args:
+        fn: a picklable (module-level) function. It sees torchrun's environment
+            variables and must initialise (and destroy) the process group itself,
+            e.g. with ``megatron_mhar.runtime.initialize_model_parallel_from_env``.
+        world_size: number of processes (ranks).
+        *args, **kwargs: passed to ``fn`` on every rank; must be picklable.
+        timeout: seconds for the whole run (start-up included).
+        env: extra environment variables for every rank.
+
+    Returns:
+        ``fn``'s return value on each rank, indexed by rank. Values must be
+        serialisable with ``torch.save`` (tensors, numbers, lists, dicts).
+
+    Raises:
+        DistributedTestError: a rank raised (its traceback is in the message),
+            died without reporting (exit code given), or the run timed out.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    env = dict(env or {})
+    # Each rank gets one intra-op thread: ranks share the machine's cores.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, fn, args, kwargs, env, results),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+
+    outcomes: Dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout
+    first_failure_at = None
+    try:
+        while len(outcomes) < world_size:
+            now = time.monotonic()
+            if now > deadline:
+                break
+            if first_failure_at is not None and now > first_failure_at + _GRACE_AFTER_FAILURE_S:
+                break
+            try:
+                rank, status, payload = results.get(timeout=0.2)
+            except queue_module.Empty:
+                # A rank that died without reporting (segfault, os._exit, OOM kill).
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if r not in outcomes and p.exitcode is not None and results.empty()
+                ]
+                for r in dead:
+                    outcomes[r] = ("died", f"exited with code {procs[r].exitcode} without a result")
+                if dead and first_failure_at is None:
+                    first_failure_at = time.monotonic()
+                continue
+            outcomes[rank] = (status, payload)
+            if status != "ok" and first_failure_at is None:
+                first_failure_at = time.monotonic()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    failures = {r: o for r, o in outcomes.items() if o[0] != "ok"}
+    missing = [r for r in range(world_size) if r not in outcomes]
+    if failures or missing:
+        lines = [f"{fn.__name__} on {world_size} ranks failed:"]
+        for r in sorted(failures):
+            lines.append(f"--- rank {r} ({failures[r][0]}) ---\n{failures[r][1].rstrip()}")
+        if missing:
+            reason = "timed out" if first_failure_at is None else "stopped after a failure"
+            lines.append(f"--- ranks {missing}: no result ({reason}, timeout={timeout}s) ---")
+        raise DistributedTestError("\n".join(lines))
+    return [
+        torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)
+    ]
+
+
+# ---------------------------------------------------------------- models
+
+GPT_SEQ, GPT_BATCH, GPT_VOCAB = 8, 2, 64
+"""Sequence length, batch size and vocabulary of :func:`tiny_gpt_config` and :func:`gpt_batch`."""
+
+
+def tiny_gpt_config(**overrides):
+    """A 3-layer GPT (d=32, GQA, q/k norms) for CPU model tests; ``overrides`` replace fields."""
+    from megatron_mhar.models.gpt_config import GPTModelConfig
+
+    fields = dict(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                  ffn_hidden_size=48, vocab_size=GPT_VOCAB, seq_length=GPT_SEQ, qk_layernorm=True)
+    fields.update(overrides)
+    return GPTModelConfig(**fields)
+
+
+def build_gpt(model_cfg, mhar, seed=7, **config_overrides):
+    """The model of ``model_cfg`` and ``mhar``, initialised from ``seed`` (Megatron must be up)."""
+    from megatron.core import tensor_parallel
+
+    from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
+
+    config = make_transformer_config(model_cfg, mhar, use_cpu_initialization=True, **config_overrides)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return build_gpt_model(model_cfg, mhar, config)
+
+
+def gpt_batch(seed=0):
+    """(tokens, positions), each ``[GPT_BATCH, GPT_SEQ]``."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, GPT_VOCAB, (GPT_BATCH, GPT_SEQ), generator=generator)
+    positions = torch.arange(GPT_SEQ).unsqueeze(0).expand(GPT_BATCH, GPT_SEQ)
+    return tokens, positions
+
+
+def randomize_routers(model, seed=3):
+    """Routing parameters away from their identity init, so that every term of routing counts."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("router.query"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+            elif name.endswith("router.norm_weight"):
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("router.gate") or name.endswith("router.null_source"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+
+
+def capture_sublayers(model):
+    """One no-grad forward of :func:`gpt_batch`; returns (inputs, outputs) of every sublayer.
+
+    ``inputs[j - 1]`` is what site j fed its pre-norm (the final norm's input last, when
+    the model has one); ``outputs[0]`` is the embedding and ``outputs[j]`` sublayer j's
+    output (no bias, no dropout in these models).
+    """
+    inputs, outputs, hooks = [], [], []
+
+    def capture_in(module, args, out):
+        inputs.append(args[0])
+
+    def capture_out(module, args, out):
+        outputs.append(out[0] if isinstance(out, tuple) else out)
+
+    hooks.append(model.embedding.register_forward_hook(capture_out))
+    for layer in model.decoder.layers:
+        hooks.append(layer.input_layernorm.register_forward_hook(capture_in))
+        hooks.append(layer.self_attention.register_forward_hook(capture_out))
+        hooks.append(layer.pre_mlp_layernorm.register_forward_hook(capture_in))
+        hooks.append(layer.mlp.register_forward_hook(capture_out))
+    if model.decoder.final_router is not None:
+        hooks.append(model.decoder.final_layernorm.register_forward_hook(capture_in))
+    tokens, positions = gpt_batch()
+    with torch.no_grad():
+        model(tokens, positions, None)
+    for hook in hooks:
+        hook.remove()
+    return inputs, outputs
+
+
+def lm_batches(count: int, batch: int, seq: int, vocab: int, seed: int = 0) -> List[Dict[str, torch.Tensor]]:
+    """``count`` micro-batches of next-token prediction, as Megatron's schedules consume them."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        tokens = torch.randint(0, vocab, (batch, seq), generator=generator)
+        batches.append(dict(
+            tokens=tokens,
+            labels=torch.roll(tokens, shifts=-1, dims=1),
+            position_ids=torch.arange(seq).expand(batch, seq),
+            loss_mask=torch.ones(batch, seq),
+        ))
+    return batches
+
+
+# ---------------------------------------------------------------- training driver
+
+EMBEDDED_BYTES = 200_000  # a few stdlib files: ~100K tokens, enough for every test
+EMBEDDED_VOCAB = 512
+
+TINY = [
+    "run.device=cpu",
+    "run.seed=1234",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=64",
+    f"model.vocab_size={EMBEDDED_VOCAB}",
+    "model.seq_length=32",
+    "mhar.num_heads=4",
+    "training.train_iters=6",
+    "training.global_batch_size=4",
+    "training.micro_batch_size=2",
+    "optimizer.lr=1.0e-2",
+    "optimizer.min_lr=1.0e-3",
+    "optimizer.lr_warmup_iters=2",
+    "eval.interval=3",
+    "eval.iters=1",
+    "eval.tail=2",
+    "logging.interval=1",
+    "checkpoint.keep_last=0",
+    f"data.embedded_vocab_size={EMBEDDED_VOCAB}",
+    f"data.embedded_max_bytes={EMBEDDED_BYTES}",
+    "data.split=80,20,0",
+]
+"""Overrides of the smoke recipe that make a driver run take seconds on CPU."""
+
+
+# ---------------------------------------------------------------- conversion
+
+HF_VOCAB, HF_SEQ = 100, 16
+"""Vocabulary and sequence length of the tiny HF models of the conversion tests."""
+
+
+def token_batch(seed: int = 0, batch: int = 2, seq: int = HF_SEQ) -> torch.Tensor:
+    return torch.randint(0, HF_VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """The fp32 logits of the Hugging Face model saved in ``hf_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def read_safetensors(directory: Path) -> dict:
+    """Every tensor of a Hugging Face directory's safetensors files (the MHAR side file left out)."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        if path.name != "mhar_params.safetensors":
+            tensors.update(load_file(str(path)))
+    return tensors
