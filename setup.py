@@ -31,6 +31,8 @@ setup(
     entry_points={
         "console_scripts": [
             "mhar-train=megatron_mhar.train:main",
+            "mhar-convert=megatron_mhar.conversion.cli:main",
+            "mhar-preprocess=megatron_mhar.data.preprocess:main",
         ]
     },
 )
