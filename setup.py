@@ -26,7 +26,9 @@ setup(
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "dali": ["nvidia-dali-cuda120"],
-        "dev": ["pytest", "triton", "transformers"],
+        # setuptools: tests/test_install.py builds the wheel without build isolation (offline),
+        # which needs a setuptools that writes wheels by itself (70.1 and later).
+        "dev": ["pytest", "triton", "transformers", "setuptools>=70.1"],
     },
     entry_points={
         "console_scripts": [
