@@ -26,11 +26,15 @@ setup(
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "dali": ["nvidia-dali-cuda120"],
-        "dev": ["pytest", "triton", "transformers"],
+        # setuptools: tests/test_install.py builds the wheel without build isolation (offline),
+        # which needs a setuptools that writes wheels by itself (70.1 and later).
+        "dev": ["pytest", "triton", "transformers", "setuptools>=70.1"],
     },
     entry_points={
         "console_scripts": [
             "mhar-train=megatron_mhar.train:main",
+            "mhar-convert=megatron_mhar.conversion.cli:main",
+            "mhar-preprocess=megatron_mhar.data.preprocess:main",
         ]
     },
 )

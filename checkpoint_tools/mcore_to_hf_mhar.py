@@ -1,44 +1,24 @@
 #!/usr/bin/env python
 """Convert a Megatron distributed checkpoint (converted or trained with megatron_mhar)
-back to a Hugging Face directory.
+back to a Hugging Face directory: ``mhar-convert mcore-to-hf``, runnable from a checkout
+without installing the package.
 
     python checkpoint_tools/mcore_to_hf_mhar.py --ckpt runs/cpt/checkpoints --out hf_out
 
-variant none: a plain LlamaForCausalLM / Qwen3ForCausalLM directory that transformers
-loads. MHAR variants: the same base weights plus mhar_params.safetensors and
-mhar_config.json (the routing parameters, which transformers ignores; see the README).
-The output directory is written aside and renamed into place only when complete.
+The options and behaviour are those of :mod:`megatron_mhar.conversion.cli`.
 """
 
-import argparse
 import sys
 from pathlib import Path
+from typing import Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from megatron_mhar.conversion.cli import command_main  # noqa: E402
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt", required=True, type=Path,
-                        help="checkpoint directory, or a directory with a 'latest' file")
-    parser.add_argument("--out", required=True, type=Path, help="HF directory to create")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                        help="dtype of the written tensors (default: as stored)")
-    parser.add_argument("--hf-reference", type=Path,
-                        help="HF directory whose config.json and tokenizer files to use "
-                             "(default: those the converted checkpoint carries)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    args = parser.parse_args(argv)
 
-    from megatron_mhar.conversion.convert import mcore_to_hf
-
-    try:
-        out = mcore_to_hf(args.ckpt, args.out, overwrite=args.overwrite, dtype=args.dtype,
-                          hf_reference=args.hf_reference)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
-        parser.exit(2, f"error: {err}\n")
-    print(f"wrote {out}")
-    return 0
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return command_main("mcore-to-hf", Path(__file__).name, argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Train a GPT (plain or MHAR) with Megatron-Core from a YAML recipe.
 
-    python -m megatron_mhar.train [RECIPE] [dotted.key=value ...]
+    mhar-train [RECIPE] [dotted.key=value ...]      (or: python -m megatron_mhar.train ...)
     torchrun --nproc-per-node 8 -m megatron_mhar.train pretrain_350m_mhar
 
 RECIPE is a YAML file or the name of a recipe shipped in the package
@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_mhar.train", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="mhar-train", description=__doc__.split("\n")[0])
     parser.add_argument("recipe", nargs="?", default=None, help="recipe path or name (default smoke_cpu)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")

@@ -6,7 +6,7 @@
 #
 #   cd megatron_mhar                                  # submit from the repository root
 #   export MHAR_MARIN_8B_CKPT=/ckpt/marin8b_delta_tp4 # start point: HF weights converted by
-#                                                     # checkpoint_tools/hf_to_mcore_mhar.py
+#                                                     # mhar-convert hf-to-mcore
 #   export MHAR_CPT_DATA_PREFIX=/data/llama3/cpt_text_document  # .bin/.idx prefix (Llama-3 tokens)
 #   export MHAR_LLAMA3_TOKENIZER=/models/Meta-Llama-3.1-8B      # directory with tokenizer.json
 #   sbatch slurm/cpt_8b_mhar_delta.sh                 # 4 nodes x 8 GPUs

@@ -51,7 +51,7 @@ export RECIPE=${RECIPE:-pretrain_1b_mhar}
 # Training data, read by the recipe (required, no default): a Megatron .bin/.idx prefix
 # written with the Qwen3 tokenizer, and that tokenizer's directory (tokenizer.json).
 # Export both in the shell you submit from (see the usage above); write the data with
-# python -m megatron_mhar.data.preprocess.
+# mhar-preprocess (python -m megatron_mhar.data.preprocess).
 #   MHAR_DATA_PREFIX, MHAR_QWEN3_TOKENIZER
 # Where checkpoints go and where a (re)started job resumes from; empty: runs/<run name>/checkpoints.
 export CKPT_DIR=${CKPT_DIR:-}

@@ -5,7 +5,9 @@
 * :mod:`~megatron_mhar.conversion.hf_io`: safetensors directories and the MHAR side file.
 * :mod:`~megatron_mhar.conversion.checkpoint`: the distributed-checkpoint layout.
 * :mod:`~megatron_mhar.conversion.convert`: :func:`plan_import` / :func:`hf_to_mcore`
-  and :func:`mcore_to_hf`, what ``checkpoint_tools/`` runs.
+  and :func:`mcore_to_hf`.
+* :mod:`~megatron_mhar.conversion.cli`: the ``mhar-convert`` command (``hf-to-mcore``,
+  ``mcore-to-hf``), which ``checkpoint_tools/`` also runs.
 
 Importing this package does not import Megatron.
 """

@@ -101,7 +101,7 @@ def open_indexed(path: str):
     """
     from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType, IndexedDataset
 
-    fix = f"write {path}.bin and {path}.idx again, together, with python -m megatron_mhar.data.preprocess"
+    fix = f"write {path}.bin and {path}.idx again, together, with mhar-preprocess"
     missing = [path + ext for ext in (".bin", ".idx") if not os.path.isfile(path + ext)]
     if missing and path.endswith((".bin", ".idx")):
         raise ValueError(f"{' and '.join(missing)} not found; give the prefix, {path[:-4]}, without {path[-4:]}")

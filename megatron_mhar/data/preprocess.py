@@ -1,7 +1,9 @@
 """Tokenize text into Megatron indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``).
 
-    python -m megatron_mhar.data.preprocess --input corpus.jsonl --output-prefix data/corpus \\
+    mhar-preprocess --input corpus.jsonl --output-prefix data/corpus \\
         --tokenizer /path/to/qwen3_tokenizer [--json-key text] [--overwrite]
+
+(``python -m megatron_mhar.data.preprocess`` is the same command.)
 
 Inputs: ``.jsonl`` files (one JSON object per line, the document under
 ``--json-key``) or plain text files (one document per file, or per line with
@@ -113,7 +115,7 @@ def load_tokenizer(spec: str, eod_token: str | None = None, embedded_dir: str | 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_mhar.data.preprocess",
+        prog="mhar-preprocess",
         description="Tokenize jsonl or text files into a Megatron .bin/.idx dataset.",
     )
     parser.add_argument("--input", nargs="+", required=True, help=".jsonl or text files")

@@ -5,7 +5,7 @@ writes its output into one row of the buffer exactly once and every routing site
 a prefix of the rows in place, so nothing is stacked per call. The buffer layout is
 ``[s, b, R, h]``: the rows of one token are contiguous (the fused kernels read a token's
 sources in one sweep) and a prefix of rows packs for a pipeline send as a free view
-``[s, b, n * h]`` (DESIGN.md "Pipeline parallelism").
+``[s, b, n * h]`` (docs/design.md, "Pipeline parallelism").
 
 Autograd. Rows are written in place, so the graph is ordered by a chain of 0-dim
 *tokens*: every write consumes the previous token and produces the next, and every read

@@ -1,7 +1,7 @@
 """Pipeline p2p shapes for MHAR decoders under Megatron's own schedules.
 
 An MHAR chunk that is not the last pipeline stage sends its depth history packed along
-the hidden dimension, ``[s, b, width * h]`` (DESIGN.md "Pipeline parallelism"), and the
+the hidden dimension, ``[s, b, width * h]`` (docs/design.md, "Pipeline parallelism"), and the
 width differs per boundary: :meth:`MHARTransformerBlock.input_width` and
 :meth:`~MHARTransformerBlock.output_width` give it from :class:`DepthLayout` and the
 chunk's global layer offset (so uneven first/last stages and

@@ -99,7 +99,7 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
             raise ValueError(
                 f"data.paths[{i}]={prefix!r} holds token id {largest}, beyond model.vocab_size="
                 f"{cfg.model.vocab_size}: it was written with another tokenizer; rewrite it with "
-                f"python -m megatron_mhar.data.preprocess --tokenizer <data.tokenizer>, or fix the path"
+                f"mhar-preprocess --tokenizer <data.tokenizer>, or fix the path"
             )
     if data.tokenizer != "builtin":
         tok_dir = expand_path(data.tokenizer, "data.tokenizer")

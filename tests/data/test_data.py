@@ -273,7 +273,7 @@ def test_gpt_datasets_refuse_a_damaged_pair(embedded, tmp_path, kind, message):
     if kind == "bin-suffix":  # the .bin file named instead of the prefix
         prefix += ".bin"
     else:
-        message += r".*python -m megatron_mhar.data.preprocess"
+        message += r".*with mhar-preprocess"
     with pytest.raises(ValueError, match=message):
         build_gpt_datasets([prefix], None, "90,10,0", 16, [8, 8, 0], tokenizer, seed=1)
 

@@ -1,0 +1,136 @@
+"""``mhar-convert``: checkpoint conversion between Hugging Face and Megatron MHAR models.
+
+    mhar-convert hf-to-mcore --hf-dir Llama-3.1-8B --out ckpt/llama8b_delta \\
+        --variant delta --tp 2 --pp 2 --seq-length 4096
+    mhar-convert mcore-to-hf --ckpt runs/cpt/checkpoints --out hf_out
+
+``hf-to-mcore`` turns a Hugging Face Llama / Qwen3 checkpoint (safetensors) into a
+Megatron distributed checkpoint with MHAR routing parameters, which ``mhar-train`` loads
+(``checkpoint.load``). With ``--tp``/``--pp`` above 1 it starts tp*pp local CPU (gloo)
+processes itself, or runs as the ranks of a torchrun/srun launch of exactly tp*pp
+processes; the checkpoint loads at any TP/PP layout.
+
+``mcore-to-hf`` turns a Megatron distributed checkpoint (converted or trained) back into
+a Hugging Face directory: for variant ``none`` a plain LlamaForCausalLM /
+Qwen3ForCausalLM directory that transformers loads; for MHAR variants the same base
+weights plus ``mhar_params.safetensors`` and ``mhar_config.json`` (the routing
+parameters, which transformers ignores).
+
+Both write their output beside ``--out`` and rename it into place only when complete.
+The commands are argument parsing and one library call
+(:mod:`megatron_mhar.conversion.convert`); bad input exits with code 2 and a message.
+``checkpoint_tools/hf_to_mcore_mhar.py`` and ``checkpoint_tools/mcore_to_hf_mhar.py``
+run the same two commands from a checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+DESCRIPTION = "Convert checkpoints between Hugging Face and Megatron MHAR models."
+HF_TO_MCORE_HELP = "Hugging Face Llama / Qwen3 (safetensors) -> Megatron distributed checkpoint with MHAR"
+MCORE_TO_HF_HELP = "Megatron distributed checkpoint (converted or trained) -> Hugging Face directory"
+
+
+def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``hf-to-mcore``."""
+    parser.add_argument("--hf-dir", required=True, type=Path, help="HF model directory (config.json + safetensors)")
+    parser.add_argument("--out", required=True, type=Path, help="checkpoint directory to create")
+    parser.add_argument("--variant", choices=("none", "full", "block", "delta"),
+                        help="routing variant (default: the HF directory's mhar_config.json)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks used to convert")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks used to convert")
+    parser.add_argument("--num-heads", type=int, help="mhar.num_heads (default 8)")
+    parser.add_argument("--block-size", type=int, help="mhar.block_size, in sublayers (block variant)")
+    parser.add_argument("--delta-block-layers", type=int, help="mhar.delta_block_layers (delta variant, default 4)")
+    parser.add_argument("--logit-scale", type=float, help="mhar.logit_scale (default 1)")
+    parser.add_argument("--seq-length", type=int, help="model.seq_length (default: max_position_embeddings)")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                        help="Megatron pads the vocabulary to a multiple of this times TP")
+    parser.add_argument("--attention-backend", choices=("sdpa", "megatron"), help="model.attention_backend")
+    parser.add_argument("--spec", choices=("local", "transformer_engine"), help="model.spec recorded for training")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="stored dtype (default: the HF tensors' dtype)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+
+
+def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``mcore-to-hf``."""
+    parser.add_argument("--ckpt", required=True, type=Path,
+                        help="checkpoint directory, or a directory with a 'latest' file")
+    parser.add_argument("--out", required=True, type=Path, help="HF directory to create")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="dtype of the written tensors (default: as stored)")
+    parser.add_argument("--hf-reference", type=Path,
+                        help="HF directory whose config.json and tokenizer files to use "
+                             "(default: those the converted checkpoint carries)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+
+
+def run_hf_to_mcore(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Plan and run the import; a bad input exits with code 2."""
+    from megatron_mhar.conversion.convert import INPUT_ERRORS, hf_to_mcore, plan_import
+
+    mhar = {k: v for k, v in dict(num_heads=args.num_heads, block_size=args.block_size,
+                                  delta_block_layers=args.delta_block_layers,
+                                  logit_scale=args.logit_scale).items() if v is not None}
+    model = {k: v for k, v in dict(attention_backend=args.attention_backend, spec=args.spec).items()
+             if v is not None}
+    try:
+        plan = plan_import(
+            args.hf_dir, args.out, args.variant, tp=args.tp, pp=args.pp, dtype=args.dtype,
+            seq_length=args.seq_length, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            overwrite=args.overwrite, mhar_overrides=mhar, model_overrides=model,
+        )
+        out = hf_to_mcore(plan)
+    except INPUT_ERRORS as err:
+        parser.exit(2, f"error: {err}\n")
+    print(f"wrote {out} ({plan.mhar.variant}, {plan.dtype}); recipes continuing from it use the "
+          f"model/mhar sections of {out}/iter_0000000/train_config.yaml and "
+          f"checkpoint.load={out}, checkpoint.load_model_only=true")
+    return 0
+
+
+def run_mcore_to_hf(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run the export; a bad input exits with code 2."""
+    from megatron_mhar.conversion.convert import INPUT_ERRORS, mcore_to_hf
+
+    try:
+        out = mcore_to_hf(args.ckpt, args.out, overwrite=args.overwrite, dtype=args.dtype,
+                          hf_reference=args.hf_reference)
+    except INPUT_ERRORS as err:
+        parser.exit(2, f"error: {err}\n")
+    print(f"wrote {out}")
+    return 0
+
+
+COMMANDS = {
+    "hf-to-mcore": (HF_TO_MCORE_HELP, add_hf_to_mcore_arguments, run_hf_to_mcore),
+    "mcore-to-hf": (MCORE_TO_HF_HELP, add_mcore_to_hf_arguments, run_mcore_to_hf),
+}
+"""Subcommand -> (one-line help, its options, what it runs)."""
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``mhar-convert {hf-to-mcore,mcore-to-hf} ...``."""
+    parser = argparse.ArgumentParser(prog="mhar-convert", description=DESCRIPTION)
+    commands = parser.add_subparsers(dest="command", required=True, title="commands")
+    for name, (summary, add_arguments, _) in COMMANDS.items():
+        add_arguments(commands.add_parser(name, help=summary, description=summary))
+    args = parser.parse_args(argv)
+    return COMMANDS[args.command][2](args, parser)
+
+
+def command_main(name: str, prog: str, argv: Optional[Sequence[str]] = None) -> int:
+    """One subcommand as a program of its own (the ``checkpoint_tools/`` scripts)."""
+    summary, add_arguments, run = COMMANDS[name]
+    parser = argparse.ArgumentParser(prog=prog, description=summary)
+    add_arguments(parser)
+    return run(parser.parse_args(argv), parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
