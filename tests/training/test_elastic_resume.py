@@ -48,11 +48,11 @@ LAYOUTS = {
 
 def _train(tmp_path, embedded_dir, layout, name, *overrides):
     """``megatron_mhar.train`` under ``layout`` (torchrun for two processes): stdout."""
-    from benchmarks.bench_parallel import _free_port
+    from benchmarks.bench_parallel import free_port
 
     processes, layout_overrides = LAYOUTS[layout]
     launcher = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={processes}",
-                f"--master-port={_free_port()}"] if processes > 1 else []
+                f"--master-port={free_port()}"] if processes > 1 else []
     command = [sys.executable, *launcher, "-m", "megatron_mhar.train", "smoke_cpu", *TINY, *COMMON,
                f"data.embedded_dir={embedded_dir}", f"run.output_dir={tmp_path}", f"run.name={name}",
                *layout_overrides, *overrides]

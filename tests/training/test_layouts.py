@@ -67,11 +67,11 @@ def _torchrun(tmp_path, name, *overrides):
     import subprocess
     import sys
 
-    from benchmarks.bench_parallel import _free_port
+    from benchmarks.bench_parallel import free_port
     from megatron_mhar.training.metrics import read_metrics
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-               f"--master-port={_free_port()}", "-m", "megatron_mhar.train", "smoke_cpu",
+               f"--master-port={free_port()}", "-m", "megatron_mhar.train", "smoke_cpu",
                *TINY, f"run.output_dir={tmp_path}", f"run.name={name}", *overrides]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
