@@ -8,7 +8,7 @@ setup(
     version="0.1.0",
     description="Multi-Head Attention Residuals (MHAR) for Megatron-Core GPT models",
     python_requires=">=3.11",
-    packages=find_packages(include=["megatron_mhar", "megatron_mhar.*", "mhar_kernels"]),
+    packages=find_packages(include=["megatron_mhar", "megatron_mhar.*", "mhar_kernels", "mhar_kernels.*"]),
     # The recipes ship with the package: a bare recipe name resolves in any install.
     package_data={"megatron_mhar": ["recipes/*.yaml", "recipes/base/*.yaml"]},
     include_package_data=True,
