@@ -5,9 +5,11 @@ back to a Hugging Face directory.
     python checkpoint_tools/mcore_to_hf_mhar.py --ckpt runs/cpt/checkpoints --out hf_out
 
 variant none: a plain LlamaForCausalLM / Qwen3ForCausalLM directory that transformers
-loads. MHAR variants: the same base weights plus mhar_params.safetensors and
-mhar_config.json (the routing parameters, which transformers ignores; see the README).
-The output directory is written aside and renamed into place only when complete.
+loads. MHAR variants: an MHARLlamaForCausalLM / MHARQwen3ForCausalLM directory (routing
+parameters in its safetensors, its modeling files beside them) that
+AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True) loads, with or without
+megatron_mhar installed. The output directory is written aside and renamed into place
+only when complete.
 """
 
 import argparse
@@ -27,6 +29,9 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-reference", type=Path,
                         help="HF directory whose config.json and tokenizer files to use "
                              "(default: those the converted checkpoint carries)")
+    parser.add_argument("--tokenizer", type=Path,
+                        help="directory holding the tokenizer.json to ship with the model (e.g. the "
+                             "builtin tokenizer a run trained with); default: --hf-reference's")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
 
@@ -34,7 +39,7 @@ def main(argv=None) -> int:
 
     try:
         out = mcore_to_hf(args.ckpt, args.out, overwrite=args.overwrite, dtype=args.dtype,
-                          hf_reference=args.hf_reference)
+                          hf_reference=args.hf_reference, tokenizer=args.tokenizer)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         parser.exit(2, f"error: {err}\n")
     print(f"wrote {out}")
