@@ -313,7 +313,7 @@ def mcore_to_hf(
     from the ``hf/`` folder a converted checkpoint carries; a checkpoint with neither
     (trained from scratch) gets a config derived from its model config. ``tokenizer``
     (a directory holding ``tokenizer.json``, such as the one a run trained on) supplies
-    the tokenizer files instead.
+    the tokenizer files instead, and a derived config its end-of-document token as EOS.
     """
     from megatron_mhar.runtime import destroy
 
@@ -343,6 +343,10 @@ def mcore_to_hf(
         hf_config.check_same_function(derived, model_cfg, f"{what} and the checkpoint's model")
     else:
         config = hf_config.hf_config_from_model(model_cfg, _DTYPE_NAMES[target])
+        if tokenizer is not None:
+            from megatron_mhar.data.tokenizer import Tokenizer
+
+            config["eos_token_id"] = Tokenizer.from_dir(str(tokenizer)).eod
     if mhar.enabled:
         config = hf_config.mhar_hf_config(config, mhar)
 

@@ -223,6 +223,10 @@ def hf_config_from_model(model: GPTModelConfig, dtype: str = "float32") -> Dict[
         "rope_parameters": rope,
         "torch_dtype": dtype,
         "dtype": dtype,
+        # Unknown without the tokenizer (not the Llama class defaults 1 and 2); the export
+        # sets eos_token_id from the tokenizer it is given.
+        "bos_token_id": None,
+        "eos_token_id": None,
     }
     if arch == "LlamaForCausalLM":
         config["mlp_bias"] = False

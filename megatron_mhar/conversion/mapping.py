@@ -216,6 +216,10 @@ CONDITIONS: Dict[str, Callable[[GPTModelConfig, Any], bool]] = {
 }
 
 
+# How errors spell the conditions of the routing table.
+_WHEN = {"delta": "mhar_variant is delta", "final_site": "mhar_variant is full or block (the final site)"}
+
+
 def rules(mhar=None) -> Tuple[Rule, ...]:
     """The rules of a model: the base table, and the routing table when ``mhar`` routes."""
     return RULES + (ROUTING_RULES if mhar is not None and mhar.variant != "none" else ())
@@ -308,7 +312,7 @@ def _explain_extra(name: str, model: GPTModelConfig, mhar=None) -> str:
             if rule not in rules(mhar):
                 return "a routing tensor, only expected in an MHAR export"
             if not _applies(rule, model, mhar):
-                return f"only expected when {rule.when}"
+                return f"only expected when {_WHEN.get(rule.when, rule.when)}"
     return "no conversion rule"
 
 

@@ -293,28 +293,38 @@ class MHARPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """transformers' ``from_pretrained``, refusing checkpoints that miss or add tensors.
+        """transformers' ``from_pretrained``, refusing checkpoints that miss, add or reshape tensors.
 
-        A missing routing tensor would otherwise be initialised silently and the model
-        would compute another function; the error names every such tensor.
+        A missing routing tensor would otherwise be initialised silently and the model would
+        compute another function; the ``ValueError`` names every such tensor.
+        ``ignore_mismatched_sizes=True`` lets reshaped tensors be initialised, as usual.
         """
         wants_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        problems = []
-        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-            names = sorted(str(name) for name in info.get(kind) or ())
-            if names:
-                problems.append(f"{kind.replace('_', ' ')}: {', '.join(names[:8])}"
-                                + (f", ... ({len(names) - 8} more)" if len(names) > 8 else ""))
+        ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
+        model, info = super().from_pretrained(
+            *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+        )
+        problems = [f"{kind.replace('_', ' ')}: {_listed(sorted(info.get(kind) or ()))}"
+                    for kind in ("missing_keys", "unexpected_keys") if info.get(kind)]
+        if info.get("mismatched_keys") and not ignore_mismatched:
+            shapes = [f"{name} (checkpoint {tuple(saved)}, config {tuple(wanted)})"
+                      for name, saved, wanted in sorted(info["mismatched_keys"])]
+            problems.append(f"mismatched shapes: {_listed(shapes)}")
         if problems:
             config = model.config
             raise ValueError(
                 f"the checkpoint does not match the {type(model).__name__} config "
                 f"(mhar_variant={config.mhar_variant!r}, num_hidden_layers={config.num_hidden_layers}, "
-                f"tie_word_embeddings={config.tie_word_embeddings}); " + "; ".join(problems)
+                f"hidden_size={config.hidden_size}, tie_word_embeddings={config.tie_word_embeddings}); "
+                + "; ".join(problems)
                 + ". Export MHAR checkpoints with mcore_to_hf_mhar.py, which writes every routing tensor"
             )
         return (model, info) if wants_info else model
+
+
+def _listed(names, shown: int = 8) -> str:
+    more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(str(name) for name in names[:shown]) + more
 
 
 class MHARModel:
