@@ -24,7 +24,9 @@ setup(
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "dali": ["nvidia-dali-cuda120"],
-        "dev": ["pytest", "triton", "transformers"],
+        # lm-evaluation-harness and the transformers whose cache API megatron_mhar.hf uses
+        "eval": ["lm-eval[hf]>=0.4.13", "transformers>=5.25"],
+        "dev": ["pytest", "triton", "transformers>=5.25", "lm-eval[hf]>=0.4.13"],
     },
     entry_points={
         "console_scripts": [
