@@ -28,7 +28,9 @@ setup(
         "dali": ["nvidia-dali-cuda120"],
         # setuptools: tests/test_install.py builds the wheel without build isolation (offline),
         # which needs a setuptools that writes wheels by itself (70.1 and later).
-        "dev": ["pytest", "triton", "transformers", "setuptools>=70.1"],
+        # lm-eval: lm-evaluation-harness; transformers >= 5.25 for the cache API megatron_mhar.hf uses.
+        "eval": ["lm-eval[hf]>=0.4.13", "transformers>=5.25"],
+        "dev": ["pytest", "triton", "transformers>=5.25", "lm-eval[hf]>=0.4.13", "setuptools>=70.1"],
     },
     entry_points={
         "console_scripts": [
