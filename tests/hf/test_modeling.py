@@ -19,7 +19,7 @@ from tests.hf.conftest import ROUTED, token_batch
 ])
 def test_layouts_read_what_megatrons_read(variant, layers, size):
     """The rows each site reads and each sublayer completes are those of models/routing.py."""
-    from megatron_mhar.config import MHARConfig
+    from megatron_mhar.models.mhar_config import MHARConfig
     from megatron_mhar.hf.modeling_mhar import depth_layout
     from megatron_mhar.models.routing import make_layout
     from transformers import PretrainedConfig
