@@ -27,50 +27,19 @@ from typing import Dict
 import pytest
 import torch
 
-from tests.conftest import _LAUNCHER_ENV
-from tests.training.conftest import EMBEDDED_BYTES, EMBEDDED_VOCAB
+from tests.helpers import (
+    EMBEDDED_BYTES,
+    EMBEDDED_VOCAB,
+    EXPORT_ARCHITECTURE,
+    EXPORT_CASES,
+    EXPORT_SEQ,
+    EXPORT_TRAINING,
+    LAUNCHER_ENV,
+    ROUTED_CASES,
+    export_token_batch,
+)
 
 HERE = Path(__file__).resolve().parent
-LAYERS = 3
-SEQ = 64
-
-ARCHITECTURE = [
-    "run.device=cpu", "run.seed=1234", f"model.num_layers={LAYERS}", "model.hidden_size=32",
-    "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=64",
-    f"model.vocab_size={EMBEDDED_VOCAB}", f"model.seq_length={SEQ}",
-]
-TRAINING = [
-    "training.train_iters=4", "training.global_batch_size=4", "training.micro_batch_size=4",
-    "optimizer.lr=3.0e-2", "optimizer.min_lr=3.0e-3", "optimizer.lr_warmup_iters=1",
-    "eval.interval=0", "logging.interval=1", "logging.tensorboard=false", "checkpoint.keep_last=1",
-    f"data.embedded_vocab_size={EMBEDDED_VOCAB}", f"data.embedded_max_bytes={EMBEDDED_BYTES}",
-    "data.split=80,20,0",
-]
-QWEN3 = ["model.qk_layernorm=true"]
-LLAMA = ["model.qk_layernorm=false"]
-
-# case -> overrides of the smoke recipe. Together: both families, every variant, H = 8 and
-# H = 1, logit_scale != 1, tied and untied embeddings.
-CASES = {
-    # Qwen3 (q/k norms), every sublayer output a source, 8 heads, tau = 2, tied embeddings
-    "qwen3-full-h8": QWEN3 + ["mhar.variant=full", "mhar.num_heads=8", "mhar.logit_scale=2.0",
-                              "model.tie_embeddings=true"],
-    # Llama, Attention Residuals (one head), untied output layer
-    "llama-full-h1": LLAMA + ["mhar.variant=full", "mhar.num_heads=1", "model.tie_embeddings=false"],
-    # blocks of 4 sublayers over 6: block 2 spans layers, the final site reads a partial
-    "llama-block-h4": LLAMA + ["mhar.variant=block", "mhar.num_heads=4", "mhar.block_size=4",
-                               "mhar.logit_scale=4.0", "model.tie_embeddings=true"],
-    # delta over blocks of one layer (null source + embedding + 2 deltas), untied, tau = 8
-    "qwen3-delta-h8": QWEN3 + ["mhar.variant=delta", "mhar.num_heads=8", "mhar.delta_block_layers=1",
-                               "mhar.logit_scale=8.0", "model.tie_embeddings=false"],
-    # no routing: a plain Qwen3 export
-    "qwen3-none": QWEN3 + ["mhar.variant=none", "model.tie_embeddings=true"],
-}
-ROUTED = [name for name in CASES if not name.endswith("none")]
-
-
-def token_batch(seed: int = 0, batch: int = 2, seq: int = 24) -> torch.Tensor:
-    return torch.randint(0, EMBEDDED_VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(scope="session")
@@ -86,15 +55,15 @@ def checkpoints(tmp_path_factory, embedded) -> Dict[str, Path]:
     from megatron_mhar.train import main
 
     root = tmp_path_factory.mktemp("runs")
-    for case, options in CASES.items():
-        overrides = ARCHITECTURE + TRAINING + options + [
+    for case, options in EXPORT_CASES.items():
+        overrides = EXPORT_ARCHITECTURE + EXPORT_TRAINING + options + [
             f"run.output_dir={root}", f"run.name={case}", f"data.embedded_dir={embedded.directory.parent}",
         ]
         with pytest.MonkeyPatch.context() as patch:
-            for name in _LAUNCHER_ENV:
+            for name in LAUNCHER_ENV:
                 patch.delenv(name, raising=False)
             assert main(["smoke_cpu", *overrides]) == 0
-    return {case: root / case / "checkpoints" for case in CASES}
+    return {case: root / case / "checkpoints" for case in EXPORT_CASES}
 
 
 @pytest.fixture(scope="session")
@@ -112,10 +81,10 @@ def remote_logits(tmp_path_factory, exports):
     """Every case's logits from its export loaded where megatron_mhar cannot be imported."""
     work = tmp_path_factory.mktemp("remote")
     tokens = work / "tokens.pt"
-    torch.save(token_batch(), tokens)
+    torch.save(export_token_batch(), tokens)
     dirs = {case: str(path) for case, path in exports.items()}
     (work / "dirs.json").write_text(json.dumps(dirs))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",) + _LAUNCHER_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",) + LAUNCHER_ENV}
     env.update(HF_HOME=str(work / "hf_home"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     result = subprocess.run(
         [sys.executable, str(HERE / "load_without_package.py"), str(work / "dirs.json"), str(tokens),

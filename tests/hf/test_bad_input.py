@@ -40,7 +40,7 @@ def _plan(directory: Path, out: Path):
     return plan_import(directory, out, None, seq_length=64)
 
 
-CASES = [
+BROKEN_EXPORTS = [
     pytest.param("qwen3-full-h8", dict(drop="model.layers.1.mlp_router.query"),
                  "missing keys: model.layers.1.mlp_router.query",
                  "missing 1 tensors: model.layers.1.mlp_router.query", id="missing-routing-tensor"),
@@ -64,7 +64,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case,edit,on_load,on_import", CASES)
+@pytest.mark.parametrize("case,edit,on_load,on_import", BROKEN_EXPORTS)
 def test_broken_export_is_refused_on_load_and_on_import(exports, tmp_path, case, edit, on_load, on_import):
     broken = _broken(exports[case], tmp_path / "broken", **edit)
     with pytest.raises(ValueError, match=re.escape(on_load)):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import _LAUNCHER_ENV
+from tests.helpers import LAUNCHER_ENV
 
 pytest.importorskip("lm_eval", reason="needs the eval extra (pip install 'megatron_mhar[eval]')")
 
@@ -52,7 +52,7 @@ def harness_run(checkpoints, embedded, tmp_path_factory):
     tasks.mkdir()
     (tasks / "tiny.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
     (tasks / "tiny.yaml").write_text(TASK.format(data=tasks / "tiny.jsonl"))
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     env.update(PYTHONPATH=str(REPO), HF_HOME=str(work / "hf_home"), HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     command = [sys.executable, "-m", "megatron_mhar.evaluate", str(checkpoints["qwen3-delta-h8"]),

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.hf.conftest import CASES, ROUTED, token_batch
+from tests.helpers import EXPORT_CASES, ROUTED_CASES, export_token_batch
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_mhar"
 FAMILY = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -30,14 +30,14 @@ def _megatron_logits(checkpoint: Path, tokens: torch.Tensor) -> torch.Tensor:
         return megatron_mhar.load_model(checkpoint)(tokens)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", EXPORT_CASES)
 def test_export_loads_without_megatron_mhar(megatron_world1, checkpoints, remote_logits, case):
     """fp32 logits of AutoModelForCausalLM (remote code, no megatron_mhar) == load_model's."""
-    expected = _megatron_logits(checkpoints[case], token_batch())
+    expected = _megatron_logits(checkpoints[case], export_token_batch())
     loaded = remote_logits[case]
     assert remote_logits["imported"] == []
     family = FAMILY[case.split("-")[0]]
-    if case in ROUTED:
+    if case in ROUTED_CASES:
         assert loaded["class"] == "MHAR" + family
         assert loaded["module"].startswith("transformers_modules.")  # the export's own copy
     else:
@@ -47,7 +47,7 @@ def test_export_loads_without_megatron_mhar(megatron_world1, checkpoints, remote
     assert (loaded["logits"] - expected).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("case", ROUTED)
+@pytest.mark.parametrize("case", ROUTED_CASES)
 def test_export_holds_trained_routing_config_and_code(checkpoints, exports, case):
     """Routing tensors under their HF names (trained away from their initial values), the
     mhar_* fields and auto_map in config.json, the package's files copied verbatim."""
@@ -90,21 +90,21 @@ def test_registered_classes_load_without_trust_remote_code(remote_logits, export
     import megatron_mhar.hf
     from transformers import AutoModelForCausalLM
 
-    for case in ROUTED:
+    for case in ROUTED_CASES:
         model = AutoModelForCausalLM.from_pretrained(exports[case], dtype=torch.float32).eval()
         assert type(model) is getattr(megatron_mhar.hf, remote_logits[case]["class"])
         with torch.no_grad():
-            assert torch.equal(model(token_batch()).logits, remote_logits[case]["logits"]), case
+            assert torch.equal(model(export_token_batch()).logits, remote_logits[case]["logits"]), case
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", EXPORT_CASES)
 def test_megatron_hf_megatron_is_bitwise(megatron_world1, checkpoints, exports, tmp_path, case):
     """Import of the export (its variant read from config.json) gives the trained weights
     bit for bit, and exporting that again gives the same directory."""
     import megatron_mhar
     from megatron_mhar.conversion.convert import hf_to_mcore, mcore_to_hf, plan_import
 
-    plain = case not in ROUTED  # a plain directory names no variant: the import asks for one
+    plain = case not in ROUTED_CASES  # a plain directory names no variant: the import asks for one
     plan = plan_import(exports[case], tmp_path / "back", "none" if plain else None, seq_length=64)
     assert plan.routing_source == ("initial" if plain else "export")
     back = hf_to_mcore(plan)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.hf.conftest import ROUTED, token_batch
+from tests.helpers import ROUTED_CASES, export_token_batch
 
 
 @pytest.mark.parametrize("variant,layers,size", [
@@ -40,7 +40,7 @@ def test_layouts_read_what_megatrons_read(variant, layers, size):
         assert hf.capacity == max(hf.rows_read(j) for j in sites)
 
 
-@pytest.mark.parametrize("case", ROUTED)
+@pytest.mark.parametrize("case", ROUTED_CASES)
 def test_gradients_equal_megatrons(megatron_world1, checkpoints, exports, case):
     """With autograd on (sources stacked, not buffered), the loss and every routing
     parameter's gradient equal the Megatron model's; without it the logits are the same."""
@@ -49,7 +49,7 @@ def test_gradients_equal_megatrons(megatron_world1, checkpoints, exports, case):
     from megatron_mhar.conversion import mapping
     from transformers import AutoModelForCausalLM
 
-    tokens = token_batch(1)
+    tokens = export_token_batch(1)
     megatron = megatron_mhar.load_model(checkpoints[case])
     hf = AutoModelForCausalLM.from_pretrained(exports[case], dtype=torch.float32).eval()
     losses = []
@@ -97,4 +97,4 @@ def test_hidden_states_are_refused_not_faked(exports):
 
     model = AutoModelForCausalLM.from_pretrained(exports["qwen3-full-h8"], dtype=torch.float32)
     with pytest.raises(ValueError, match="output_hidden_states=True is not supported by MHAR models"):
-        model(token_batch(), output_hidden_states=True)
+        model(export_token_batch(), output_hidden_states=True)
