@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import os
 import queue as queue_module
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -394,3 +395,21 @@ ROUTED_CASES = [name for name in EXPORT_CASES if not name.endswith("none")]
 
 def export_token_batch(seed: int = 0, batch: int = 2, seq: int = 24) -> torch.Tensor:
     return torch.randint(0, EMBEDDED_VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+# --- Triton kernels on CPU (tests/kernels, tests/benchmarks) ---
+
+
+def use_interpreter_without_cuda() -> None:
+    """Run the Triton kernels in the interpreter where there is no CUDA device.
+
+    ``TRITON_INTERPRET`` is read when a kernel is decorated, so it must be set before
+    ``mhar_kernels`` is imported; modules imported earlier (by tests collected before) are
+    dropped, so the next import decorates their kernels for the interpreter. The interpreter
+    is exact in fp32 but not in bf16, so the CPU tests run in fp32 only.
+    """
+    if torch.cuda.is_available():
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name in [n for n in sys.modules if n == "mhar_kernels" or n.startswith("mhar_kernels.")]:
+        del sys.modules[name]

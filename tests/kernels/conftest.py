@@ -1,5 +1,5 @@
-"""The kernels run in the Triton interpreter where there is no CUDA device (interpreter.py)."""
+"""The kernels run in the Triton interpreter where there is no CUDA device."""
 
-from tests.kernels.interpreter import use_interpreter_without_cuda
+from tests.helpers import use_interpreter_without_cuda
 
 use_interpreter_without_cuda()
