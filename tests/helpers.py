@@ -9,6 +9,9 @@
   corpus of :data:`EMBEDDED_VOCAB` tokens.
 * Conversion: the tiny HF models' :data:`HF_VOCAB` and :data:`HF_SEQ`,
   :func:`token_batch`, :func:`hf_logits`, :func:`read_safetensors`.
+* Hugging Face export: :data:`EXPORT_CASES` (every family and variant trained a few steps,
+  exported and loaded elsewhere by tests/hf) and :func:`export_token_batch`.
+* Kernels: :func:`use_interpreter_without_cuda`.
 
 No CUDA calls and no Megatron import at import time.
 """
