@@ -407,11 +407,12 @@ def use_interpreter_without_cuda() -> None:
     """Run the Triton kernels in the interpreter where there is no CUDA device.
 
     ``TRITON_INTERPRET`` is read when a kernel is decorated, so it must be set before
-    ``mhar_kernels`` is imported; modules imported earlier (by tests collected before) are
-    dropped, so the next import decorates their kernels for the interpreter. The interpreter
-    is exact in fp32 but not in bf16, so the CPU tests run in fp32 only.
+    ``mhar_kernels`` is imported; modules imported without it (by tests collected before)
+    are dropped, so the next import decorates their kernels for the interpreter (modules
+    imported while it was set already run there). The interpreter is exact in fp32 but not
+    in bf16, so the CPU tests run in fp32 only.
     """
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         return
     os.environ["TRITON_INTERPRET"] = "1"
     for name in [n for n in sys.modules if n == "mhar_kernels" or n.startswith("mhar_kernels.")]:
