@@ -10,7 +10,8 @@
 * Conversion: the tiny HF models' :data:`HF_VOCAB` and :data:`HF_SEQ`,
   :func:`token_batch`, :func:`hf_logits`, :func:`read_safetensors`.
 * Hugging Face export: :data:`EXPORT_CASES` (every family and variant trained a few steps,
-  exported and loaded elsewhere by tests/hf) and :func:`export_token_batch`.
+  exported and loaded elsewhere by tests/hf), :func:`export_token_batch`, and
+  :func:`random_model` (untrained models with large random weights).
 * Kernels: :func:`use_interpreter_without_cuda`.
 
 No CUDA calls and no Megatron import at import time.
@@ -398,6 +399,45 @@ ROUTED_CASES = [name for name in EXPORT_CASES if not name.endswith("none")]
 
 def export_token_batch(seed: int = 0, batch: int = 2, seq: int = 24) -> torch.Tensor:
     return torch.randint(0, EMBEDDED_VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+
+# Random-weight MHAR transformers models (no training), weights drawn large
+RANDOM_SHAPE = dict(hidden_size=32, num_hidden_layers=EXPORT_LAYERS, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=EMBEDDED_VOCAB, bos_token_id=None, eos_token_id=None)
+# name -> (family, MHAR fields) of the random-weight models (random_model)
+RANDOM_MODELS = {
+    # Qwen3, 8 heads, tau = 2, tied embeddings
+    "qwen3-full": ("qwen3", dict(mhar_variant="full", mhar_num_heads=8, mhar_logit_scale=2.0,
+                                 tie_word_embeddings=True)),
+    # Llama, Attention Residuals (one head), untied
+    "llama-full-h1": ("llama", dict(mhar_variant="full", mhar_num_heads=1, tie_word_embeddings=False)),
+    # Llama, blocks of 3 sublayers (they straddle layers), partial read at the final site
+    "llama-block": ("llama", dict(mhar_variant="block", mhar_num_heads=4, mhar_block_size=3,
+                                  mhar_logit_scale=4.0)),
+    # Qwen3 delta over blocks of one layer, nonzero gates and null sources
+    "qwen3-delta": ("qwen3", dict(mhar_variant="delta", mhar_num_heads=8, mhar_delta_block_layers=1)),
+}
+
+
+def random_model(name: str, seed: int = 0):
+    """``RANDOM_MODELS[name]`` with weights drawn large: matrices, queries, null sources and
+    gates N(0, 0.3^2), norm weights 1 + N(0, 0.2^2), so logits are O(1) and depend on context."""
+    import megatron_mhar.hf as mhar_hf
+
+    family, fields = RANDOM_MODELS[name]
+    config_class, model_class = {
+        "qwen3": (mhar_hf.MHARQwen3Config, mhar_hf.MHARQwen3ForCausalLM),
+        "llama": (mhar_hf.MHARLlamaConfig, mhar_hf.MHARLlamaForCausalLM),
+    }[family]
+    model = model_class(config_class(**RANDOM_SHAPE, **fields))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            norm = "norm" in param_name.rsplit(".", 2)[-2] or param_name.endswith("norm_weight")
+            param.copy_(1 + 0.2 * noise if norm else 0.3 * noise)
+    return model.eval()
 
 
 # --- Triton kernels on CPU (tests/kernels, tests/benchmarks) ---

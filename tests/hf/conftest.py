@@ -6,6 +6,8 @@ their initial values, then exported with ``mcore_to_hf`` and the builtin tokeniz
 Runs and exports are built once per session, all at once (training in-process needs no
 Megatron state set up, so it happens before any test's ``megatron_world1``).
 
+``random_model(name)`` builds the untrained models of ``RANDOM_MODELS`` instead.
+
 Fixtures:
     embedded: the embedded corpus and builtin tokenizer (:class:`EmbeddedData`).
     checkpoints: ``{case: Megatron checkpoints dir}`` of every case.

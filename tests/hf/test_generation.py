@@ -1,9 +1,9 @@
 """KV-cache generation of the MHAR models: greedy and sampling, batched with left padding.
 
-The models have random weights drawn large (matrices N(0, 0.3^2), norm weights
-1 + N(0, 0.2^2), queries, null sources and gates too), so that every token's logits
-depend on its context and the greedy continuations vary: a cache that routed or attended
-over the wrong sources would change them.
+The models (``RANDOM_MODELS``) have random weights drawn large, so that every token's
+logits depend on its context and the greedy continuations vary: a cache that routed or
+attended over the wrong sources would change them. On CUDA the routing runs the fused
+kernels.
 """
 
 from __future__ import annotations
@@ -11,56 +11,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-VOCAB = 512
+from tests.helpers import EMBEDDED_VOCAB, RANDOM_MODELS, random_model
+
 NEW = 24
 PROMPTS = (5, 11, 3)  # lengths; the batch is left-padded to 11
-SHAPE = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-             intermediate_size=64, vocab_size=VOCAB, bos_token_id=None, eos_token_id=None)
-
-MODELS = {
-    # Qwen3, 8 heads, tau = 2, tied embeddings
-    "qwen3-full": ("qwen3", dict(mhar_variant="full", mhar_num_heads=8, mhar_logit_scale=2.0, tie_word_embeddings=True)),
-    # Llama, Attention Residuals (one head), untied
-    "llama-full-h1": ("llama", dict(mhar_variant="full", mhar_num_heads=1, tie_word_embeddings=False)),
-    # Llama, blocks of 3 sublayers (they straddle layers), partial read at the final site
-    "llama-block": ("llama", dict(mhar_variant="block", mhar_num_heads=4, mhar_block_size=3, mhar_logit_scale=4.0)),
-    # Qwen3 delta over blocks of one layer, nonzero gates and null sources
-    "qwen3-delta": ("qwen3", dict(mhar_variant="delta", mhar_num_heads=8, mhar_delta_block_layers=1)),
-}
+# every model on CPU (the torch reference routes) and on CUDA (the fused kernels route)
+MODELS = [pytest.param((name, "cpu"), id=f"{name}-cpu") for name in RANDOM_MODELS] + [
+    pytest.param((name, "cuda"), id=f"{name}-cuda", marks=pytest.mark.gpu) for name in RANDOM_MODELS]
 
 
-def random_model(family: str, fields: dict, seed: int = 0):
-    import megatron_mhar.hf as mhar_hf
-
-    config_class, model_class = {
-        "qwen3": (mhar_hf.MHARQwen3Config, mhar_hf.MHARQwen3ForCausalLM),
-        "llama": (mhar_hf.MHARLlamaConfig, mhar_hf.MHARLlamaForCausalLM),
-    }[family]
-    model = model_class(config_class(**SHAPE, **fields))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            norm = "norm" in name.rsplit(".", 2)[-2] or name.endswith("norm_weight")
-            param.copy_(1 + 0.2 * noise if norm else 0.3 * noise)
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=list(MODELS))
+@pytest.fixture(scope="module", params=MODELS)
 def model(request):
-    family, fields = MODELS[request.param]
-    return random_model(family, fields)
+    name, device = request.param
+    return random_model(name).to(device)
 
 
-def _prompts(seed: int = 0):
+def _prompts(model, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=generator) for n in PROMPTS]
+    return [torch.randint(0, EMBEDDED_VOCAB, (n,), generator=generator).to(model.device) for n in PROMPTS]
 
 
 def _left_padded(prompts, pad: int):
     width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad, device=prompts[0].device)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device=prompts[0].device)
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt):] = prompt
         mask[row, width - len(prompt):] = 1
@@ -78,7 +52,7 @@ def _greedy_by_recomputation(model, prompt: torch.Tensor) -> torch.Tensor:
 
 
 def test_greedy_batched_generation_equals_recomputation_row_by_row(model):
-    prompts = _prompts()
+    prompts = _prompts(model)
     ids, mask = _left_padded(prompts, pad=0)
     batched = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     assert batched.shape == (len(prompts), ids.shape[1] + NEW)
@@ -93,7 +67,7 @@ def test_greedy_batched_generation_equals_recomputation_row_by_row(model):
 def test_padding_leaks_into_nothing(model):
     """Other pad token ids give the same logits at real positions and the same generations;
     each padded row's logits equal the row's own."""
-    prompts = _prompts(1)
+    prompts = _prompts(model, 1)
     outputs = []
     for pad in (0, 7):
         ids, mask = _left_padded(prompts, pad)
@@ -111,7 +85,7 @@ def test_padding_leaks_into_nothing(model):
 
 
 def test_sampling_with_cache_draws_what_recomputation_draws(model):
-    ids, mask = _left_padded(_prompts(2), pad=0)
+    ids, mask = _left_padded(_prompts(model, 2), pad=0)
     draws = []
     for use_cache in (True, False):
         torch.manual_seed(5)

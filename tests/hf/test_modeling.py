@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from tests.helpers import ROUTED_CASES, export_token_batch
+from tests.helpers import RANDOM_MODELS, ROUTED_CASES, export_token_batch, random_model
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("variant,layers,size", [
@@ -98,3 +105,64 @@ def test_hidden_states_are_refused_not_faked(exports):
     model = AutoModelForCausalLM.from_pretrained(exports["qwen3-full-h8"], dtype=torch.float32)
     with pytest.raises(ValueError, match="output_hidden_states=True is not supported by MHAR models"):
         model(export_token_batch(), output_hidden_states=True)
+
+
+def _counting_fused_route(monkeypatch):
+    """Count the calls of the fused op that ``depth_route`` imports when it picks the kernels."""
+    import mhar_kernels.depth_route as kernels
+
+    calls = []
+    fused = kernels.fused_depth_route
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "fused_depth_route", counted)
+    return calls
+
+
+def _sites(model) -> int:
+    config = model.config
+    return 2 * config.num_hidden_layers + int(config.mhar_variant != "delta")
+
+
+def test_installed_package_routes_with_its_own_op():
+    """With megatron_mhar installed the model calls the package's depth_route, whose
+    ``auto`` picks the fused kernels on CUDA; the export's copy serves only without it."""
+    import importlib
+
+    from megatron_mhar.hf import modeling_mhar
+
+    op = importlib.import_module("megatron_mhar.ops.depth_route")
+    assert modeling_mhar.depth_route is op.depth_route
+
+
+def test_fused_kernels_route_the_model_as_the_reference_does(tmp_path):
+    """The fused kernels, run by Triton's interpreter on CPU in fp32, give the reference's logits."""
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA the kernels run natively: test_cuda_routes_with_the_fused_kernels")
+    pytest.importorskip("triton")
+    out = tmp_path / "logits.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-m", "tests.hf.route_with_kernels", str(out)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for name, routed in torch.load(out).items():
+        assert routed["calls"] == _sites(random_model(name)), name
+        reference = routed["reference"]
+        assert (routed["fused"] - reference).abs().max() <= 1e-5 * max(1.0, reference.abs().max().item()), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", RANDOM_MODELS)
+def test_cuda_routes_with_the_fused_kernels(monkeypatch, name):
+    """On CUDA every site routes through the fused kernels; fp32 logits equal the CPU reference's."""
+    model, tokens = random_model(name), export_token_batch(3, seq=10)
+    with torch.no_grad():
+        reference = model(tokens).logits
+    calls = _counting_fused_route(monkeypatch)
+    with torch.no_grad():
+        fused = model.cuda()(tokens.cuda()).logits.cpu()
+    assert len(calls) == _sites(model)
+    assert (fused - reference).abs().max() <= 1e-4 * max(1.0, reference.abs().max().item())
