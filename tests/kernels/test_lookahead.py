@@ -519,9 +519,9 @@ def test_add_row_grads_independent_of_the_token_programs():
     for backend in (BACKENDS["triton-tensor-cores"], BACKENDS["torch"]):
         owed = _deferred_groups(backend, buffer, queries, norms, grad_outs, heads, groups, deltas, start.clone())
         is_fused = backend is BACKENDS["triton-tensor-cores"]
-        for launch in [dict(programs_per_sm=p) for p in (1, 3, 1024)] if is_fused else [{}]:
+        for override in [dict(programs_per_sm=p) for p in (1, 3, 1024)] if is_fused else [{}]:
             rows = start.clone()
-            backend.add_row_grads(owed, buffer, rows, 0, **launch)
+            backend.add_row_grads(owed, buffer, rows, 0, **override)
             results.append(rows)
     *fused_rows, ref = results
     for got in fused_rows[1:]:

@@ -107,7 +107,7 @@ def shared_bytes(kernel, sizes, constexprs, rows_dtype, num_warps, num_stages=No
     return compiled.metadata.shared
 
 
-def shape_rows(d, model_heads, dtype, launch, sizes):
+def shape_rows(d, model_heads, dtype, launch_name, sizes):
     """One row per tensor-core kernel of a shape and launch, with its launch config."""
     split, heads, head_dim, padded_heads = launch.dot_heads(d, model_heads)
     ka, kb = launch.head_chunks(head_dim)
@@ -132,7 +132,7 @@ def shape_rows(d, model_heads, dtype, launch, sizes):
                          ACCUMULATE=True),
                     defaults["num_warps"].default, defaults["stages"].default))  # fmt: skip
     for kernel, constexprs, warps, stages in kernels:
-        yield {"width": d, "heads": model_heads, "dot_heads": heads, "dtype": dtype, "launch": launch,
+        yield {"width": d, "heads": model_heads, "dot_heads": heads, "dtype": dtype, "launch": launch_name,
                "kernel": kernel.fn.__name__, "num_warps": warps, "num_stages": stages,
                "shared_bytes": shared_bytes(kernel, sizes, constexprs, dtype, warps, stages),
                "limit_bytes": H200_SHARED_BYTES}  # fmt: skip
@@ -145,8 +145,8 @@ def main():
     check_out(parser, args.out)
     rows = []
     for d, heads, dtype in SHAPES:
-        for launch, sizes in LAUNCHES.items():
-            for row in shape_rows(d, heads, dtype, launch, sizes):
+        for launch_name, sizes in LAUNCHES.items():
+            for row in shape_rows(d, heads, dtype, launch_name, sizes):
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     if args.out:

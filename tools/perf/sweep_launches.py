@@ -88,8 +88,8 @@ def run_sweep(copy_gbps):
         variants += [("bwd_history", "bwd_history", loop, lambda loop: K.route_backward(
             grad_out, view, None, query, norm_weight, lse, BR.HEADS, EPS, 1.0, gsrc,
             **loop._asdict())) for loop in bwd_loops]  # fmt: skip
-        for mode, key, loop, launch in variants:
-            t = bench(lambda: launch(loop), graph=True)
+        for mode, key, loop, call in variants:
+            t = bench(lambda: call(loop), graph=True)
             frac = nb[key]["moved"] / t["ms"] / 1e6 / copy_gbps
             rows.append({"case": case.name, "mode": mode, **loop._asdict(), **t,
                          "frac_copy_moved": frac})  # fmt: skip
@@ -158,10 +158,10 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
             grad_outs, buf, qs, ws, lse, deltas, gbuf, **o)) for o in bwd_variants]  # fmt: skip
         variants += merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, bh * bhd, group)
         variants += row_grads_sweep_variants(case, buf, gbuf, qs, ws, lse, deltas, grad_outs, group)
-        for mode, nbytes, cfg, launch in variants:
+        for mode, nbytes, cfg, call in variants:
             if mode not in modes:
                 continue
-            t = bench(launch, graph=True)
+            t = bench(call, graph=True)
             frac = nbytes / t["ms"] / 1e6 / copy_gbps
             rows.append({"case": case.name, "mode": mode, "group": group, "n0": n0, "config": cfg,
                          **t, "bytes": nbytes, "frac_copy": frac})  # fmt: skip
