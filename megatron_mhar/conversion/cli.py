@@ -40,7 +40,8 @@ def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-dir", required=True, type=Path, help="HF model directory (config.json + safetensors)")
     parser.add_argument("--out", required=True, type=Path, help="checkpoint directory to create")
     parser.add_argument("--variant", choices=("none", "full", "block", "delta"),
-                        help="routing variant (default: the HF directory's mhar_config.json)")
+                        help="routing variant (default: an MHAR export's, from its config.json, or an "
+                             "earlier export's mhar_config.json)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks used to convert")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks used to convert")
     parser.add_argument("--num-heads", type=int, help="mhar.num_heads (default 8)")
