@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from megatron_mhar.models.mhar_config import MHARConfig, function_fields
-from megatron_mhar.conversion import checkpoint, hf_config, hf_io, mapping
+from megatron_mhar.conversion import checkpoint, hf_config, hf_io, mapping, weight_checks
 from megatron_mhar.models.gpt_config import GPTModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,6 +49,8 @@ class ImportPlan:
     side_file: bool
     """Whether routing parameters come from the HF directory's MHAR side file."""
     hf_ignored: tuple
+    allow_nonfinite: bool = False
+    """Convert weights holding NaN/Inf as they are (default: refuse)."""
 
 
 # The variants each routing option of the import changes; given with another, it would be
@@ -69,6 +71,7 @@ def plan_import(
     overwrite: bool = False,
     mhar_overrides: Optional[Dict[str, Any]] = None,
     model_overrides: Optional[Dict[str, Any]] = None,
+    allow_nonfinite: bool = False,
 ) -> ImportPlan:
     """Validate everything that can be checked before any process starts."""
     hf_dir = Path(hf_dir)
@@ -107,11 +110,12 @@ def plan_import(
         _check_side_file(side[0], model, mhar, hf_dir)
     names = hf_io.SafetensorsReader(hf_dir).keys()
     ignored = mapping.check_hf_names(names, model, str(hf_dir))
+    weight_checks.check_hf_headers(hf_dir, model, dtype_chosen=dtype is not None)
     dtype = dtype or _hf_dtype(hf_dir)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     return ImportPlan(str(hf_dir), str(Path(out).absolute()), model, mhar, dtype, tp, pp,
-                      overwrite, side is not None, tuple(ignored))
+                      overwrite, side is not None, tuple(ignored), allow_nonfinite)
 
 
 def _hf_dtype(hf_dir: Path) -> str:
@@ -220,7 +224,7 @@ def _fill_from_hf(chunk, plan: ImportPlan) -> None:
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    reader = hf_io.SafetensorsReader(Path(plan.hf_dir))
+    reader = weight_checks.FiniteReader(hf_io.SafetensorsReader(Path(plan.hf_dir)), plan.hf_dir, plan.allow_nonfinite)
     shapes = mapping.Shapes.of(plan.model, tp_size)
     routing = hf_io.read_mhar_side_file(Path(plan.hf_dir))[1] if plan.side_file else None
     if plan.model.tie_embeddings and "lm_head.weight" in reader:
@@ -265,6 +269,7 @@ def mcore_to_hf(
     overwrite: bool = False,
     dtype: Optional[str] = None,
     hf_reference: Optional[Path] = None,
+    allow_nonfinite: bool = False,
 ) -> Path:
     """Write an HF directory (plus the MHAR side file for MHAR models) from a checkpoint.
 
@@ -288,6 +293,7 @@ def mcore_to_hf(
         chunk = checkpoint.build_model(model_cfg, mhar, stored)
         checkpoint.load_into(chunk, found)
         state = {k: v.to(target) for k, v in checkpoint.full_state_dict(chunk).items()}
+        weight_checks.check_all_finite(state, str(found), allow_nonfinite)
     finally:
         if started:
             destroy()
