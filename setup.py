@@ -21,6 +21,7 @@ setup(
         "tensorboard",
         "safetensors",
         "psutil",  # Megatron's checkpoint writer needs it (without it a save hangs)
+        "xxhash",  # checksums of the checkpoint manifests
         "pillow",  # routing heatmap of the training driver
     ],
     extras_require={

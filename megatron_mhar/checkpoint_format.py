@@ -5,17 +5,24 @@ and the conversion and inference (:mod:`megatron_mhar.conversion.checkpoint`,
 :mod:`megatron_mhar.inference`: convert, load) both write and read this layout::
 
     checkpoints/
-      latest                 text: the name of the newest complete checkpoint
+      latest                 text: the name of the newest verified checkpoint
       iter_0000200/          one megatron.core.dist_checkpointing checkpoint
         common.pt, metadata.json, __*.distcp
         train_config.yaml    the run config (of a converted checkpoint: its model and mhar sections)
+        manifest.json        every other file's size and checksum (megatron_mhar.manifest)
       .tmp.iter_0000300/     a save in progress (or interrupted): never read
 
 A checkpoint is complete once its ``metadata.json`` exists (dist_checkpointing writes it
-last); a directory being written carries the staging prefix and is renamed into place
-whole. The common state (``common.pt``) holds ``checkpoint_version``, ``iteration``,
-``train_state`` and ``config``, the resolved run config as a dict whose ``model`` and
-``mhar`` sections (:class:`GPTModelConfig`, :class:`MHARConfig`) define the network.
+last); a directory being written carries the staging prefix, gets its manifest, and is
+renamed into place whole. The common state (``common.pt``) holds ``checkpoint_version``,
+``iteration``, ``train_state`` and ``config``, the resolved run config as a dict whose
+``model`` and ``mhar`` sections (:class:`GPTModelConfig`, :class:`MHARConfig`) define the
+network.
+
+Every reader finds its checkpoint through :func:`find_checkpoint`, which verifies it
+against its manifest first (``full``, ``size`` or ``off``: :mod:`megatron_mhar.manifest`).
+Checkpoints of ``checkpoint_version`` 1 were written before manifests and are read
+unverified.
 
 Importing this module does not import Megatron.
 """
@@ -25,19 +32,21 @@ from __future__ import annotations
 import contextlib
 import re
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_mhar.models.mhar_config import MHARConfig, function_fields
+from megatron_mhar import manifest
 from megatron_mhar.files import TMP_PREFIX
 from megatron_mhar.models.gpt_config import GPTModelConfig
+from megatron_mhar.models.mhar_config import MHARConfig, function_fields
 
 LATEST = "latest"
 """Text file naming the newest complete checkpoint of a checkpoint directory."""
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
+"""2: the checkpoint carries a manifest; 1: written before manifests (read unverified)."""
 METADATA_FILE = "metadata.json"
 TRAIN_CONFIG_FILE = "train_config.yaml"
 # Config sections that define the network; any difference makes a checkpoint unusable.
@@ -65,35 +74,148 @@ def is_complete(path: Path) -> bool:
     return (Path(path) / METADATA_FILE).is_file()
 
 
-def find_checkpoint(path: Path) -> Optional[Path]:
-    """The checkpoint ``path`` designates: via its ``latest`` file, or ``path`` itself, or,
-    where no ``latest`` names one, its newest published ``iter_*`` checkpoint.
+def published_checkpoints(path: Path) -> List[Path]:
+    """The published ``iter_*`` checkpoints of a checkpoint directory, newest first.
 
-    A save publishes ``iter_*`` (a complete checkpoint, renamed into place) and then writes
-    ``latest``; a job stopped in between, or a ``latest`` removed by hand, leaves checkpoints
-    that nothing names. Starting afresh beside them would lose them (and ``keep_last``
-    would prune them), so the newest is resumed instead, with a line saying so.
+    Newest by (iteration, save): ``iter_0000012``, then ``iter_0000012.2`` for a second
+    save at the same iteration (a save never renames over a published one).
     """
     path = Path(path)
-    latest = path / LATEST
-    if latest.is_file():
-        name = latest.read_text().strip()
-        target = path / name
-        if not is_complete(target):
-            raise ValueError(f"{latest} names {name!r}, but {target} is not a complete checkpoint")
-        return target
-    if is_complete(path):
-        return path
-    published = {p: _SAVE_NAME.fullmatch(p.name) for p in path.glob("iter_*")} if path.is_dir() else {}
-    published = {p: m for p, m in published.items() if m and is_complete(p)}
-    if not published:
+    if not path.is_dir():
+        return []
+    saves = {p: _SAVE_NAME.fullmatch(p.name) for p in path.iterdir() if p.is_dir()}
+    saves = {p: m for p, m in saves.items() if m}
+    return sorted(saves, key=lambda p: (int(saves[p][1]), int(saves[p][2] or 1)), reverse=True)
+
+
+def checkpoint_problem(checkpoint: Path, verify: str = "full", share: Optional[Tuple[int, int]] = None) -> Optional[str]:
+    """Why ``checkpoint`` is not to be read (incomplete, or not matching its manifest at
+    the ``verify`` level), or ``None``. ``share``: see :func:`megatron_mhar.manifest.verify`."""
+    checkpoint = Path(checkpoint)
+    if not is_complete(checkpoint):
+        return f"{checkpoint} is not a complete checkpoint (no {METADATA_FILE})"
+    if verify == "off":
         return None
-    # (iteration, save): iter_0000012, then iter_0000012.2 for a second save at the same
-    # iteration (a save never renames over a published one).
-    newest = max(published, key=lambda p: (int(published[p][1]), int(published[p][2] or 1)))
+    if not (checkpoint / manifest.MANIFEST_FILE).is_file():
+        try:
+            version = read_common_state(checkpoint).get("checkpoint_version", 1)
+        except ValueError as err:
+            return str(err)
+        if version < 2:  # written before manifests: nothing to verify against
+            return None
+    try:
+        manifest.verify(checkpoint, verify, share)
+    except manifest.ManifestError as err:
+        return str(err)
+    return None
+
+
+Problem = Callable[[Path], Optional[str]]
+"""``checkpoint -> why it is not to be read, or None`` (:func:`checkpoint_problem` at a level)."""
+
+
+def _say(line: str) -> None:
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(f"{path} has no {LATEST!r} file; using its newest checkpoint, {newest.name}", flush=True)
-    return newest
+        print(line, flush=True)
+
+
+def find_checkpoint(path: Path, verify: str = "full", problem: Optional[Problem] = None) -> Optional[Path]:
+    """The checkpoint ``path`` designates, verified: via its ``latest`` file, or ``path``
+    itself, or, where no ``latest`` names an intact one, its newest verified ``iter_*``.
+
+    A save publishes ``iter_*`` (a complete checkpoint, renamed into place) and then writes
+    ``latest``; a job stopped in between, a ``latest`` removed or damaged by hand, or a
+    checkpoint damaged since it was written, leaves checkpoints that ``latest`` does not
+    name. Starting afresh beside them would lose them (and ``keep_last`` would prune them),
+    so the newest verified one is used instead, with a line saying so. A checkpoint
+    directory given itself must pass: its error names the file at fault and the next
+    intact checkpoint beside it. ``None`` where ``path`` holds no checkpoint at all.
+
+    ``problem``: how a checkpoint is checked (default :func:`checkpoint_problem` at
+    ``verify``; the training driver divides the reading among its ranks).
+    """
+    path = Path(path)
+    problem = problem or (lambda checkpoint: checkpoint_problem(checkpoint, verify))
+    latest = path / LATEST
+    if not latest.exists() and is_complete(path):
+        reason = problem(path)
+        if reason is not None:
+            raise ValueError(f"checkpoint {path} fails verification: {reason}; {_instead(path.parent, problem, path)}")
+        return path
+    failures: List[str] = []  # why `latest` and each newer checkpoint were passed over
+    skip = None
+    if latest.exists():
+        try:
+            name = latest.read_text().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            name, reason = "", f"cannot be read ({err})"
+        else:
+            reason = None if _SAVE_NAME.fullmatch(name) else f"holds {name[:80]!r}, not a checkpoint name"
+        if reason is None:
+            skip = path / name
+            if not skip.is_dir():
+                reason = f"names {name!r}, which does not exist"
+            else:
+                reason = problem(skip)
+                if reason is None:
+                    return skip
+                reason = f"names {name!r}, which fails verification: {reason}"
+        failures.append(f"{latest} {reason}")
+    for candidate in published_checkpoints(path):
+        if candidate == skip:
+            continue
+        reason = problem(candidate)
+        if reason is None:
+            why = failures if latest.exists() else [f"{path} has no {LATEST!r} file"] + failures
+            _say(f"{'; '.join(why)}; using the newest verified checkpoint, {candidate.name}")
+            return candidate
+        failures.append(f"{candidate.name}: {reason}")
+    if failures:
+        raise ValueError(
+            f"{path} holds no checkpoint that can be read:\n  " + "\n  ".join(failures)
+            + f"\nrestore a checkpoint from a copy, or set checkpoint.verify=off to read one unverified, or "
+            f"remove {path} to start afresh"
+        )
+    return None
+
+
+def _instead(directory: Path, problem: Problem, broken: Path) -> str:
+    """The fix for a damaged checkpoint: the next intact one beside it, if any."""
+    for candidate in published_checkpoints(directory):
+        if candidate != broken and problem(candidate) is None:
+            return f"use the intact {candidate} instead (or restore {broken.name} from a copy)"
+    return (f"no intact checkpoint is beside it: restore it from a copy, or set checkpoint.verify=off "
+            f"to read it unverified")
+
+
+@contextlib.contextmanager
+def checksummed_writes() -> Iterator[None]:
+    """Inside, the files Megatron's checkpoint writer creates are checksummed as they are
+    written (:class:`megatron_mhar.manifest.ChecksummingFile`), so that the manifest need
+    not read them back.
+
+    The writer (``FileSystemWriterAsync.write_preloaded_data``, run in processes forked
+    from this one) opens each shard file with the ``open`` of its module's namespace; a
+    module-level ``open`` there shadows the builtin for the duration. A writer that opens
+    its files otherwise is not affected, and the manifest then reads those files back.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def open_for_writer(file, mode="r", *args, **kwargs):
+        if mode == "wb" and not args and not kwargs:
+            return manifest.ChecksummingFile(file)
+        return open(file, mode, *args, **kwargs)
+
+    missing = object()
+    previous = filesystem_async.__dict__.get("open", missing)
+    filesystem_async.open = open_for_writer
+    try:
+        yield
+    finally:
+        if previous is missing:
+            del filesystem_async.open
+        else:
+            filesystem_async.open = previous
 
 
 # ---------------------------------------------------------------- reading

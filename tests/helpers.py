@@ -8,7 +8,7 @@
 * Training driver: :data:`TINY`, the smoke recipe shrunk to seconds, over the embedded
   corpus of :data:`EMBEDDED_VOCAB` tokens.
 * Conversion: the tiny HF models' :data:`HF_VOCAB` and :data:`HF_SEQ`,
-  :func:`token_batch`, :func:`hf_logits`, :func:`read_safetensors`.
+  :func:`redraw_hf_weights`, :func:`token_batch`, :func:`hf_logits`, :func:`read_safetensors`.
 * Hugging Face export: :data:`EXPORT_CASES` (every family and variant trained a few steps,
   exported and loaded elsewhere by tests/hf), :func:`export_token_batch`, and
   :func:`random_model` (untrained models with large random weights).
@@ -331,6 +331,18 @@ TINY = [
 
 HF_VOCAB, HF_SEQ = 100, 16
 """Vocabulary and sequence length of the tiny HF models of the conversion tests."""
+
+
+def redraw_hf_weights(model, seed: int = 0):
+    """An HF model's weights redrawn larger than its init (matrices N(0, 0.1^2), norms
+    1 + N(0, 0.2^2)): logits of order one, so that a mapping error cannot hide below a
+    tolerance. Returns the model, in eval mode."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1 + 0.2 * noise if param.dim() == 1 else 0.1 * noise)
+    return model.eval()
 
 
 def token_batch(seed: int = 0, batch: int = 2, seq: int = HF_SEQ) -> torch.Tensor:

@@ -14,15 +14,18 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_mhar import checkpoint_format as fmt
+from megatron_mhar import manifest
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _published(root: Path, *names: str, complete: bool = True) -> None:
+    """Checkpoint directories as a save leaves them: ``metadata.json`` and the manifest."""
     for name in names:
         (root / name).mkdir(parents=True)
         if complete:
             (root / name / fmt.METADATA_FILE).write_text("{}")
+            manifest.write_manifest(root / name)
 
 
 def test_checkpoint_names_and_staging(tmp_path):
@@ -41,9 +44,12 @@ def test_latest_names_the_checkpoint(tmp_path):
 
 
 def test_latest_naming_an_incomplete_checkpoint_is_an_error(tmp_path):
+    """With no intact checkpoint to fall back to, the error names what is wrong and the ways out."""
     _published(tmp_path, "iter_0000003", complete=False)
     (tmp_path / fmt.LATEST).write_text("iter_0000003\n")
-    with pytest.raises(ValueError, match="names 'iter_0000003', but .* is not a complete checkpoint"):
+    with pytest.raises(ValueError, match=r"(?s)holds no checkpoint that can be read.*names 'iter_0000003', "
+                                         r"which fails verification: .* is not a complete checkpoint.*"
+                                         r"checkpoint.verify=off.*start afresh"):
         fmt.find_checkpoint(tmp_path)
 
 
@@ -53,7 +59,9 @@ def test_without_latest_the_newest_published_checkpoint_is_found(tmp_path, capsy
     _published(tmp_path, "iter_0000004", "iter_0000005", "iter_0000005.2", "iter_notes")
     _published(tmp_path, "iter_0000009", complete=False)
     assert fmt.find_checkpoint(tmp_path) == tmp_path / "iter_0000005.2"
-    assert "has no 'latest' file; using its newest checkpoint, iter_0000005.2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "has no 'latest' file; iter_0000009: " in out and "is not a complete checkpoint" in out
+    assert out.endswith("; using the newest verified checkpoint, iter_0000005.2\n")
     assert fmt.find_checkpoint(tmp_path / "missing") is None
 
 

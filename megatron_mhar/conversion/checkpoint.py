@@ -10,6 +10,7 @@ A converted checkpoint has the layout and names of :mod:`megatron_mhar.checkpoin
         train_config.yaml     the model and mhar sections a recipe must repeat
         conversion.json       source, architecture, dtype, layout of the conversion
         hf/                   the source config.json and tokenizer files (for the export)
+        manifest.json         every other file's size and checksum (megatron_mhar.manifest)
 
 The common state holds what the driver's ``load_checkpoint(..., model_only=True)``
 reads: ``config`` (``{"model": ..., "mhar": ...}`` as dicts of
@@ -18,7 +19,8 @@ reads: ``config`` (``{"model": ..., "mhar": ...}`` as dicts of
 starting from it sets ``checkpoint.load_model_only: true``.
 
 The whole ``out/`` directory is written in its staging directory beside it and renamed
-into place only once complete (:func:`publish`).
+into place only once complete, its checkpoints' manifests written first (:func:`publish`).
+Reading a checkpoint (:func:`find_checkpoint`) verifies it against its manifest.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from megatron_mhar import checkpoint_format
+from megatron_mhar import checkpoint_format, manifest
 from megatron_mhar.checkpoint_format import CHECKPOINT_VERSION, LATEST, TRAIN_CONFIG_FILE, reading, staging_dir
 
 # convert.py reads a checkpoint's configs and dtype through this module.
@@ -97,9 +99,13 @@ def prepare_output(out: Path, overwrite: bool, inputs: Tuple[Path, ...] = ()) ->
 
 
 def publish(tmp: Path, out: Path) -> Path:
-    """Rename the complete staging directory to ``out`` (replacing an old ``out``)."""
+    """Rename the complete staging directory to ``out`` (replacing an old ``out``), once
+    each checkpoint in it has its manifest."""
     from megatron_mhar.conversion.hf_io import fsync_tree
 
+    for iteration_dir in sorted(Path(tmp).glob("iter_*")):
+        if checkpoint_format.is_complete(iteration_dir):
+            manifest.write_manifest(iteration_dir)
     out = Path(out).absolute()
     fsync_tree(tmp)
     old = None

@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 DESCRIPTION = "Convert checkpoints between Hugging Face and Megatron MHAR models."
 HF_TO_MCORE_HELP = "Hugging Face Llama / Qwen3 (safetensors) -> Megatron distributed checkpoint with MHAR"
 MCORE_TO_HF_HELP = "Megatron distributed checkpoint (converted or trained) -> Hugging Face directory"
+NONFINITE_HELP = "convert weights holding NaN or Inf as they are (default: refuse, naming the tensor)"
 
 
 def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +57,7 @@ def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="stored dtype (default: the HF tensors' dtype)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--allow-nonfinite", action="store_true", help=NONFINITE_HELP)
 
 
 def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +74,7 @@ def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory holding the tokenizer.json to ship with the model (e.g. the "
                              "builtin tokenizer a run trained with); default: --hf-reference's")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--allow-nonfinite", action="store_true", help=NONFINITE_HELP)
 
 
 def run_hf_to_mcore(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -88,6 +91,7 @@ def run_hf_to_mcore(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             args.hf_dir, args.out, args.variant, tp=args.tp, pp=args.pp, dtype=args.dtype,
             seq_length=args.seq_length, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
             overwrite=args.overwrite, mhar_overrides=mhar, model_overrides=model,
+            allow_nonfinite=args.allow_nonfinite,
         )
         out = hf_to_mcore(plan)
     except INPUT_ERRORS as err:
@@ -104,7 +108,8 @@ def run_mcore_to_hf(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
     try:
         out = mcore_to_hf(args.ckpt, args.out, overwrite=args.overwrite, dtype=args.dtype,
-                          hf_reference=args.hf_reference, tokenizer=args.tokenizer)
+                          hf_reference=args.hf_reference, tokenizer=args.tokenizer,
+                          allow_nonfinite=args.allow_nonfinite)
     except INPUT_ERRORS as err:
         parser.exit(2, f"error: {err}\n")
     print(f"wrote {out}")

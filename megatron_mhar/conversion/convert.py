@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from megatron_mhar.models.mhar_config import MHARConfig, function_fields
-from megatron_mhar.conversion import checkpoint, hf_config, hf_io, mapping
+from megatron_mhar.conversion import checkpoint, hf_config, hf_io, mapping, weight_checks
 from megatron_mhar.models.gpt_config import GPTModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,6 +54,8 @@ class ImportPlan:
     ``"side_file"`` (an earlier export's MHAR side file) or ``"initial"`` (the values the
     model is built with)."""
     hf_ignored: tuple
+    allow_nonfinite: bool = False
+    """Convert weights holding NaN/Inf as they are (default: refuse)."""
 
 
 # The variants each routing option of the import changes; given with another, it would be
@@ -74,6 +76,7 @@ def plan_import(
     overwrite: bool = False,
     mhar_overrides: Optional[Dict[str, Any]] = None,
     model_overrides: Optional[Dict[str, Any]] = None,
+    allow_nonfinite: bool = False,
 ) -> ImportPlan:
     """Validate everything that can be checked before any process starts."""
     hf_dir = Path(hf_dir)
@@ -122,12 +125,13 @@ def plan_import(
     ignored = mapping.check_hf_names(reader.keys(), model, str(hf_dir), exported)
     if exported is not None:
         _check_routing_shapes(reader, model, exported, hf_dir)
+    weight_checks.check_hf_headers(hf_dir, model, dtype_chosen=dtype is not None)
     dtype = dtype or _hf_dtype(hf_dir)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     source = "export" if exported is not None else "side_file" if side is not None else "initial"
     return ImportPlan(str(hf_dir), str(Path(out).absolute()), model, mhar, dtype, tp, pp,
-                      overwrite, source, tuple(ignored))
+                      overwrite, source, tuple(ignored), allow_nonfinite)
 
 
 def _hf_dtype(hf_dir: Path) -> str:
@@ -257,7 +261,7 @@ def _fill_from_hf(chunk, plan: ImportPlan) -> None:
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    reader = hf_io.SafetensorsReader(Path(plan.hf_dir))
+    reader = weight_checks.FiniteReader(hf_io.SafetensorsReader(Path(plan.hf_dir)), plan.hf_dir, plan.allow_nonfinite)
     shapes = mapping.Shapes.of(plan.model, tp_size)
     side_file = plan.routing_source == "side_file"
     routing = hf_io.read_mhar_side_file(Path(plan.hf_dir))[1] if side_file else None
@@ -304,6 +308,7 @@ def mcore_to_hf(
     dtype: Optional[str] = None,
     hf_reference: Optional[Path] = None,
     tokenizer: Optional[Path] = None,
+    allow_nonfinite: bool = False,
 ) -> Path:
     """Write an HF directory from a checkpoint: a plain Llama / Qwen3 for ``variant: none``,
     else its MHAR form, which ``AutoModelForCausalLM`` loads (``trust_remote_code=True``, or
@@ -332,6 +337,7 @@ def mcore_to_hf(
         chunk = checkpoint.build_model(model_cfg, mhar, stored)
         checkpoint.load_into(chunk, found)
         state = {k: v.to(target) for k, v in checkpoint.full_state_dict(chunk).items()}
+        weight_checks.check_all_finite(state, str(found), allow_nonfinite)
     finally:
         if started:
             destroy()

@@ -9,7 +9,9 @@ batch as Megatron's ``MegatronPretrainingSampler`` does: global batch ``k`` is
 samples ``[k * G, (k + 1) * G)``; each group of ``micro x dp`` consecutive
 samples gives every data-parallel rank ``micro`` of them. The position is the
 number of consumed samples, so a resumed run reads exactly what an uninterrupted
-run would have read.
+run would have read. Given the model's vocabulary, it checks every sample's ids as it
+reads them (one max per sequence) and names the file, document and offset of an id
+beyond it: a launch reads only a pair's metadata or a sample of its ids.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import struct
 from typing import Dict, Iterator, List, Optional, Sequence
 
+import numpy
 import torch
 
 from megatron_mhar.data.tokenizer import Tokenizer
@@ -136,14 +139,45 @@ def sampled_max_token(path: str, tokens: int = 1 << 18) -> int:
     """The largest token id among the first and the last ``tokens`` of ``path.bin`` (a
     sample: a dataset written with another tokenizer shows ids beyond the model's
     vocabulary within its first megabytes; reading the whole ``.bin`` could take hours)."""
-    import numpy
-
     ids = numpy.memmap(path + ".bin", dtype=open_indexed(path).index.dtype, mode="r")
     return int(max(ids[:tokens].max(), ids[-tokens:].max()))
 
 
+def locate_token(dataset, index: int, bound: int) -> str:
+    """Where sample ``index`` of a GPTDataset (or a blend of them) holds its first id
+    ``>= bound``: ``"<file>.bin, document d, token t of the document (token n of the
+    file): id i"``. Follows GPTDataset's own sample layout (documents concatenated from
+    an offset, plus the extra label token)."""
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+
+    if isinstance(dataset, BlendedDataset):
+        dataset[index]  # loads the blend's lazily mapped indices
+        inner = int(dataset.dataset_sample_index[index])
+        return locate_token(dataset.datasets[int(dataset.dataset_index[index])], inner, bound)
+    dataset[index]  # loads the lazily mapped indices
+    extra = dataset.config.add_extra_token_to_sequence
+    shuffled = dataset.shuffle_index[index]
+    (first, first_offset), (last, last_offset) = dataset.sample_index[shuffled], dataset.sample_index[shuffled + 1]
+    for i in range(int(first), int(last) + 1):
+        document = int(dataset.document_index[i])
+        offset = int(first_offset) if i == first else 0
+        length = int(last_offset) - offset + extra if i == last else None
+        ids = dataset.dataset.get(document, offset=offset, length=length)
+        bad = numpy.flatnonzero(ids >= bound)
+        if len(bad):
+            position = offset + int(bad[0])
+            index_ = dataset.dataset.index
+            in_file = int(index_.sequence_pointers[document]) // index_.dtype_size + position
+            return (f"{dataset.dataset.path_prefix}.bin, document {document}, token {position} of the "
+                    f"document (token {in_file} of the file): id {int(ids[bad[0]])}")
+    raise ValueError(f"sample {index} of {dataset.dataset.path_prefix} holds no id >= {bound}")
+
+
 class MicroBatches(Iterator[Dict[str, torch.Tensor]]):
-    """This rank's micro-batches, starting after ``consumed_samples`` samples."""
+    """This rank's micro-batches, starting after ``consumed_samples`` samples.
+
+    ``vocab_size``: every sample's ids must be below it (checked as read; ``None``: not checked).
+    """
 
     def __init__(
         self,
@@ -153,6 +187,7 @@ class MicroBatches(Iterator[Dict[str, torch.Tensor]]):
         dp_size: int = 1,
         consumed_samples: int = 0,
         device: Optional[torch.device] = None,
+        vocab_size: Optional[int] = None,
     ):
         self.dataset = dataset
         self.micro_batch_size = micro_batch_size
@@ -160,6 +195,7 @@ class MicroBatches(Iterator[Dict[str, torch.Tensor]]):
         self.dp_size = dp_size
         self.consumed_samples = consumed_samples
         self.device = device
+        self.vocab_size = vocab_size
 
     def __iter__(self) -> "MicroBatches":
         return self
@@ -170,6 +206,15 @@ class MicroBatches(Iterator[Dict[str, torch.Tensor]]):
         if stop > len(self.dataset):
             raise StopIteration
         samples = [self.dataset[i] for i in range(start, stop)]
+        if self.vocab_size is not None:
+            for i, sample in zip(range(start, stop), samples):
+                if max(int(sample["tokens"].max()), int(sample["labels"].max())) >= self.vocab_size:
+                    raise ValueError(
+                        f"token id beyond model.vocab_size={self.vocab_size} in "
+                        f"{locate_token(self.dataset, i, self.vocab_size)}: the data was written with "
+                        f"another tokenizer or is damaged; rewrite it with mhar-preprocess --tokenizer "
+                        f"<data.tokenizer>, or remove it from data.paths"
+                    )
         self.consumed_samples += self.micro_batch_size * self.dp_size
         # A blend's samples also carry their source's ``dataset_id`` (a NumPy scalar).
         batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}

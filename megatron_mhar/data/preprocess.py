@@ -14,6 +14,8 @@ tokenizer of the embedded corpus (``--embedded-dir``, built on first use).
 The output is written next to its final name and renamed into place once
 complete, so an interrupted run never leaves a truncated dataset behind; an
 existing ``PREFIX.bin``/``PREFIX.idx`` is replaced only with ``--overwrite``.
+``PREFIX.meta.json`` records the tokenizer's vocabulary size and the largest token id,
+which the training launch checks against the model in O(1).
 """
 
 from __future__ import annotations
@@ -155,8 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         parser.exit(2, f"error: {err}\n")
     print(
-        f"wrote {args.output_prefix}.bin/.idx: {stats['documents']} documents, "
-        f"{stats['tokens']} tokens (vocab {tokenizer.vocab_size}, eod {tokenizer.eod_token!r})"
+        f"wrote {args.output_prefix}.bin/.idx/.meta.json: {stats['documents']} documents, "
+        f"{stats['tokens']} tokens, largest id {stats['max_token_id']} (vocab {tokenizer.vocab_size}, "
+        f"eod {tokenizer.eod_token!r})"
     )
     return 0
 

@@ -1,11 +1,14 @@
-"""Checkpoints of a training run: saved aside and published atomically, resumed, pruned.
+"""Checkpoints of a training run: saved aside, verified, published atomically, resumed, pruned.
 
-The directory layout, the stored run config and how a checkpoint is read are
-:mod:`megatron_mhar.checkpoint_format`'s. A save writes into the staging directory
-``.tmp.<name>``, then rank 0 renames it to ``<name>`` (a new name, never over an
-existing checkpoint) and replaces ``latest`` with ``os.replace``. A save interrupted at
-any point leaves ``latest`` naming the last good checkpoint, which no step of a save
-ever touches; the next save clears the leftovers.
+The directory layout, the stored run config, the manifest and how a checkpoint is found
+and read are :mod:`megatron_mhar.checkpoint_format`'s. A save writes into the staging
+directory ``.tmp.<name>``; each rank then checksums the files it wrote and rank 0 writes
+the manifest (:mod:`megatron_mhar.manifest`), renames the directory to ``<name>`` (a new
+name, never over an existing checkpoint), checks the published files against the
+manifest, and only then replaces ``latest`` with ``os.replace`` and prunes. A save
+interrupted at any point leaves ``latest`` naming the last good checkpoint, which no step
+of a save ever touches; leftovers are cleared at the next start or save. A save that
+fails for lack of space or permission removes its staging directory and says what to free.
 
 A checkpoint holds the model chunks, the optimizer (Megatron's sharded optimizer
 state), the LR scheduler, per-rank RNG states, the iteration and consumed samples
@@ -16,12 +19,14 @@ names every differing field.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
+import re
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy
 import torch
@@ -29,6 +34,7 @@ import yaml
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_mhar import manifest
 from megatron_mhar.checkpoint_format import (
     CHECKPOINT_VERSION,
     LATEST,
@@ -36,7 +42,10 @@ from megatron_mhar.checkpoint_format import (
     TRAIN_CONFIG_FILE,
     check_config,
     checkpoint_name,
-    find_checkpoint,  # the driver's resume: the run's checkpoint, or checkpoint.load's
+    checkpoint_problem,
+    checksummed_writes,
+    find_checkpoint,
+    published_checkpoints,
     reading,
     staging_dir,
 )
@@ -125,6 +134,65 @@ def start_checkpoint_writer() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
 
 
+def _all_ranks(action: Callable[[], Any]) -> List[Any]:
+    """``action()`` on every rank; every rank's result, on every rank. A rank's failure is
+    raised on every rank (the others would otherwise wait for it in the next collective)."""
+    try:
+        local = (action(), None)
+    except Exception as err:  # raised below, here and on the other ranks
+        local = (None, err)
+    outcomes = [local]
+    if torch.distributed.get_world_size() > 1:
+        shared = (local[0], None if local[1] is None else (type(local[1]).__name__, str(local[1]),
+                                                           getattr(local[1], "errno", None)))
+        outcomes = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(outcomes, shared)
+    if local[1] is not None:
+        raise local[1]
+    for rank, (_, failure) in enumerate(outcomes):
+        if failure is not None:
+            kind, message, code = failure
+            if code is not None:
+                raise OSError(code, f"rank {rank}: {message}")
+            raise RuntimeError(f"rank {rank} failed: {kind}: {message}")
+    return [result for result, _ in outcomes]
+
+
+def _on_rank0(action: Callable[[], Any]) -> Any:
+    """``action()`` on rank 0; its result (or its failure) on every rank."""
+    return _all_ranks(lambda: action() if _is_rank0() else None)[0]
+
+
+def remove_leftovers(ckpt_dir: Path) -> None:
+    """Delete what interrupted saves and prunes left in ``ckpt_dir`` (``.tmp.*``: never read)."""
+    for stale in Path(ckpt_dir).glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+
+
+def verified_problem(checkpoint: Path, verify: str) -> Optional[str]:
+    """:func:`checkpoint_problem` with the checksum reading divided among the ranks (a
+    collective); the same answer on every rank."""
+    share = (torch.distributed.get_rank(), torch.distributed.get_world_size())
+    problems = _all_ranks(lambda: checkpoint_problem(checkpoint, verify, share))
+    return next((p for p in problems if p), None)
+
+
+def _owner(name: str, world: int) -> int:
+    """The rank that checksums a file of a save: its writer's (``__<rank>_<i>.distcp``), else 0."""
+    match = re.match(r"__(\d+)_", name)
+    return int(match.group(1)) if match and int(match.group(1)) < world else 0
+
+
+def _write_manifest(directory: Path) -> None:
+    """Each rank checksums the files it wrote (reading them back), rank 0 writes the manifest."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    described = _all_ranks(lambda: manifest.describe(
+        directory, [n for n in manifest.listed_files(directory) if _owner(n, world) == rank]
+    ))
+    entries = {name: entry for part in described for name, entry in part.items()}
+    _on_rank0(lambda: manifest.write_manifest(directory, entries))
+
+
 def save_checkpoint(
     ckpt_dir: Path,
     iteration: int,
@@ -134,60 +202,143 @@ def save_checkpoint(
     train_state: Dict[str, Any],
     config: Dict[str, Any],
     keep_last: int = 0,
+    verify: str = "full",
+    failed: Iterable[Path] = (),
 ) -> Path:
-    """Save on every rank (a collective); returns the published checkpoint directory."""
+    """Save on every rank (a collective); returns the published checkpoint directory.
+
+    ``failed``: checkpoints known to fail verification (found so at resume); pruning leaves
+    them and does not count them among the ``keep_last`` kept.
+    """
     if iteration > 0:
         check_optimizer_checkpointable(optimizer)
     ckpt_dir = Path(ckpt_dir)
     name = checkpoint_name(iteration)
     tmp = staging_dir(ckpt_dir / name)
-    if _is_rank0():
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        for stale in ckpt_dir.glob(f"{TMP_PREFIX}*"):  # leftovers of interrupted saves
-            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
-        tmp.mkdir()
-    torch.distributed.barrier()
+    try:
+        _on_rank0(lambda: _prepare_staging(ckpt_dir, tmp))
+        # Before the first step the optimizer holds no state (Megatron's distributed optimizer
+        # refuses to describe itself then): a step-0 checkpoint is its weights, like a
+        # converted one, and resuming from it is a fresh start from them.
+        state = _sharded_state_dict(
+            model, optimizer, is_loading=False, with_optimizer=iteration > 0, with_rng=True
+        )
+        state.update(
+            checkpoint_version=CHECKPOINT_VERSION,
+            iteration=iteration,
+            opt_param_scheduler=scheduler.state_dict(),
+            train_state=train_state,
+            config=config,
+            world_size=torch.distributed.get_world_size(),
+        )
+        with checksummed_writes():
+            dist_checkpointing.save(state, str(tmp))  # ends with a barrier once all ranks wrote
+        _on_rank0(lambda: (tmp / TRAIN_CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False)))
+        _write_manifest(tmp)
+        final = _on_rank0(lambda: _publish(ckpt_dir, tmp, name))
+        # The checksums were taken from the files as written (read back after the writer's
+        # fsync); the published directory must still hold exactly those files before
+        # `latest` names it and anything older is pruned.
+        problem = verified_problem(final, "size" if verify == "full" else verify)
+        if problem is not None:
+            raise ValueError(
+                f"checkpoint {final} was written but fails verification: {problem}. {LATEST} still "
+                f"names the previous checkpoint and nothing was pruned; check the filesystem of {ckpt_dir}"
+            )
+        _on_rank0(lambda: write_atomic(ckpt_dir / LATEST, final.name + "\n"))
+    except BaseException as err:
+        code = _errno_of(err)
+        if code not in _SPACE_ERRORS + _PERMISSION_ERRORS:
+            raise
+        if _is_rank0():  # free the space the partial save holds; the message says what remains
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(code, _save_failure(ckpt_dir, name, code, err)) from err
+    if keep_last:
+        _on_rank0(lambda: _prune(ckpt_dir, keep_last, final, set(failed)))
+    return final
 
-    # Before the first step the optimizer holds no state (Megatron's distributed optimizer
-    # refuses to describe itself then): a step-0 checkpoint is its weights, like a
-    # converted one, and resuming from it is a fresh start from them.
-    state = _sharded_state_dict(
-        model, optimizer, is_loading=False, with_optimizer=iteration > 0, with_rng=True
+
+_SPACE_ERRORS = (errno.ENOSPC, errno.EDQUOT)
+_PERMISSION_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _errno_of(err: BaseException) -> Optional[int]:
+    """The OS error code behind a failed save: Megatron's writer processes report theirs
+    only as text (``RuntimeError: Worker failure: [Errno 28] ...``)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno is not None:
+            return err.errno
+        match = re.search(r"\[Errno (\d+)\]", str(err))
+        if match:
+            return int(match.group(1))
+        failures = getattr(err, "failures", None)  # torch's CheckpointException: one per rank
+        nested = next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else None
+        err = nested or err.__cause__ or err.__context__
+    return None
+
+
+def _save_failure(ckpt_dir: Path, name: str, code: int, err: BaseException) -> str:
+    """What failed, that nothing was published, and what to do."""
+    latest = ckpt_dir / LATEST
+    previous = latest.read_text().strip() if latest.is_file() else None
+    kept = (f"{LATEST} still names {previous}, which the restarted run resumes from" if previous
+            else "no checkpoint of this run existed before")
+    head = (f"saving checkpoint {name} into {ckpt_dir} failed: {os.strerror(code)} ({err}). Nothing was "
+            f"published (the partial {TMP_PREFIX}{name} is removed); {kept}. ")
+    if code in _SPACE_ERRORS:
+        size = manifest.total_bytes(ckpt_dir / previous) if previous else None
+        free = shutil.disk_usage(ckpt_dir).free if ckpt_dir.is_dir() else None
+        need = f"about {size / 2**20:,.0f} MiB per checkpoint, " if size else ""
+        left = f"{free / 2**20:,.0f} MiB free now" if free is not None else "free space unknown"
+        return head + (f"Free space on the filesystem of {ckpt_dir} ({need}{left}): delete older "
+                       f"iter_* checkpoints or other files, lower checkpoint.keep_last, or set "
+                       f"checkpoint.dir to a larger filesystem; then restart the run")
+    return head + (f"{ckpt_dir} is not writable by this user: fix its permissions (or the mount), "
+                   f"or set checkpoint.dir to a writable directory; then restart the run")
+
+
+def _prepare_staging(ckpt_dir: Path, tmp: Path) -> None:
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(ckpt_dir)
+    tmp.mkdir()
+
+
+def _publish(ckpt_dir: Path, tmp: Path, name: str) -> Path:
+    """Rename the staging directory to a new ``iter_*`` name (never over a published one)."""
+    final, suffix = ckpt_dir / name, 1
+    while final.exists():  # never rename over a checkpoint `latest` may name
+        suffix += 1
+        final = ckpt_dir / f"{name}.{suffix}"
+    fsync_dir(tmp)
+    os.rename(tmp, final)
+    fsync_dir(ckpt_dir)
+    return final
+
+
+def _prune(ckpt_dir: Path, keep_last: int, newest: Path, failed: Set[Path]) -> None:
+    """Keep ``newest`` (verified) and the ``keep_last - 1`` most recent other checkpoints
+    whose files match their manifest's sizes; delete the older ones. Checkpoints that fail
+    that check, or are in ``failed``, are neither counted nor deleted: they are named."""
+    kept, suspect = [newest], []
+    candidates = sorted(
+        (p for p in published_checkpoints(ckpt_dir) if p != newest), key=lambda p: p.stat().st_mtime, reverse=True
     )
-    state.update(
-        checkpoint_version=CHECKPOINT_VERSION,
-        iteration=iteration,
-        opt_param_scheduler=scheduler.state_dict(),
-        train_state=train_state,
-        config=config,
-        world_size=torch.distributed.get_world_size(),
-    )
-    dist_checkpointing.save(state, str(tmp))  # ends with a barrier once all ranks wrote
-
-    final = ckpt_dir / name
-    if _is_rank0():
-        (tmp / TRAIN_CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
-        suffix = 1
-        while final.exists():  # never rename over a checkpoint `latest` may name
-            suffix += 1
-            final = ckpt_dir / f"{name}.{suffix}"
-        fsync_dir(tmp)
-        os.rename(tmp, final)
-        fsync_dir(ckpt_dir)
-        write_atomic(ckpt_dir / LATEST, final.name + "\n")
-        if keep_last:
-            _prune(ckpt_dir, keep_last, keep=final)
-    torch.distributed.barrier()
-    return ckpt_dir / (ckpt_dir / LATEST).read_text().strip()
-
-
-def _prune(ckpt_dir: Path, keep_last: int, keep: Path) -> None:
-    published = sorted(
-        (p for p in ckpt_dir.glob("iter_*") if p.is_dir()), key=lambda p: p.stat().st_mtime
-    )
-    for old in published[:-keep_last]:
-        if old != keep:
-            shutil.rmtree(old)
+    for checkpoint in candidates:
+        if checkpoint in failed or checkpoint_problem(checkpoint, "size") is not None:
+            suspect.append(checkpoint.name)
+        elif len(kept) < keep_last:
+            kept.append(checkpoint)
+        else:
+            # Renamed out of the published names first: a prune interrupted mid-way leaves a
+            # leftover, never a half-deleted checkpoint that looks published.
+            doomed = ckpt_dir / f"{TMP_PREFIX}pruned.{checkpoint.name}"
+            os.rename(checkpoint, doomed)
+            shutil.rmtree(doomed)
+    if suspect:
+        print(f"{ckpt_dir}: left {', '.join(suspect)} in place (failed verification); inspect, then delete",
+              flush=True)
 
 
 def _layout(config: Dict[str, Any], world_size: Optional[int]) -> Tuple:

@@ -66,10 +66,6 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
     if cfg.run.device == "cuda" and not cuda:
         raise ValueError("run.device=cuda but CUDA is not available; set run.device=cpu")
     on_cpu = cfg.run.device == "cpu" or (cfg.run.device == "auto" and not cuda)
-    if on_cpu and tr.precision == "bf16":
-        raise ValueError(
-            "training.precision=bf16 runs on GPUs; on CPU set training.precision=fp32"
-        )
     if on_cpu and cfg.mhar.kernel_impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError(
             "mhar.kernel_impl=triton runs on GPUs (or in Triton's interpreter with TRITON_INTERPRET=1); "
@@ -81,7 +77,7 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
         )
 
     data = cfg.data
-    from megatron_mhar.data.datasets import open_indexed, sampled_max_token
+    from megatron_mhar.data.datasets import open_indexed
 
     for i, prefix in enumerate(data.paths):
         path = expand_path(prefix, f"data.paths[{i}]")
@@ -92,15 +88,8 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
         # Ids past the vocabulary would train the padded embedding rows or fail deep in a
         # step (a device-side assert on GPUs): data written with another tokenizer. Read on
         # rank 0 only: a blend of many prefixes on every rank would be a storm of reads.
-        if int(os.environ.get("RANK", "0")) != 0:
-            continue
-        largest = sampled_max_token(path)
-        if largest >= cfg.model.vocab_size:
-            raise ValueError(
-                f"data.paths[{i}]={prefix!r} holds token id {largest}, beyond model.vocab_size="
-                f"{cfg.model.vocab_size}: it was written with another tokenizer; rewrite it with "
-                f"mhar-preprocess --tokenizer <data.tokenizer>, or fix the path"
-            )
+        if int(os.environ.get("RANK", "0")) == 0:
+            _check_token_ids(path, f"data.paths[{i}]={prefix!r}", cfg.model.vocab_size)
     if data.tokenizer != "builtin":
         tok_dir = expand_path(data.tokenizer, "data.tokenizer")
         if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
@@ -128,6 +117,24 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
         load = expand_path(cfg.checkpoint.load, "checkpoint.load")
         if not os.path.isdir(load):
             raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r}: no such directory")
+
+
+def _check_token_ids(path: str, what: str, vocab_size: int) -> None:
+    """The largest token id of a pair against the model's vocabulary: from the pair's
+    metadata (O(1)), else from a sample of its first and last ids. Every id is checked
+    again as training reads it (:class:`megatron_mhar.data.datasets.MicroBatches`)."""
+    from megatron_mhar.data.datasets import sampled_max_token
+    from megatron_mhar.data.indexed_writer import read_metadata
+
+    metadata = read_metadata(path)
+    largest = metadata["max_token_id"] if metadata else sampled_max_token(path)
+    if largest >= vocab_size:
+        written = f" by a tokenizer of {metadata['vocab_size']} tokens" if metadata else ""
+        raise ValueError(
+            f"{what} holds token id {largest}, beyond model.vocab_size={vocab_size}: it was written"
+            f"{written} with another tokenizer; rewrite it with mhar-preprocess --tokenizer "
+            f"<data.tokenizer>, or fix the path"
+        )
 
 
 def _check_output_dir(path: Path, keys: str) -> None:

@@ -27,7 +27,7 @@ import resource
 import time
 from functools import partial
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -37,6 +37,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mhar.data.datasets import MicroBatches, build_gpt_datasets
+from megatron_mhar.files import write_atomic
 from megatron_mhar.parallel import pipeline
 from megatron_mhar.runtime.distributed import DistributedContext, destroy, initialize_model_parallel_from_env
 from megatron_mhar.training import checkpointing, cuda_graphs
@@ -145,7 +146,6 @@ class Trainer:
 
         if self.is_logger:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
 
         self.tokenizer, data_paths = self._prepare_data()
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
@@ -185,7 +185,13 @@ class Trainer:
         self.consumed_samples = 0  # the data position (a resume may change the batch size)
         self.val_losses: List[List[float]] = []
         self.checkpoint: Optional[Path] = None
+        self.failed_checkpoints: Set[Path] = set()
         self._resume()
+        # A finished run restarted (a requeue after the end) writes nothing: no metrics,
+        # events, evaluation, checkpoint or summary.
+        self.finished = self.iteration >= tr.train_iters
+        if self.is_logger and not self.finished:
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
 
         train_ds, valid_ds, _ = build_gpt_datasets(
             data_paths,
@@ -201,7 +207,9 @@ class Trainer:
         )
         self.train_ds, self.valid_ds = train_ds, valid_ds
         self.train_iterators = self._iterators(train_ds, self.consumed_samples)
-        self.metrics = MetricsWriter(self.run_dir, self.is_logger, cfg.logging.tensorboard, self.iteration)
+        self.metrics = MetricsWriter(
+            self.run_dir, self.is_logger, cfg.logging.tensorboard, self.iteration, write_files=not self.finished
+        )
 
     # ---------------------------------------------------------------- setup
 
@@ -269,18 +277,35 @@ class Trainer:
                 self.dp_size,
                 consumed_samples,
                 self.device,
+                vocab_size=self.cfg.model.vocab_size,
             )
             for _ in self.model
         ]
 
+    def _check_checkpoint(self, checkpoint: Path) -> Optional[str]:
+        """Why ``checkpoint`` fails verification (the ranks share the reading), or None;
+        a failure is remembered so that pruning leaves that checkpoint alone."""
+        problem = checkpointing.verified_problem(checkpoint, self.cfg.checkpoint.verify)
+        if problem is not None:
+            self.failed_checkpoints.add(Path(checkpoint))
+        return problem
+
     def _resume(self) -> None:
-        """Resume from the run's checkpoint directory, else start from ``checkpoint.load``."""
+        """Resume from the run's checkpoint directory, else start from ``checkpoint.load``.
+
+        Leftovers of interrupted saves go first (they may hold the space a save needs).
+        The checkpoint is verified first; one that fails is named, and the run resumes
+        from the newest one that passes (:func:`megatron_mhar.checkpoint_format.find_checkpoint`).
+        """
         cfg = self.cfg
-        found = checkpointing.find_checkpoint(cfg.checkpoint_dir)
+        if self.is_logger and cfg.checkpoint_dir.is_dir():
+            checkpointing.remove_leftovers(cfg.checkpoint_dir)
+        torch.distributed.barrier()
+        found = checkpointing.find_checkpoint(cfg.checkpoint_dir, problem=self._check_checkpoint)
         model_only = False
         if found is None and cfg.checkpoint.load:
             load = Path(expand_path(cfg.checkpoint.load, "checkpoint.load"))
-            found = checkpointing.find_checkpoint(load)
+            found = checkpointing.find_checkpoint(load, problem=self._check_checkpoint)
             if found is None:
                 raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r} holds no checkpoint")
             model_only = cfg.checkpoint.load_model_only
@@ -428,6 +453,8 @@ class Trainer:
             {"val_losses": self.val_losses, "consumed_samples": self.consumed_samples},
             self.cfg.to_dict(),
             keep_last=self.cfg.checkpoint.keep_last,
+            verify=self.cfg.checkpoint.verify,
+            failed=self.failed_checkpoints,
         )
         self.metrics.console(f"saved checkpoint {self.checkpoint}")
 
@@ -445,11 +472,18 @@ class Trainer:
             f"tp={cfg.parallel.tensor_model_parallel_size} pp={cfg.parallel.pipeline_model_parallel_size}"
             f", from step {self.iteration}"
         )
-        if self.iteration >= tr.train_iters:
+        if self.finished:
             self.metrics.console(
                 f"the checkpoint {self.checkpoint} is at step {self.iteration}, at or past "
-                f"training.train_iters={tr.train_iters}: nothing to train; raise training.train_iters to continue"
+                f"training.train_iters={tr.train_iters}: nothing to train, nothing written; raise "
+                f"training.train_iters to continue"
             )
+            self.metrics.close()
+            result = TrainResult(self.run_dir, self.iteration, losses, self.val_losses, self.val_loss_tail(),
+                                 checkpoint=self.checkpoint)
+            if not (self.run_dir / SUMMARY_FILE).is_file():  # the first run stopped before writing it
+                self._write_summary(result)
+            return result
         checkpointing.start_checkpoint_writer()
         if cfg.checkpoint.save_initial and self.iteration == 0 and self.checkpoint is None:
             self.save()
@@ -476,8 +510,10 @@ class Trainer:
                 if self.step_hook is not None:
                     self.step_hook(self, self.iteration)
 
+                # The last evaluation comes before the last save, so the checkpoint holds it
+                # and a restart of the finished run has nothing left to do.
                 done = self.iteration == tr.train_iters
-                if cfg.eval.interval and self.iteration % cfg.eval.interval == 0 and not done:
+                if done or (cfg.eval.interval and self.iteration % cfg.eval.interval == 0):
                     self._run_eval()
                 signalled = stop.requested(self.device)
                 if signalled or (cfg.checkpoint.interval and self.iteration % cfg.checkpoint.interval == 0):
@@ -489,8 +525,6 @@ class Trainer:
                     )
                     break
             else:
-                if not self.val_losses or self.val_losses[-1][0] != self.iteration:
-                    self._run_eval()
                 if cfg.checkpoint.save_at_end and last_saved != self.iteration:
                     self.save()
 
@@ -504,22 +538,26 @@ class Trainer:
             checkpoint=self.checkpoint,
         )
         self._write_heatmap()
+        self._write_summary(result)
+        self.metrics.close()
+        return result
+
+    def _write_summary(self, result: TrainResult) -> None:
+        """``summary.json``: the run's outcome (every rank calls: the parameter count is a collective)."""
         parameters = self._count_parameters()
         if self.is_logger:
             summary = {
-                "name": cfg.run.name,
-                "variant": cfg.mhar.variant,
+                "name": self.cfg.run.name,
+                "variant": self.cfg.mhar.variant,
                 "parameters": parameters,
                 "iteration": self.iteration,
                 "val_loss": self.val_losses[-1][1] if self.val_losses else None,
                 "val_loss_tail": result.val_loss_tail,
                 "val_losses": self.val_losses,
-                "stopped_by": stop.name,
+                "stopped_by": result.stopped_by,
                 "checkpoint": str(self.checkpoint) if self.checkpoint else None,
             }
-            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
-        self.metrics.close()
-        return result
+            write_atomic(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=1))
 
     def _count_parameters(self) -> int:
         """Parameters of the whole model (summed over tensor and pipeline ranks)."""

@@ -9,7 +9,9 @@ with ``repr`` precision, so two runs can be compared bitwise from the files.
 
 On resume, records after the resumed step (written by the interrupted run after its
 last checkpoint) are dropped, and TensorBoard purges its events after that step,
-so both outputs read as one uninterrupted run.
+so both outputs read as one uninterrupted run. A last line cut short (the process was
+killed while writing it) is dropped with a warning; a damaged line anywhere else is an
+error naming the file and line.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -27,12 +30,33 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 def read_metrics(run_dir, kind: Optional[str] = None) -> List[dict]:
-    """Records of ``run_dir/metrics.jsonl`` (optionally only one ``kind``)."""
+    """Records of ``run_dir/metrics.jsonl`` (optionally only one ``kind``).
+
+    A torn last line (a write cut short) is left out with a warning; any other line that
+    is not a JSON object raises a ``ValueError`` naming the file and line.
+    """
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    lines = path.read_bytes().split(b"\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+            record, problem = None, str(err)
+        else:
+            problem = None if isinstance(record, dict) else "not a JSON object"
+        if problem is None:
+            records.append(record)
+        elif number == len(lines):  # after the last newline: a write that never finished
+            warnings.warn(f"{path}:{number}: dropping a torn last line (a write cut short): {line[:60]!r}")
+        else:
+            raise ValueError(
+                f"{path}:{number} is not a metrics record ({problem}); repair or delete that line"
+            )
     return [r for r in records if kind is None or r.get("kind") == kind]
 
 
@@ -47,13 +71,18 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsWriter:
-    """Writes metrics on the logging rank; every method is a no-op elsewhere."""
+    """Writes metrics on the logging rank; every method is a no-op elsewhere.
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, resume_step: int = 0):
+    ``write_files=False``: console lines only (a finished run restarted writes nothing).
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, resume_step: int = 0,
+                 write_files: bool = True):
         self.enabled = enabled
+        self.files = enabled and write_files
         self.path = Path(run_dir) / METRICS_FILE
         self._tb = None
-        if not enabled:
+        if not self.files:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(resume_step)
@@ -74,7 +103,7 @@ class MetricsWriter:
 
     def log(self, kind: str, step: int, scalars: Dict[str, float], extra: Optional[dict] = None) -> None:
         """One ``metrics.jsonl`` record; scalars also go to TensorBoard as ``kind/name``."""
-        if not self.enabled:
+        if not self.files:
             return
         record = {"kind": kind, "step": step, **scalars, **(extra or {})}
         self._file.write(json.dumps(record) + "\n")
@@ -103,7 +132,7 @@ class MetricsWriter:
             print(line, flush=True)
 
     def close(self) -> None:
-        if not self.enabled:
+        if not self.files:
             return
         self._file.close()
         if self._tb is not None:

@@ -56,6 +56,8 @@ def build_model_chunks(cfg: TrainConfig, config: TransformerConfig, on_cpu: bool
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             vp_stage=stage,
         )
+        if config.bf16:
+            _norms_to(chunk, config.params_dtype)
         if not on_cpu:
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
@@ -80,6 +82,17 @@ def build_model_chunks(cfg: TrainConfig, config: TransformerConfig, on_cpu: bool
         )
         for i, chunk in enumerate(chunks)
     ]
+
+
+def _norms_to(chunk: torch.nn.Module, dtype: torch.dtype) -> None:
+    """torch's norms (the local spec without apex) are built in fp32 whatever
+    ``params_dtype`` says. One dtype for every parameter, as under Transformer Engine's
+    norms or Megatron-LM's Float16Module: Megatron's mixed-precision optimizer numbers a
+    group's bf16 parameters apart from its fp32 ones, and its checkpoint of a mixed group
+    pairs the optimizer state with the wrong parameters (the save asserts on a shape)."""
+    for module in chunk.modules():
+        if isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
+            module.to(dtype)
 
 
 def unwrap(chunk) -> torch.nn.Module:

@@ -96,9 +96,14 @@ def _read_yaml(path: Path, chain: Tuple[Path, ...] = ()) -> Dict[str, Any]:
         raise ValueError(f"recipe include cycle: {cycle}")
     with open(path) as f:
         try:
-            raw = yaml.load(f, Loader=_RecipeLoader) or {}
+            raw = yaml.load(f, Loader=_RecipeLoader)
         except yaml.YAMLError as err:
             raise ValueError(f"not valid YAML: {err}") from None
+    if raw is None:  # an empty file would silently run the defaults
+        raise ValueError(
+            f"{path} is empty (or only comments); write the recipe's sections, or "
+            f"'{INCLUDE_KEY}: <recipe.yaml>' to run another recipe as it is"
+        )
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a recipe must be a YAML mapping, got {type(raw).__name__}")
     includes = raw.pop(INCLUDE_KEY, [])

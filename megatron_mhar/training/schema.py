@@ -22,6 +22,7 @@ import typing
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from megatron_mhar.manifest import VERIFY_LEVELS
 from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.mhar_config import MHARConfig
 
@@ -125,7 +126,8 @@ class TrainingConfig:
     """Sequences per forward pass on one rank."""
 
     precision: str = "fp32"
-    """``bf16`` (bf16 parameters, fp32 master weights and gradient reduction; GPU) or ``fp32``."""
+    """``bf16`` (bf16 parameters, fp32 master weights and gradient reduction: Megatron's
+    mixed-precision optimizer, on GPUs and on CPU alike) or ``fp32``."""
 
     recompute_granularity: Optional[str] = None
     """Activation recomputation: ``full``, ``selective`` or ``None``."""
@@ -335,7 +337,14 @@ class CheckpointConfig:
     resuming from it starts the run afresh from them."""
 
     keep_last: int = 2
-    """Checkpoints kept in ``dir`` (older ones are deleted after a successful save); 0 keeps all."""
+    """Checkpoints kept in ``dir``: older ones are deleted once a newer save is published and
+    verified (the newest verified one never; one that fails verification is left for
+    inspection); 0 keeps all."""
+
+    verify: str = "full"
+    """How a checkpoint is checked against its manifest before it is read or a save is taken
+    as good: ``full`` (sizes and checksums of every file), ``size`` (the file set and
+    sizes) or ``off``."""
 
     load: Optional[str] = None
     """Checkpoint to start from when ``dir`` holds none (a checkpoint directory or a
@@ -347,6 +356,8 @@ class CheckpointConfig:
     def __post_init__(self):
         if self.interval < 0 or self.keep_last < 0:
             raise ValueError("checkpoint.interval and checkpoint.keep_last must be >= 0")
+        if self.verify not in VERIFY_LEVELS:
+            raise ValueError(f"checkpoint.verify must be one of {', '.join(VERIFY_LEVELS)}, got {self.verify!r}")
 
 
 @dataclasses.dataclass

@@ -16,20 +16,20 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import EMBEDDED_VOCAB, TINY
+from tests.helpers import EMBEDDED_VOCAB, TINY, redraw_hf_weights
 
 
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory):
-    """A tiny HF Qwen3 over the builtin tokenizer's vocabulary."""
+    """A tiny HF Qwen3 over the builtin tokenizer's vocabulary, its weights redrawn large
+    (at HF's init the logits are near zero and the loss is ln(vocab) whatever the model)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(
+    model = redraw_hf_weights(Qwen3ForCausalLM(Qwen3Config(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, intermediate_size=64, vocab_size=EMBEDDED_VOCAB, rms_norm_eps=1e-6,
         tie_word_embeddings=True, max_position_embeddings=32,
-    )).eval()
+    )))
     path = tmp_path_factory.mktemp("hf") / "qwen3"
     model.save_pretrained(path, safe_serialization=True)
     return path, model

@@ -103,7 +103,11 @@ def test_preprocess_jsonl_and_text(embedded, tmp_path, capsys):
     assert len(dataset) == len(kept)
     for i, doc in enumerate(kept):
         assert list(dataset[i]) == tokenizer.tokenize(doc) + [tokenizer.eod]
-    assert sorted(os.listdir(prefix.parent)) == ["corpus.bin", "corpus.idx"]  # no leftovers
+    assert sorted(os.listdir(prefix.parent)) == ["corpus.bin", "corpus.idx", "corpus.meta.json"]  # no leftovers
+    metadata = json.loads((prefix.parent / "corpus.meta.json").read_text())
+    ids = [i for doc in kept for i in tokenizer.tokenize(doc) + [tokenizer.eod]]
+    assert metadata == {"format": "megatron_mhar.indexed.v1", "vocab_size": VOCAB, "max_token_id": max(ids),
+                        "documents": 3, "tokens": len(ids), "bin_bytes": os.path.getsize(f"{prefix}.bin")}
 
     text = tmp_path / "lines.txt"
     text.write_text("line one\n\nline two\n")

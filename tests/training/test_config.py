@@ -193,7 +193,6 @@ def test_apply_overrides_does_not_mutate():
         pytest.param(["data.paths=[\"${MHAR_TEST_UNSET_VAR}/x\"]"], 1, "uses an environment variable that is not set", id="env-var"),
         pytest.param(["data.tokenizer=/nonexistent/tok"], 1, "no tokenizer.json in /nonexistent/tok", id="tokenizer"),
         pytest.param(["model.vocab_size=1000"], 1, "model.vocab_size=1000 is smaller than data.embedded_vocab_size", id="vocab"),
-        pytest.param(["training.precision=bf16", "run.device=cpu"], 1, "on CPU set training.precision=fp32", id="bf16-cpu"),
         pytest.param(["mhar.kernel_impl=triton", "run.device=cpu"], 1, "on CPU set mhar.kernel_impl=auto or torch", id="triton-cpu"),
         pytest.param(["checkpoint.load=/nonexistent/ckpt"], 1, "checkpoint.load='/nonexistent/ckpt': no such directory", id="load"),
         pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "run.device=cpu"], 1,

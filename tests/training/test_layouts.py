@@ -81,8 +81,9 @@ def _torchrun(tmp_path, name, *overrides):
 def test_resume_under_interleaved_pipeline_is_exact(tmp_path, embedded_dir):
     """MHAR on PP=2 x VPP=2: stopped after step 2 (checkpoint: every chunk's parameters,
     optimizer state, data position, RNG) and resumed, steps 3-4 reproduce bitwise the
-    losses of the uninterrupted run."""
-    common = ("model.num_layers=4", "parallel.pipeline_model_parallel_size=2",
+    losses of the uninterrupted run. Dropout is on: the restored RNG streams draw its masks."""
+    common = ("model.hidden_dropout=0.1", "model.attention_dropout=0.1",
+              "model.num_layers=4", "parallel.pipeline_model_parallel_size=2",
               "parallel.virtual_pipeline_model_parallel_size=2", "training.micro_batch_size=1",
               "optimizer.lr_decay_iters=4", "eval.interval=0", f"data.embedded_dir={embedded_dir}")
     whole, _ = _torchrun(tmp_path, "whole", *common, "training.train_iters=4")

@@ -8,7 +8,9 @@ import os
 import signal
 
 import pytest
+import torch
 
+from megatron_mhar import manifest
 from megatron_mhar.training.metrics import read_metrics
 
 
@@ -64,15 +66,19 @@ def test_same_seed_same_losses(tiny):
     assert a.losses != c.losses
 
 
+DROPOUT = ("model.hidden_dropout=0.1", "model.attention_dropout=0.1")  # the RNG state decides the masks
+
+
 def test_resume_is_exact(tiny):
-    """2N steps straight == N steps, stop (signal), resume, N steps: bitwise on CPU."""
-    straight = _run(tiny("training.train_iters=8", "eval.interval=4", name="straight"))
+    """2N steps straight == N steps, stop (signal), resume, N steps: bitwise on CPU, with
+    dropout, so the restored RNG state is part of what is checked."""
+    straight = _run(tiny("training.train_iters=8", "eval.interval=4", *DROPOUT, name="straight"))
 
     def stop_at_4(trainer, step):
         if step == 4:
             os.kill(os.getpid(), signal.SIGUSR1)
 
-    cfg = tiny("training.train_iters=8", "eval.interval=4", name="resumed")
+    cfg = tiny("training.train_iters=8", "eval.interval=4", *DROPOUT, name="resumed")
     first = _run(cfg, step_hook=stop_at_4)
     assert first.stopped_by == "SIGUSR1" and first.iteration == 4
     assert (cfg.checkpoint_dir / "latest").read_text().strip() == "iter_0000004"
@@ -83,6 +89,32 @@ def test_resume_is_exact(tiny):
     assert _train_losses(cfg.run.dir) == _train_losses(straight.run_dir)  # bitwise
     assert second.val_losses == straight.val_losses  # includes the eval before the stop
     assert second.val_loss_tail == straight.val_loss_tail
+
+
+def test_bf16_runs_megatrons_mixed_precision_path_and_resumes_exactly(tiny):
+    """``training.precision=bf16`` on CPU: bf16 parameters under Megatron's mixed-precision
+    optimizer (fp32 main weights, which the checkpoint carries); 2 + 2 steps resumed equal
+    4 straight, bitwise."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    seen = {}
+
+    def inspect(trainer, step):
+        optimizer = trainer.optimizer.chained_optimizers[0] if hasattr(trainer.optimizer, "chained_optimizers") \
+            else trainer.optimizer
+        seen["optimizer"] = type(optimizer)
+        seen["dtypes"] = {p.dtype for chunk in trainer.model for p in chunk.parameters()}
+        seen["main"] = {p.dtype for group in optimizer.fp32_from_float16_groups for p in group}
+
+    common = ("training.precision=bf16", "eval.interval=0", "optimizer.lr_decay_iters=4", *DROPOUT)
+    straight = _run(tiny(*common, "training.train_iters=4", name="bf16"), step_hook=inspect)
+    assert seen == {"optimizer": Float16OptimizerWithFloat16Params, "dtypes": {torch.bfloat16},
+                    "main": {torch.float32}}
+    _run(tiny(*common, "training.train_iters=2", name="bf16_resumed"))
+    resumed = _run(tiny(*common, "training.train_iters=4", name="bf16_resumed"))
+    assert min(resumed.losses) == 3
+    assert _train_losses(resumed.run_dir) == _train_losses(straight.run_dir)  # bitwise
+    assert straight.losses[4] < straight.losses[1]
 
 
 def test_interrupted_save_keeps_last_good_checkpoint(tiny, monkeypatch):
@@ -123,7 +155,7 @@ def test_checkpoints_without_latest_are_resumed(tiny, capsys):
     _run(cfg)
     (cfg.checkpoint_dir / "latest").unlink()
     resumed = _run(tiny("training.train_iters=5", "eval.interval=0", "checkpoint.keep_last=1", name="nolatest"))
-    assert "has no 'latest' file; using its newest checkpoint, iter_0000003" in capsys.readouterr().out
+    assert "has no 'latest' file; using the newest verified checkpoint, iter_0000003" in capsys.readouterr().out
     assert min(resumed.losses) == 4 and resumed.iteration == 5
     assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["iter_0000005", "latest"]
     from megatron_mhar.checkpoint_format import find_checkpoint
@@ -131,16 +163,33 @@ def test_checkpoints_without_latest_are_resumed(tiny, capsys):
     for name in ("iter_0000005.2", "iter_0000004", "iter_notes"):
         (cfg.checkpoint_dir / name).mkdir()
         (cfg.checkpoint_dir / name / "metadata.json").write_text("{}")
+        manifest.write_manifest(cfg.checkpoint_dir / name)
     (cfg.checkpoint_dir / "latest").unlink()
     assert find_checkpoint(cfg.checkpoint_dir).name == "iter_0000005.2"
 
 
-def test_a_finished_run_says_it_has_nothing_to_train(tiny, capsys):
-    cfg = tiny("training.train_iters=4", "eval.interval=0", name="finished")
+def _snapshot(directory):
+    """Every file under ``directory`` with its bytes."""
+    return {p.relative_to(directory): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("train_iters", [4, 3], ids=["same-length", "shorter"])
+def test_a_finished_run_restarted_writes_nothing(tiny, capsys, train_iters):
+    """A finished run requeued (or restarted by hand) changes no file: no second final
+    evaluation, no metrics, no TensorBoard events, no checkpoint, config or summary. The
+    final evaluation precedes the last interval save, so the checkpoint holds it."""
+    cfg = tiny("training.train_iters=4", "eval.interval=0", "checkpoint.interval=2", name="finished")
     _run(cfg)
-    again = _run(tiny("training.train_iters=3", "eval.interval=0", name="finished"))
-    assert again.iteration == 4 and not again.losses
-    assert "is at step 4, at or past training.train_iters=3: nothing to train" in capsys.readouterr().out
+    before = _snapshot(cfg.run.dir)
+    capsys.readouterr()
+    for _ in range(2):
+        again = _run(tiny(f"training.train_iters={train_iters}", "eval.interval=0", "checkpoint.interval=2",
+                          name="finished"))
+        assert again.iteration == 4 and not again.losses and [s for s, _ in again.val_losses] == [4]
+    assert f"is at step 4, at or past training.train_iters={train_iters}: nothing to train, nothing written" in (
+        capsys.readouterr().out
+    )
+    assert _snapshot(cfg.run.dir) == before
 
 
 @pytest.mark.parametrize(
@@ -163,8 +212,16 @@ def test_corrupt_checkpoint_is_named(tiny, damage):
         target.unlink()
     else:
         target.write_text("{garbage")
+    # Verified (the default): the file at fault, and that no intact checkpoint is left.
     with pytest.raises(ValueError) as err:
         _run(tiny("training.train_iters=6", "eval.interval=0", name="corrupt"))
+    message = str(err.value)
+    assert f"{cfg.checkpoint_dir} holds no checkpoint that can be read" in message
+    assert f"names 'iter_0000003', which fails verification: {target} " in message
+    assert "restore a checkpoint from a copy, or set checkpoint.verify=off" in message
+    # Unverified, the reader's failure still names the checkpoint and the way back.
+    with pytest.raises(ValueError) as err:
+        _run(tiny("training.train_iters=6", "eval.interval=0", "checkpoint.verify=off", name="corrupt"))
     message = str(err.value)
     assert f"checkpoint {cfg.checkpoint_dir / 'iter_0000003'} cannot be read" in message
     assert "truncated or corrupt" in message and "write its name into" in message
