@@ -1,0 +1,40 @@
+"""Build the ``transformer_engine_torch`` C++ extension from its sdist.
+
+Shared by build_bundle.py (building on the CPU machine) and install.py (building on
+the GPU machine when the bundle ships the sdist). The extension is a CppExtension: g++
+and headers only, no nvcc. Its CUDA, cuBLAS, cuDNN and NCCL headers come from the
+``nvidia-*`` wheels that torch installs, plus ``nvidia-cuda-crt`` (the ``crt/`` headers
+that ``cuda_runtime.h`` includes) and ``nvidia-cudnn-frontend``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+# NVTE_CUDA_ARCHS=90 keeps NCCL EP enabled (it needs an arch >= 90), matching the
+# PyPI core library, which ships libnccl_ep.so.
+BUILD_ENV = {
+    "NVTE_BUILD_USE_NVIDIA_WHEELS": "1",
+    "NVTE_PYTORCH_FORCE_BUILD": "TRUE",
+    "NVTE_CUDA_ARCHS": "90",
+}
+
+
+def build_extension_wheel(
+    python: Path, sdist: Path, out_dir: Path, max_jobs: int, find_links: Path | None = None
+) -> Path:
+    """Build ``sdist`` into a wheel in ``out_dir`` with ``python`` (which has torch)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **BUILD_ENV, "MAX_JOBS": str(max_jobs)}
+    cmd = [str(python), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", str(out_dir)]
+    if find_links is not None:
+        cmd += ["--no-index", "--find-links", str(find_links)]
+    subprocess.run(cmd + [str(sdist)], check=True, env=env)
+    name = Path(sdist).name.removesuffix(".tar.gz")
+    built = sorted(out_dir.glob(f"{name}-*.whl"))
+    if len(built) != 1:
+        raise FileNotFoundError(f"expected one {name} wheel in {out_dir}, found {[p.name for p in built]}")
+    return built[0]
