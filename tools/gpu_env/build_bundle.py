@@ -49,6 +49,13 @@ PINS = {
 RUNTIME_REQUIREMENTS = ["einops", "onnxscript", "onnx", "packaging", "pydantic", "nvdlfw-inspect", "numpy"]
 # What torch 2.11.0+cu130 brings with it on the GPU machine: never shipped.
 PROVIDED_BY_TORCH = re.compile(r"^(torch|triton|cuda-.*|nvidia-(?!cudnn-frontend$).*)$")
+# Already in the GPU machine's image (its package list, read 2026-11-17): not shipped
+# unless --ship-present; pip there uses the installed versions.
+PRESENT_ON_GPU = {
+    "einops", "filelock", "fsspec", "jinja2", "markupsafe", "ml-dtypes", "mpmath", "networkx", "numpy", "onnx",
+    "onnx-ir", "onnxscript", "packaging", "protobuf", "pyyaml", "setuptools", "sympy", "typing-extensions",
+    "wheel", "zipp",
+}
 LIBRARY = "transformer_engine/wheel_lib/libtransformer_engine.so"
 ARCHIVE_NAME = "gpu_env_bundle.tar"
 MIB = 1 << 20
@@ -83,15 +90,17 @@ def make_build_venv(python: Path, work: Path) -> Path:
     return py
 
 
-def resolve_runtime(py: Path, work: Path) -> list[tuple[str, str]]:
+def resolve_runtime(py: Path, work: Path, ship_present: bool) -> list[tuple[str, str]]:
     """(name, version) of every runtime wheel to ship: the dependency closure of TE,
-    megatron-core and the runtime requirements, less what torch brings."""
+    megatron-core and the runtime requirements, less what torch brings (and, unless
+    ``ship_present``, less what the GPU image already holds)."""
     report = work / "resolve.json"
     reqs = [pin("transformer_engine_cu13"), pin("transformer_engine"), pin("megatron-core"), pin("torch")]
     subprocess.run([str(py), "-m", "pip", "install", "--dry-run", "--ignore-installed", "--only-binary=:all:",
                     "-q", "--report", str(report)] + reqs + RUNTIME_REQUIREMENTS, check=True)
     found = [(i["metadata"]["name"], i["metadata"]["version"]) for i in json.loads(report.read_text())["install"]]
-    return sorted((n, v) for n, v in found if not PROVIDED_BY_TORCH.match(canonical(n)))
+    skip = set() if ship_present else PRESENT_ON_GPU
+    return sorted((n, v) for n, v in found if not PROVIDED_BY_TORCH.match(canonical(n)) and canonical(n) not in skip)
 
 
 def download(py: Path, dest: Path, requirements: list[str], sdist: bool = False) -> None:
@@ -166,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/work/gpuenv-build/work"), help="downloads and build outputs")
     ap.add_argument("--python", type=Path, default=None, help="a CPython 3.12 interpreter (default: python3.12 on PATH)")
     ap.add_argument("--keep-arch", type=int, action="append", default=None, help="compute capability x10 to keep (default 90)")
-    ap.add_argument("--part-mib", type=int, default=60, help="largest part, MiB (one upload each)")
+    ap.add_argument("--part-mib", type=int, default=48,
+                    help="largest part, MiB: one upload carries a part with the whole working tree, 64 MiB in all")
+    ap.add_argument("--ship-present", action="store_true", help="also ship the packages the GPU image already has")
     ap.add_argument("--extension-build", choices=["here", "gpu"], default="here",
                     help="build transformer_engine_torch here, or ship its sdist and build on the GPU machine")
     ap.add_argument("--max-jobs", type=int, default=2, help="parallel compile jobs for the extension build here")
@@ -183,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         old.unlink()
 
     py = make_build_venv(python, work)
-    runtime = resolve_runtime(py, work)
+    runtime = resolve_runtime(py, work, args.ship_present)
     log(f"runtime wheels to ship: {', '.join(f'{n}=={v}' for n, v in runtime)}")
     download(py, downloads, [f"{n}=={v}" for n, v in runtime] + [pin("nvidia-cudnn-frontend")])
     download(py, downloads, [pin("transformer_engine_torch")], sdist=True)
