@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/work/gpuenv-build/work"), help="downloads and build outputs")
     ap.add_argument("--python", type=Path, default=None, help="a CPython 3.12 interpreter (default: python3.12 on PATH)")
     ap.add_argument("--keep-arch", type=int, action="append", default=None, help="compute capability x10 to keep (default 90)")
+    ap.add_argument("--no-prune", action="store_true",
+                    help="ship the core library unpruned (all architectures; about six times the parts)")
     ap.add_argument("--part-mib", type=int, default=48,
                     help="largest part, MiB: one upload carries a part with the whole working tree, 64 MiB in all")
     ap.add_argument("--ship-present", action="store_true", help="also ship the packages the GPU image already has")
@@ -202,7 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         download(py, downloads, [pin("nvidia-cuda-crt"), "wheel", "setuptools<82"])
 
     core = find_one(downloads, f"transformer_engine_cu13-{TE_VERSION}-*.whl")
-    _, pruned_info = prune_and_verify(py, core, work, keep, staged)
+    if args.no_prune:
+        shutil.copy2(core, staged)
+        pruned_info, core_requirement = {}, pin("transformer_engine_cu13")
+    else:
+        _, pruned_info = prune_and_verify(py, core, work, keep, staged)
+        core_requirement = f"transformer_engine_cu13=={TE_VERSION}+{pruned_info['local_label']}"
     for name, version in runtime + [("nvidia-cudnn-frontend", PINS["nvidia-cudnn-frontend"])]:
         if canonical(name) == "transformer-engine-cu13":
             continue
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         archive=parts.record_file(archive),
         parts=parts.split_file(archive, out, args.part_mib * MIB),
         wheels=[parts.record_file(p) for p in sorted(staged.iterdir())],
-        install=[f"transformer_engine_cu13=={TE_VERSION}+{pruned_info['local_label']}",
+        install=[core_requirement,
                  pin("transformer_engine"), pin("transformer_engine_torch"), pin("megatron-core")],
         install_no_deps=[pin("nvidia-cudnn-frontend")],
         build_sdists=build_sdists,

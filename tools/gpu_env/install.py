@@ -110,6 +110,9 @@ def pip_install(wheels_dir: Path, requirements: list[str], no_deps: bool) -> Non
 
 def check_pruned_library(manifest: Manifest) -> None:
     info = manifest.pruned_library
+    if not info:
+        log("bundle ships the unpruned library (built with --no-prune)")
+        return
     dist = metadata.distribution("transformer_engine_cu13")
     installed = Path(dist.locate_file(info["path_in_wheel"]))
     if parts.sha256_file(installed) != info["pruned_sha256"]:
