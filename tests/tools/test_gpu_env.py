@@ -1,5 +1,5 @@
 """tools/gpu_env: fatbin pruning on a synthetic ELF, parts and their sha256 checks,
-the manifest, the wheel relabelling, and the installer's argument and check errors.
+the manifest, the wheel rewrite, and the installer's argument and check errors.
 The real library is checked by build_bundle.py itself (cuobjdump), not here."""
 
 from __future__ import annotations
@@ -278,32 +278,36 @@ def test_manifest_round_trip_and_errors(tmp_path):
         Manifest.read(tmp_path / "m.json")
 
 
-# ---------------------------------------------------------------- wheel relabelling
+# ---------------------------------------------------------------- wheel rewrite
 
 
-def test_relabel_wheel_replaces_file_and_rewrites_record(tmp_path):
+def test_replace_in_wheel_replaces_file_and_rewrites_record(tmp_path):
     src = tmp_path / "demo_pkg-1.2.3-py3-none-manylinux_2_28_x86_64.whl"
+    metadata = "Metadata-Version: 2.1\nName: demo_pkg\nVersion: 1.2.3\n"
     with zipfile.ZipFile(src, "w") as z:
         z.writestr("demo_pkg/__init__.py", "x = 1\n")
         z.writestr("demo_pkg/lib/libdemo.so", b"original")
-        z.writestr("demo_pkg-1.2.3.dist-info/METADATA", "Metadata-Version: 2.1\nName: demo_pkg\nVersion: 1.2.3\n")
+        z.writestr("demo_pkg-1.2.3.dist-info/METADATA", metadata)
         z.writestr("demo_pkg-1.2.3.dist-info/RECORD", "stale\n")
     new_lib = tmp_path / "libdemo.so"
     new_lib.write_bytes(b"pruned!")
-    out = wheels.relabel_wheel(src, tmp_path / "out", {"demo_pkg/lib/libdemo.so": new_lib}, "sm90")
-    assert out.name == "demo_pkg-1.2.3+sm90-py3-none-manylinux_2_28_x86_64.whl"
+    out = wheels.replace_in_wheel(src, tmp_path / "out", {"demo_pkg/lib/libdemo.so": new_lib})
+    assert out.name == src.name
     with zipfile.ZipFile(out) as z:
         assert z.read("demo_pkg/lib/libdemo.so") == b"pruned!"
-        assert "Version: 1.2.3+sm90\n" in z.read("demo_pkg-1.2.3+sm90.dist-info/METADATA").decode()
-        rows = list(csv.reader(io.StringIO(z.read("demo_pkg-1.2.3+sm90.dist-info/RECORD").decode())))
+        assert z.read("demo_pkg/__init__.py") == b"x = 1\n"
+        assert z.read("demo_pkg-1.2.3.dist-info/METADATA").decode() == metadata
+        rows = list(csv.reader(io.StringIO(z.read("demo_pkg-1.2.3.dist-info/RECORD").decode())))
+        assert sorted(r[0] for r in rows) == sorted(z.namelist())
         for name, digest, size in rows[:-1]:
             data = z.read(name)
             expected = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
             assert digest == f"sha256={expected}" and int(size) == len(data)
-        assert rows[-1] == ["demo_pkg-1.2.3+sm90.dist-info/RECORD", "", ""]
-        assert not any(n.startswith("demo_pkg-1.2.3.dist-info") for n in z.namelist())
+        assert rows[-1] == ["demo_pkg-1.2.3.dist-info/RECORD", "", ""]
     with pytest.raises(wheels.WheelError, match="has no demo_pkg/missing.so"):
-        wheels.relabel_wheel(src, tmp_path / "out", {"demo_pkg/missing.so": new_lib}, "sm90")
+        wheels.replace_in_wheel(src, tmp_path / "out2", {"demo_pkg/missing.so": new_lib})
+    with pytest.raises(wheels.WheelError, match="holds the source wheel"):
+        wheels.replace_in_wheel(src, tmp_path, {"demo_pkg/lib/libdemo.so": new_lib})
 
 
 # ---------------------------------------------------------------- installer

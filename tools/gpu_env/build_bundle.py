@@ -149,14 +149,12 @@ def prune_and_verify(py: Path, core_wheel: Path, work: Path, keep: set[int], out
         differ = sorted(k for k in set(reference) & set(from_pruned) if reference[k] != from_pruned[k])
         raise SystemExit(f"cubin check failed: names on one side only {only}, hashes differ {differ}")
     log(f"cubin check: {len(reference)} cubins from cuobjdump -xelf (original) == decompressed from the pruned library")
-    label = "sm" + "_".join(str(a) for a in sorted(keep))
-    repacked = wheels.relabel_wheel(core_wheel, out_wheels, {LIBRARY: pruned}, label)
+    repacked = wheels.replace_in_wheel(core_wheel, out_wheels, {LIBRARY: pruned})
     pruned_sha = parts.sha256_file(pruned)
     if hashlib.sha256(wheels.read_member(repacked, LIBRARY)).hexdigest() != pruned_sha:
         raise SystemExit(f"{repacked.name} does not hold the pruned library")
     return repacked, {
         "path_in_wheel": LIBRARY,
-        "local_label": label,
         "wheel": repacked.name,
         "keep_arches": sorted(keep),
         "original_sha256": parts.sha256_file(original),
@@ -206,10 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     core = find_one(downloads, f"transformer_engine_cu13-{TE_VERSION}-*.whl")
     if args.no_prune:
         shutil.copy2(core, staged)
-        pruned_info, core_requirement = {}, pin("transformer_engine_cu13")
+        pruned_info = {}
     else:
         _, pruned_info = prune_and_verify(py, core, work, keep, staged)
-        core_requirement = f"transformer_engine_cu13=={TE_VERSION}+{pruned_info['local_label']}"
     for name, version in runtime + [("nvidia-cudnn-frontend", PINS["nvidia-cudnn-frontend"])]:
         if canonical(name) == "transformer-engine-cu13":
             continue
@@ -239,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         archive=parts.record_file(archive),
         parts=parts.split_file(archive, out, args.part_mib * MIB),
         wheels=[parts.record_file(p) for p in sorted(staged.iterdir())],
-        install=[core_requirement,
+        install=[pin("transformer_engine_cu13"),
                  pin("transformer_engine"), pin("transformer_engine_torch"), pin("megatron-core")],
         install_no_deps=[pin("nvidia-cudnn-frontend")],
         build_sdists=build_sdists,
