@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.gpu_env import cubins, fatbin, install, parts, wheels
+from tools.gpu_env import cubins, fatbin, install, linkcheck, parts, wheels
 from tools.gpu_env.manifest import Manifest, ManifestError
 
 # (arch, flags, payload bytes, header size) of each entry, in two containers.
@@ -184,6 +184,35 @@ def test_kept_cubins_decompress_zstd_payloads(tmp_path):
     lib.write_bytes(make_elf(section))
     assert cubins.kept_cubins(lib, {90}) == {"libx.1.sm_90.cubin": hashlib.sha256(cubin).hexdigest()}
     assert cubins.kept_cubins(lib, {80}) == {}
+
+
+# ---------------------------------------------------------------- link check
+
+
+def _shared_lib(tmp_path: Path, name: str, source: str, version_script: str | None, link: list[str]) -> Path:
+    src = tmp_path / f"{name}.c"
+    src.write_text(source)
+    cmd = ["gcc", "-shared", "-fPIC", "-o", str(tmp_path / name), str(src), f"-Wl,-soname,{name}"]
+    if version_script is not None:
+        (tmp_path / f"{name}.map").write_text(version_script)
+        cmd.append(f"-Wl,--version-script={tmp_path / f'{name}.map'}")
+    subprocess.run(cmd + link, check=True)
+    return tmp_path / name
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("nm") is None, reason="needs gcc and nm")
+def test_unresolved_symbols_names_what_the_provider_lacks(tmp_path):
+    new, old = tmp_path / "new", tmp_path / "old"
+    new.mkdir(), old.mkdir()
+    script = "libprov.so.1 { global: %s; local: *; };"
+    _shared_lib(new, "libprov.so.1", "int foo(void){return 1;} int bar(void){return 2;}", script % "foo; bar", [])
+    _shared_lib(old, "libprov.so.1", "int foo(void){return 1;}", script % "foo", [])
+    user = _shared_lib(tmp_path, "libuser.so", "int foo(void); int bar(void); int use(void){return foo() + bar();}",
+                       None, [str(new / "libprov.so.1")])
+    assert linkcheck.undefined_versioned(user) == [("bar", "libprov.so.1"), ("foo", "libprov.so.1")]
+    assert linkcheck.unresolved_symbols(user, [new]) == []
+    assert linkcheck.unresolved_symbols(user, [old]) == ["libprov.so.1:bar"]
+    assert linkcheck.unresolved_symbols(user, [tmp_path / "none"]) == ["libprov.so.1:(library not found)"] * 2
 
 
 # ---------------------------------------------------------------- parts

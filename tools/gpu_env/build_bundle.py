@@ -27,13 +27,15 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.gpu_env import cubins, fatbin, parts, wheels  # noqa: E402
+from tools.gpu_env import cubins, fatbin, linkcheck, parts, wheels  # noqa: E402
 from tools.gpu_env.extension import build_extension_wheel  # noqa: E402
 from tools.gpu_env.manifest import MANIFEST_NAME, Manifest  # noqa: E402
 
 # Pinned inputs. torch is the GPU machine's own (2.11.0+cu130, the PyPI Linux wheel);
-# it is installed here only to build the extension and resolve dependencies.
+# it is installed here only to build the extension, resolve dependencies and check
+# the core library's symbols. --te-version changes the three Transformer Engine pins.
 TE_VERSION = "2.20.2"
+TE_PACKAGES = ("transformer_engine_cu13", "transformer_engine", "transformer_engine_torch")
 PINS = {
     "transformer_engine_cu13": TE_VERSION,
     "transformer_engine": TE_VERSION,
@@ -125,6 +127,28 @@ def find_wheel(folder: Path, name: str, version: str) -> Path:
     return found[0]
 
 
+def check_links(py: Path, core_wheel: Path, work: Path, allow: bool) -> list[str]:
+    """Refuse (unless ``allow``) a core library that needs symbols that the CUDA
+    libraries of torch's wheels do not define: ctypes would fail to load it."""
+    site = Path(cuobjdump_path(py)).parents[3]
+    library = work / "lib" / "linkcheck.so"
+    library.parent.mkdir(parents=True, exist_ok=True)
+    library.write_bytes(wheels.read_member(core_wheel, LIBRARY))
+    missing = linkcheck.unresolved_symbols(library, [site / "nvidia", site / "torch" / "lib"])
+    library.unlink()
+    if not missing:
+        log("link check: every versioned symbol of the core library is defined by torch's CUDA wheels")
+    elif allow:
+        log(f"link check: unresolved against torch's CUDA wheels (allowed): {', '.join(missing)}")
+    else:
+        raise SystemExit(
+            f"{core_wheel.name}: {LIBRARY} needs {', '.join(missing)}, which torch {PINS['torch']}'s CUDA wheels "
+            "do not define, so importing it would fail. Pick a Transformer Engine version built against "
+            "them (--te-version), or pass --allow-unresolved-symbols if the GPU machine holds newer libraries."
+        )
+    return missing
+
+
 def cuobjdump_path(py: Path) -> Path:
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -173,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/work/gpuenv-build/work"), help="downloads and build outputs")
     ap.add_argument("--python", type=Path, default=None, help="a CPython 3.12 interpreter (default: python3.12 on PATH)")
     ap.add_argument("--keep-arch", type=int, action="append", default=None, help="compute capability x10 to keep (default 90)")
+    ap.add_argument("--te-version", default=TE_VERSION, help="Transformer Engine version (core, meta, torch)")
+    ap.add_argument("--allow-unresolved-symbols", action="store_true",
+                    help="bundle a core library that needs symbols torch's CUDA wheels lack (for a GPU machine "
+                         "known to hold newer ones); they are recorded in the manifest")
     ap.add_argument("--no-prune", action="store_true",
                     help="ship the core library unpruned (all architectures; about six times the parts)")
     ap.add_argument("--part-mib", type=int, default=48,
@@ -183,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-jobs", type=int, default=2, help="parallel compile jobs for the extension build here")
     args = ap.parse_args(argv)
     keep = set(args.keep_arch or [90])
+    te_version = args.te_version
+    PINS.update({name: te_version for name in TE_PACKAGES})
     python = args.python or (Path(shutil.which("python3.12")) if shutil.which("python3.12") else None)
     if python is None:
         raise SystemExit("no python3.12 on PATH: pass --python /path/to/python3.12 (its headers are needed)")
@@ -201,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.extension_build == "gpu":
         download(py, downloads, [pin("nvidia-cuda-crt"), "wheel", "setuptools<82"])
 
-    core = find_one(downloads, f"transformer_engine_cu13-{TE_VERSION}-*.whl")
+    core = find_one(downloads, f"transformer_engine_cu13-{te_version}-*.whl")
+    unresolved = check_links(py, core, work, args.allow_unresolved_symbols)
     if args.no_prune:
         shutil.copy2(core, staged)
         pruned_info = {}
@@ -211,11 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         if canonical(name) == "transformer-engine-cu13":
             continue
         shutil.copy2(find_wheel(downloads, name, version), staged)
-    sdist = find_one(downloads, f"transformer_engine_torch-{TE_VERSION}.tar.gz")
+    sdist = find_one(downloads, f"transformer_engine_torch-{te_version}.tar.gz")
     build_sdists: list[str] = []
     if args.extension_build == "here":
         ext_dir = work / "extension"
-        built = sorted(ext_dir.glob(f"transformer_engine_torch-{TE_VERSION}-cp312-*.whl"))
+        built = sorted(ext_dir.glob(f"transformer_engine_torch-{te_version}-cp312-*.whl"))
         wheel = built[0] if built else build_extension_wheel(py, sdist, ext_dir, args.max_jobs)
         log(f"extension wheel: {wheel.name}")
         shutil.copy2(wheel, staged)
@@ -242,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         build_sdists=build_sdists,
         packages={**{n: v for n, v in runtime}, **{k: v for k, v in PINS.items() if k != "nvidia-cuda-cuobjdump"}},
         pruned_library=pruned_info,
+        unresolved_symbols=unresolved,
     )
     manifest.write(out / MANIFEST_NAME)
     total = sum(p.size for p in manifest.parts)

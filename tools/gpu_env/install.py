@@ -123,6 +123,9 @@ def check_pruned_library(manifest: Manifest) -> None:
 
 
 def install(manifest: Manifest, wheels_dir: Path, max_jobs: int) -> None:
+    if manifest.unresolved_symbols:
+        log("the core library needs symbols that torch's CUDA wheels lack: "
+            f"{', '.join(manifest.unresolved_symbols)}; the import fails unless this machine holds newer ones")
     pip_install(wheels_dir, manifest.install_no_deps, no_deps=True)
     if manifest.build_sdists:
         # Build tools first (wheel, setuptools, nvidia-cuda-crt headers), then the extension.

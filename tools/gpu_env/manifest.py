@@ -42,6 +42,9 @@ class Manifest:
     pruned_library: dict = field(default_factory=dict)
     """The pruned library: path inside its wheel, sha256 before and after, kept
     architectures, entry counts, and the sha256 of each kept cubin."""
+    unresolved_symbols: list[str] = field(default_factory=list)
+    """``soname:symbol`` the core library needs that torch's CUDA wheels lack (bundled
+    with --allow-unresolved-symbols; the GPU machine must hold newer libraries)."""
     import_check: str = "import transformer_engine.pytorch"
     """Python code the installer runs last."""
     format: int = FORMAT
@@ -57,6 +60,7 @@ class Manifest:
             "build_sdists": list(self.build_sdists),
             "packages": dict(self.packages),
             "pruned_library": self.pruned_library,
+            "unresolved_symbols": list(self.unresolved_symbols),
             "import_check": self.import_check,
         }
 
@@ -78,6 +82,7 @@ class Manifest:
                 build_sdists=[str(r) for r in obj["build_sdists"]],
                 packages={str(k): str(v) for k, v in obj["packages"].items()},
                 pruned_library=dict(obj.get("pruned_library", {})),
+                unresolved_symbols=[str(s) for s in obj.get("unresolved_symbols", [])],
                 import_check=str(obj.get("import_check", "import transformer_engine.pytorch")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
