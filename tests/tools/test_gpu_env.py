@@ -28,8 +28,8 @@ CONTAINERS = [
 ]
 
 
-def _entry(arch: int, flags: int, size: int, header_size: int, seed: int) -> bytes:
-    header = fatbin.ENTRY_HEADER.pack(2, 0x0101, header_size, size, size - 3, 0, 8, 1, arch, 0, 0, flags, 0, 10 * size)
+def _entry(arch: int, flags: int, size: int, header_size: int, seed: int, kind: int = 2) -> bytes:
+    header = fatbin.ENTRY_HEADER.pack(kind, 0x0101, header_size, size, size - 3, 0, 8, 1, arch, 0, 0, flags, 0, 10 * size)
     payload = bytes((seed * 31 + i * 7 + 1) % 251 + 1 for i in range(size))  # never zero
     return header + bytes(header_size - len(header)) + payload
 
@@ -80,6 +80,16 @@ def test_entries_are_read_with_arch_names_and_offsets():
     assert [e.payload_size for e in entries] == [40, 48, 24, 16, 32]
     assert entries[2].header_size == 72 and entries[2].payload_offset == entries[2].header_offset + 72
     assert entries[1].cubin_name == "2.sm_90.cubin"
+
+
+def test_cuobjdump_numbers_elf_and_ptx_entries_apart():
+    body = b"".join(_entry(90, 0x8011, 16, 64, i, kind) for i, kind in enumerate([1, 2, 1, 2, 2]))
+    section = fatbin.CONTAINER_HEADER.pack(fatbin.CONTAINER_MAGIC, 1, 16, len(body)) + body
+    entries = fatbin.read_entries(make_elf(section))
+    assert [e.cubin_name for e in entries] == [
+        "1.sm_90.ptx", "1.sm_90.cubin", "2.sm_90.ptx", "2.sm_90.cubin", "3.sm_90.cubin"
+    ]
+    assert [e.index for e in entries] == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize(
@@ -184,6 +194,14 @@ def test_kept_cubins_decompress_zstd_payloads(tmp_path):
     lib.write_bytes(make_elf(section))
     assert cubins.kept_cubins(lib, {90}) == {"libx.1.sm_90.cubin": hashlib.sha256(cubin).hexdigest()}
     assert cubins.kept_cubins(lib, {80}) == {}
+    # A PTX entry is hashed as cuobjdump -xptx writes it: without the terminating NUL.
+    ptx = b".version 8.0\n.target sm_90\n" * 20
+    frame = subprocess.run(["zstd", "-c", "-q"], input=ptx + b"\0", capture_output=True, check=True).stdout
+    padded = frame + bytes(-len(frame) % 8)
+    header = fatbin.ENTRY_HEADER.pack(1, 0x0101, 64, len(padded), len(frame), 0, 8, 1, 90, 0, 0, 0x8011, 0, len(ptx) + 1)
+    body = header + padded
+    lib.write_bytes(make_elf(fatbin.CONTAINER_HEADER.pack(fatbin.CONTAINER_MAGIC, 1, 16, len(body)) + body))
+    assert cubins.kept_cubins(lib, {90}) == {"libx.1.sm_90.ptx": hashlib.sha256(ptx).hexdigest()}
 
 
 # ---------------------------------------------------------------- link check

@@ -15,21 +15,23 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from tools.gpu_env.fatbin import LZ4_FLAG, ZSTD_FLAG, FatbinEntry, FatbinError, read_entries
+from tools.gpu_env.fatbin import LZ4_FLAG, PTX_KIND, ZSTD_FLAG, FatbinEntry, FatbinError, read_entries
 
 
 def cuobjdump_cubins(cuobjdump: Path, library: Path, keep_arches: set[int]) -> dict[str, str]:
-    """sha256 of each cubin that ``cuobjdump -xelf`` extracts for ``keep_arches``, by file name."""
+    """sha256 of each cubin and PTX file that ``cuobjdump -xelf``/``-xptx`` extracts for
+    ``keep_arches``, by file name."""
     hashes: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="cuobjdump-") as tmp:
         for arch in sorted(keep_arches):
-            # -xelf matches file names by substring: "sm_90" extracts sm_90 and sm_90a.
-            subprocess.run(
-                [str(cuobjdump), "-xelf", f"sm_{arch}", str(Path(library).resolve())],
-                cwd=tmp,
-                check=True,
-                stdout=subprocess.DEVNULL,
-            )
+            # -xelf and -xptx match file names by substring: "sm_90" also takes sm_90a.
+            for flag in ("-xelf", "-xptx"):
+                subprocess.run(
+                    [str(cuobjdump), flag, f"sm_{arch}", str(Path(library).resolve())],
+                    cwd=tmp,
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
         for path in sorted(Path(tmp).iterdir()):
             hashes[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
     return hashes
@@ -53,14 +55,17 @@ def decompress_payload(data: bytes | memoryview, entry: FatbinEntry, zstd: str =
 
 
 def kept_cubins(library: Path, keep_arches: set[int]) -> dict[str, str]:
-    """sha256 of each kept entry's decompressed cubin, named as cuobjdump names it."""
+    """sha256 of each kept entry's decompressed cubin or PTX, named as cuobjdump names it."""
     zstd = shutil.which("zstd")
     if zstd is None:
         raise FileNotFoundError("the zstd command is not installed: apt-get install zstd")
     data = Path(library).read_bytes()
     stem = Path(library).name.split(".so")[0]
-    return {
-        f"{stem}.{e.cubin_name}": hashlib.sha256(decompress_payload(data, e, zstd)).hexdigest()
-        for e in read_entries(data)
-        if e.arch in keep_arches
-    }
+    hashes = {}
+    for e in read_entries(data):
+        if e.arch in keep_arches:
+            content = decompress_payload(data, e, zstd)
+            if e.kind == PTX_KIND and content.endswith(b"\0"):
+                content = content[:-1]  # cuobjdump -xptx writes the PTX without its terminating NUL
+            hashes[f"{stem}.{e.cubin_name}"] = hashlib.sha256(content).hexdigest()
+    return hashes

@@ -21,7 +21,8 @@ FATBIN_SECTION = ".nv_fatbin"
 CONTAINER_MAGIC = 0xBA55ED50
 CONTAINER_HEADER = struct.Struct("<IHHQ")  # magic, version, header size, entries size
 ENTRY_HEADER = struct.Struct("<HHIQIIHHIIIQQQ")  # see FatbinEntry for the fields read
-KIND_NAMES = {1: "ptx", 2: "elf"}
+PTX_KIND, ELF_KIND = 1, 2
+KIND_NAMES = {PTX_KIND: "ptx", ELF_KIND: "elf"}
 # Entry flag bits: an architecture-specific target (sm_90a, sm_100a, ...), and a
 # payload compressed with LZ4 (older nvcc) or zstd (nvcc 12.8 and later).
 ARCH_SPECIFIC_FLAG = 0x100000
@@ -38,7 +39,10 @@ class FatbinEntry:
     """One entry of a fatbin: where its header and payload lie in the file."""
 
     index: int
-    """1-based position among all entries of the section (cuobjdump numbers them so)."""
+    """1-based position among all entries of the section."""
+    kind_index: int
+    """1-based position among the entries of the same kind (cuobjdump numbers its ELF
+    and PTX files so)."""
     header_offset: int
     """File offset of the entry header."""
     header_size: int
@@ -66,7 +70,7 @@ class FatbinEntry:
     def cubin_name(self) -> str:
         """The end of the name ``cuobjdump -xelf`` gives the entry's file: ``4.sm_90.cubin``
         for ``libfoo.4.sm_90.cubin`` (the library's stem comes first)."""
-        return f"{self.index}.{self.arch_name}.{'ptx' if self.kind == 1 else 'cubin'}"
+        return f"{self.kind_index}.{self.arch_name}.{'ptx' if self.kind == PTX_KIND else 'cubin'}"
 
     @property
     def kind_name(self) -> str:
@@ -104,6 +108,7 @@ def find_section(data: bytes | memoryview, name: str) -> tuple[int, int]:
 def parse_fatbin(data: bytes | memoryview, start: int, end: int) -> list[FatbinEntry]:
     """Every entry of the fatbin containers lying in ``data[start:end]``."""
     entries: list[FatbinEntry] = []
+    per_kind: dict[int, int] = {}
     pos = start
     while pos < end:
         if pos + CONTAINER_HEADER.size > end:
@@ -126,9 +131,11 @@ def parse_fatbin(data: bytes | memoryview, start: int, end: int) -> list[FatbinE
             payload_offset = entry_pos + entry_header_size
             if payload_offset + payload_size > container_end:
                 raise FatbinError(f"fatbin entry at offset {entry_pos:#x} runs past its container")
+            per_kind[kind] = per_kind.get(kind, 0) + 1
             entries.append(
                 FatbinEntry(
                     index=len(entries) + 1,
+                    kind_index=per_kind[kind],
                     header_offset=entry_pos,
                     header_size=entry_header_size,
                     payload_offset=payload_offset,
