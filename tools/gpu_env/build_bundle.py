@@ -43,6 +43,7 @@ PINS = {
     "megatron-core": "0.19.2",
     "nvidia-cudnn-frontend": "1.32.0",
     "nvidia-cuda-crt": "13.0.88",
+    "nvidia-cuda-cccl": "13.0.85",
     "nvidia-cuda-cuobjdump": "13.5.37",
     "torch": "2.11.0",
 }
@@ -59,6 +60,7 @@ PRESENT_ON_GPU = {
     "wheel", "zipp",
 }
 LIBRARY = "transformer_engine/wheel_lib/libtransformer_engine.so"
+BUILD_HEADERS = ("nvidia-cuda-crt", "nvidia-cuda-cccl", "nvidia-cudnn-frontend")
 ARCHIVE_NAME = "gpu_env_bundle.tar"
 MIB = 1 << 20
 
@@ -87,8 +89,9 @@ def make_build_venv(python: Path, work: Path) -> Path:
         subprocess.run([str(python), "-m", "venv", str(env_dir)], check=True)
         pip = [str(py), "-m", "pip", "install", "-q"]
         subprocess.run(pip + [pin("torch"), "setuptools<82", "wheel", "packaging", "ninja"], check=True)
-        subprocess.run(pip + ["--no-deps", pin("nvidia-cuda-crt"), pin("nvidia-cudnn-frontend"),
-                              pin("nvidia-cuda-cuobjdump")], check=True)
+    # Headers torch's wheels lack (crt/, CCCL's nv/target, cudnn-frontend) and cuobjdump.
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps"] + [pin(n) for n in BUILD_HEADERS]
+                   + [pin("nvidia-cuda-cuobjdump")], check=True)
     return py
 
 
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     download(py, downloads, [f"{n}=={v}" for n, v in runtime] + [pin("nvidia-cudnn-frontend")])
     download(py, downloads, [pin("transformer_engine_torch")], sdist=True)
     if args.extension_build == "gpu":
-        download(py, downloads, [pin("nvidia-cuda-crt"), "wheel", "setuptools<82"])
+        download(py, downloads, [pin("nvidia-cuda-crt"), pin("nvidia-cuda-cccl"), "wheel", "setuptools<82"])
 
     core = find_one(downloads, f"transformer_engine_cu13-{te_version}-*.whl")
     unresolved = check_links(py, core, work, args.allow_unresolved_symbols)
@@ -252,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copy2(wheel, staged)
     else:
         shutil.copy2(sdist, staged)
-        for extra in ("nvidia_cuda_crt-*.whl", "wheel-*.whl", "setuptools-*.whl"):
+        for extra in ("nvidia_cuda_crt-*.whl", "nvidia_cuda_cccl-*.whl", "wheel-*.whl", "setuptools-*.whl"):
             shutil.copy2(find_one(downloads, extra), staged)
         build_sdists.append(sdist.name)
 

@@ -3,8 +3,9 @@
 Shared by build_bundle.py (building on the CPU machine) and install.py (building on
 the GPU machine when the bundle ships the sdist). The extension is a CppExtension: g++
 and headers only, no nvcc. Its CUDA, cuBLAS, cuDNN and NCCL headers come from the
-``nvidia-*`` wheels that torch installs, plus ``nvidia-cuda-crt`` (the ``crt/`` headers
-that ``cuda_runtime.h`` includes) and ``nvidia-cudnn-frontend``.
+``nvidia-*`` wheels that torch installs, plus ``nvidia-cuda-crt`` and ``nvidia-cuda-cccl``
+(the ``crt/`` and ``nv/target`` headers that ``cuda_runtime.h`` and ``cuda_fp16.h``
+include) and ``nvidia-cudnn-frontend``.
 """
 
 from __future__ import annotations

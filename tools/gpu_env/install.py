@@ -128,8 +128,8 @@ def install(manifest: Manifest, wheels_dir: Path, max_jobs: int) -> None:
             f"{', '.join(manifest.unresolved_symbols)}; the import fails unless this machine holds newer ones")
     pip_install(wheels_dir, manifest.install_no_deps, no_deps=True)
     if manifest.build_sdists:
-        # Build tools first (wheel, setuptools, nvidia-cuda-crt headers), then the extension.
-        pip_install(wheels_dir, ["wheel", "setuptools", "nvidia-cuda-crt"], no_deps=True)
+        # Build tools first (wheel, setuptools, the crt/ and CCCL headers), then the extension.
+        pip_install(wheels_dir, ["wheel", "setuptools", "nvidia-cuda-crt", "nvidia-cuda-cccl"], no_deps=True)
         for sdist in manifest.build_sdists:
             built = build_extension_wheel(Path(sys.executable), wheels_dir / sdist, wheels_dir, max_jobs, wheels_dir)
             log(f"built {built.name}")
