@@ -175,7 +175,7 @@ def prune_and_verify(py: Path, core_wheel: Path, work: Path, keep: set[int], out
         only = sorted(set(reference) ^ set(from_pruned))
         differ = sorted(k for k in set(reference) & set(from_pruned) if reference[k] != from_pruned[k])
         raise SystemExit(f"cubin check failed: names on one side only {only}, hashes differ {differ}")
-    log(f"cubin check: {len(reference)} cubins from cuobjdump -xelf (original) == decompressed from the pruned library")
+    log(f"cubin check: {len(reference)} cubins and PTX files from cuobjdump -xelf/-xptx (original) == decompressed from the pruned library")
     repacked = wheels.replace_in_wheel(core_wheel, out_wheels, {LIBRARY: pruned})
     pruned_sha = parts.sha256_file(pruned)
     if hashlib.sha256(wheels.read_member(repacked, LIBRARY)).hexdigest() != pruned_sha:
