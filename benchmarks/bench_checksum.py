@@ -11,7 +11,8 @@ shared:
 * ``save``: the plain save;
 * ``save_checksummed``: the save as the training driver runs it, its shard files
   checksummed as they are written (``checkpoint_format.checksummed_writes``), plus the
-  manifest (:func:`megatron_mhar.manifest.write_manifest`);
+  manifest (:func:`megatron_mhar.manifest.write_manifest`); the two saves take turns
+  going first;
 * each candidate checksum over the saved files' bytes held in memory (the compute a
   checksum adds to a write), in an order rotated round by round;
 * ``read_back``: the chosen checksum over the files read back from the filesystem (what a
@@ -21,6 +22,7 @@ The report gives medians and each one's share of the median plain save.
 """
 
 import argparse
+import contextlib
 import hashlib
 import os
 import platform
@@ -124,14 +126,14 @@ def main(argv=None):
                 plain, checked = os.path.join(root, "plain"), os.path.join(root, "checked")
                 os.makedirs(plain)
                 os.makedirs(checked)
-                start = time.perf_counter()
-                dist_checkpointing.save(dict(state), plain)
-                times["save"].append(time.perf_counter() - start)
-                start = time.perf_counter()
-                with checksummed_writes():
-                    dist_checkpointing.save(dict(state), checked)
-                manifest.write_manifest(checked)
-                times["save_checksummed"].append(time.perf_counter() - start)
+                saves = [("save", plain), ("save_checksummed", checked)]
+                for name, target in saves if round_ % 2 == 0 else saves[::-1]:  # either goes first
+                    start = time.perf_counter()
+                    with checksummed_writes() if name == "save_checksummed" else contextlib.nullcontext():
+                        dist_checkpointing.save(dict(state), target)
+                    if name == "save_checksummed":
+                        manifest.write_manifest(target)
+                    times[name].append(time.perf_counter() - start)
                 size = sum(os.path.getsize(os.path.join(plain, n)) for n in os.listdir(plain))
                 start = time.perf_counter()
                 for name in sorted(os.listdir(plain)):

@@ -8,7 +8,8 @@
 * Training driver: :data:`TINY`, the smoke recipe shrunk to seconds, over the embedded
   corpus of :data:`EMBEDDED_VOCAB` tokens.
 * Conversion: the tiny HF models' :data:`HF_VOCAB` and :data:`HF_SEQ`,
-  :func:`redraw_hf_weights`, :func:`token_batch`, :func:`hf_logits`, :func:`read_safetensors`.
+  :func:`redraw_hf_weights`, :func:`edited_hf_dir`, :func:`plan_hf_import`, :func:`token_batch`,
+  :func:`hf_logits`, :func:`read_safetensors`.
 * Hugging Face export: :data:`EXPORT_CASES` (every family and variant trained a few steps,
   exported and loaded elsewhere by tests/hf), :func:`export_token_batch`, and
   :func:`random_model` (untrained models with large random weights).
@@ -343,6 +344,32 @@ def redraw_hf_weights(model, seed: int = 0):
             noise = torch.randn(param.shape, generator=generator)
             param.copy_(1 + 0.2 * noise if param.dim() == 1 else 0.1 * noise)
     return model.eval()
+
+
+def edited_hf_dir(src: Path, dst: Path, config=None, drop=(), add=None, replace=None) -> Path:
+    """A copy of an HF directory with config edits and tensors dropped, added or replaced."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    raw.update(config or {})
+    (dst / "config.json").write_text(json.dumps(raw))
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors = {k: v for k, v in tensors.items() if k not in drop}
+    tensors.update(add or {})
+    tensors.update(replace or {})
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def plan_hf_import(hf_dir, out, variant="none", **kwargs):
+    """``plan_import`` at the conversion tests' sequence length."""
+    from megatron_mhar.conversion.convert import plan_import
+
+    return plan_import(hf_dir, out, variant, seq_length=HF_SEQ, **kwargs)
 
 
 def token_batch(seed: int = 0, batch: int = 2, seq: int = HF_SEQ) -> torch.Tensor:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import HF_SEQ, HF_VOCAB
+from tests.helpers import HF_SEQ, HF_VOCAB, redraw_hf_weights
 
 COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=96, vocab_size=HF_VOCAB, max_position_embeddings=16384,
@@ -43,13 +43,7 @@ def build_hf_model(kind: str, options: dict, seed: int = 0):
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     }[kind]
-    model = model_class(config_class(**COMMON, **options))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1 + 0.2 * noise if param.dim() == 1 else 0.1 * noise)
-    return model.eval()
+    return redraw_hf_weights(model_class(config_class(**COMMON, **options)), seed)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from megatron_mhar.conversion import hf_config, mapping
+from tests.helpers import edited_hf_dir as _edited
+from tests.helpers import plan_hf_import as _plan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,28 +27,6 @@ LLAMA31_8B = {
     "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "vocab_size": 128256,
 }
-
-
-def _edited(src: Path, dst: Path, config=None, drop=(), add=None, replace=None) -> Path:
-    """A copy of an HF directory with config edits and tensors dropped, added or replaced."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    raw.update(config or {})
-    (dst / "config.json").write_text(json.dumps(raw))
-    tensors = load_file(str(dst / "model.safetensors"))
-    tensors = {k: v for k, v in tensors.items() if k not in drop}
-    tensors.update(add or {})
-    tensors.update(replace or {})
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
-def _plan(hf_dir, out, variant="none", **kwargs):
-    from megatron_mhar.conversion.convert import plan_import
-
-    return plan_import(hf_dir, out, variant, seq_length=16, **kwargs)
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -94,13 +74,12 @@ def test_layout_and_variant_errors(hf_dirs, tmp_path):
 
 
 def test_shape_mismatch_fails_without_publishing(hf_dirs, tmp_path):
-    """Names all match, one shape does not: the rank raises, nothing is published."""
-    from megatron_mhar.conversion.convert import hf_to_mcore
-
+    """Names all match, one shape does not: the plan names the tensor, nothing is published."""
     hf_dir = _edited(hf_dirs["llama"], tmp_path / "hf",
                      replace={"model.layers.2.self_attn.k_proj.weight": torch.zeros(16, 64)})
-    with pytest.raises(ValueError, match=r"k_proj: shape \(16, 64\) does not match the config \(32x64\)"):
-        hf_to_mcore(_plan(hf_dir, tmp_path / "out"))
+    with pytest.raises(ValueError, match=r"model.layers.2.self_attn.k_proj.weight has shape \(16, 64\), the "
+                                         r"config implies \(32, 64\)"):
+        _plan(hf_dir, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no out, no .tmp.out
 
 
@@ -138,7 +117,10 @@ def test_exported_variant_must_match(megatron_world1, convert, tmp_path):
 
 
 def test_cli_reports_errors_and_converts(hf_dirs, tmp_path, capsys):
-    """The CLIs are thin: argument parsing, one library call, errors as exit code 2."""
+    """The CLIs are thin: argument parsing, one library call, errors as exit code 2, and
+    a good directory converted into a checkpoint that verifies against its manifest."""
+    from megatron_mhar.checkpoint_format import checkpoint_problem, read_configs
+
     sys.path.insert(0, str(REPO / "checkpoint_tools"))
     try:
         import hf_to_mcore_mhar
@@ -148,6 +130,13 @@ def test_cli_reports_errors_and_converts(hf_dirs, tmp_path, capsys):
         hf_to_mcore_mhar.main(["--hf-dir", str(tmp_path), "--out", str(tmp_path / "o"), "--variant", "none"])
     assert exit_info.value.code == 2
     assert "has no config.json" in capsys.readouterr().err
+    assert hf_to_mcore_mhar.main(["--hf-dir", str(hf_dirs["qwen3_tied"]), "--out", str(tmp_path / "ok"),
+                                  "--variant", "delta", "--seq-length", "16"]) == 0
+    assert f"wrote {tmp_path / 'ok'} (delta, float32)" in capsys.readouterr().out
+    checkpoint = tmp_path / "ok" / "iter_0000000"
+    assert checkpoint_problem(checkpoint, "full") is None
+    model, mhar, _ = read_configs(checkpoint)
+    assert (model.num_layers, model.qk_layernorm, mhar.variant) == (4, True, "delta")
 
 
 # ---------------------------------------------------------------- misuse of the CLIs
@@ -245,22 +234,26 @@ def test_export_names_a_corrupt_checkpoint(convert, tmp_path, damage):
 
     ckpt = shutil.copytree(convert("qwen3_tied", "none"), tmp_path / "ckpt")
     _truncate(ckpt / "iter_0000000" / damage, 100)
-    with pytest.raises(ValueError, match=r"iter_0000000 cannot be read \(.*\); it is truncated or corrupt"):
+    # The manifest names the damaged file before any reader trips over it.
+    with pytest.raises(ValueError, match=rf"names 'iter_0000000', which fails verification: .*iter_0000000/{damage} "
+                                         rf"has 100 bytes, the manifest says"):
         mcore_to_hf(ckpt, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 def test_cli_reports_a_rank_failure_by_name(hf_dirs, tmp_path, capsys):
-    """A shape error on the second pipeline stage: the CLI exits 2 with that rank's
-    error (not its peer's lost connection), and nothing is left behind."""
-    hf_dir = _edited(hf_dirs["llama"], tmp_path / "hf",
-                     replace={"model.layers.3.mlp.down_proj.weight": torch.zeros(64, 95)})
+    """A NaN in a weight of the second pipeline stage (only that rank reads it): the CLI
+    exits 2 with that rank's error (not its peer's lost connection), and nothing is left behind."""
+    down = torch.zeros(64, 96)
+    down[5, 7] = float("nan")
+    hf_dir = _edited(hf_dirs["llama"], tmp_path / "hf", replace={"model.layers.3.mlp.down_proj.weight": down})
     with pytest.raises(SystemExit) as exit_info:
         _cli("hf_to_mcore_mhar").main(["--hf-dir", str(hf_dir), "--out", str(tmp_path / "out"),
                                        "--variant", "none", "--pp", "2"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "error: conversion rank 1 of 2: decoder.layers.3.mlp.linear_fc2.weight: converted shape (64, 95)" in err
+    assert (f"error: conversion rank 1 of 2: {hf_dir}: model.layers.3.mlp.down_proj.weight holds 1 non-finite "
+            f"values (NaN/Inf) of 6144") in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 

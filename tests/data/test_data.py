@@ -296,6 +296,12 @@ def test_gpt_datasets_blend_weights(embedded, tmp_path):
     for split in ("90,10,0", "60,20,20"):
         train, valid, test = build([big, small], [1.0, 3.0], split)
         assert len(train) >= 64 and len(valid) >= 16 and test is None
+    # the mixture follows the weights: 1:3 over the first 64 samples, to within one sample
+    train = build([big, small], [1.0, 3.0])[0]
+    drawn = [int(train[i]["dataset_id"]) for i in range(64)]
+    assert abs(drawn.count(0) - 16) <= 1 and abs(drawn.count(1) - 48) <= 1, drawn
+    swapped = build([big, small], [3.0, 1.0])[0]
+    assert abs([int(swapped[i]["dataset_id"]) for i in range(64)].count(0) - 48) <= 1
     # a path weighted 0 is left out (Megatron's blend refuses zero weights)
     zero = build([big, small], [0.0, 2.0])[0]
     alone = build([small], [1.0])[0]
