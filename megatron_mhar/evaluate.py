@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", type=Path, help="write the results (and samples) as JSON here")
     parser.add_argument("--log-samples", action="store_true", help="keep every request and response in --output")
     parser.add_argument("--export-dir", type=Path,
-                        help="where a Megatron checkpoint's HF export is written and kept (default: a temporary directory)")
+                        help="where a Megatron checkpoint's HF export is written and kept "
+                             "(default: a temporary directory)")
     parser.add_argument("--hf-reference", type=Path,
                         help="checkpoint export: HF directory whose config.json and tokenizer to use "
                              "(e.g. the base model of a continued-pretraining run)")
