@@ -25,6 +25,9 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+# Files one of which an HF directory needs for transformers' AutoTokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_mhar.evaluate", description=__doc__.split("\n")[0])
@@ -58,6 +61,13 @@ def evaluate(args: argparse.Namespace, hf_dir: Path) -> dict:
     except ImportError as err:
         raise ImportError(f"{err}; the evaluation needs the eval extra: pip install 'megatron_mhar[eval]'") from None
     import megatron_mhar.hf  # noqa: F401  (registers the MHAR classes with AutoModelForCausalLM)
+
+    if not any((hf_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{hf_dir} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); evaluate a Megatron checkpoint "
+            f"with --hf-reference (the base model's directory) or --tokenizer (the directory holding the "
+            f"tokenizer.json it was trained with)"
+        )
 
     batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
     tasks = [name for name in args.tasks.split(",") if name]
