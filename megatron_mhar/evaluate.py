@@ -25,6 +25,9 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+# Files one of which an HF directory needs for transformers' AutoTokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_mhar.evaluate", description=__doc__.split("\n")[0])
@@ -40,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", type=Path, help="write the results (and samples) as JSON here")
     parser.add_argument("--log-samples", action="store_true", help="keep every request and response in --output")
     parser.add_argument("--export-dir", type=Path,
-                        help="where a Megatron checkpoint's HF export is written and kept (default: a temporary directory)")
+                        help="where a Megatron checkpoint's HF export is written and kept "
+                             "(default: a temporary directory)")
     parser.add_argument("--hf-reference", type=Path,
                         help="checkpoint export: HF directory whose config.json and tokenizer to use "
                              "(e.g. the base model of a continued-pretraining run)")
@@ -57,6 +61,13 @@ def evaluate(args: argparse.Namespace, hf_dir: Path) -> dict:
     except ImportError as err:
         raise ImportError(f"{err}; the evaluation needs the eval extra: pip install 'megatron_mhar[eval]'") from None
     import megatron_mhar.hf  # noqa: F401  (registers the MHAR classes with AutoModelForCausalLM)
+
+    if not any((hf_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{hf_dir} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); evaluate a Megatron checkpoint "
+            f"with --hf-reference (the base model's directory) or --tokenizer (the directory holding the "
+            f"tokenizer.json it was trained with)"
+        )
 
     batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
     tasks = [name for name in args.tasks.split(",") if name]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,17 @@ def test_harness_loglikelihoods_are_the_models(megatron_world1, checkpoints, har
             lls.append(harness_ll)
         correct += int(max(range(len(lls)), key=lls.__getitem__) == doc["label"])
     assert results["results"]["mhar_tiny"]["acc,none"] == pytest.approx(correct / len(DOCS))
+
+
+def test_evaluate_refuses_a_model_without_tokenizer(exports, tmp_path, capsys):
+    from megatron_mhar import evaluate
+
+    bare = tmp_path / "bare"
+    shutil.copytree(exports["qwen3-none"], bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main([str(bare), "--tasks", "mhar_tiny"])
+    assert exit_info.value.code == 2
+    assert "has no tokenizer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        evaluate.main([str(bare), "--tasks", "mhar_tiny", "--tokenizer", str(tmp_path)])
+    assert "apply to Megatron checkpoints" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -110,8 +111,8 @@ def test_megatron_hf_megatron_is_bitwise(megatron_world1, checkpoints, exports, 
     back = hf_to_mcore(plan)
     original = megatron_mhar.load_model(checkpoints[case]).gpt.state_dict()
     restored = megatron_mhar.load_model(back).gpt.state_dict()
-    tensors = [k for k, v in original.items() if torch.is_tensor(v) and not k.endswith("_extra_state")]
-    assert sorted(tensors) == sorted(k for k, v in restored.items() if torch.is_tensor(v) and not k.endswith("_extra_state"))
+    tensors = sorted(k for k, v in original.items() if torch.is_tensor(v) and not k.endswith("_extra_state"))
+    assert tensors == sorted(k for k, v in restored.items() if torch.is_tensor(v) and not k.endswith("_extra_state"))
     for key in tensors:
         assert original[key].dtype == restored[key].dtype and torch.equal(original[key], restored[key]), key
 
@@ -141,8 +142,6 @@ def _legacy_export(export_dir: Path, checkpoint: Path, out: Path) -> Path:
                 routing[rule.megatron.format(layer)] = tensors.pop(name)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     model, mhar, _ = ckpt.read_configs(ckpt.find_checkpoint(checkpoint))
-    import dataclasses
-
     description = {"format": "megatron_mhar.routing.v1", "variant": mhar.variant,
                    "mhar": dataclasses.asdict(mhar), "model": dataclasses.asdict(model),
                    "source_checkpoint": str(checkpoint)}
