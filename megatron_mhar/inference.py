@@ -1,11 +1,13 @@
 """Load a converted or trained checkpoint for inference: ``input_ids [b, s] -> logits [b, s, vocab]``.
 
     import megatron_mhar
-    model = megatron_mhar.load_model("ckpt/llama_delta", device="cpu")
+    model = megatron_mhar.load_model("runs/smoke_cpu", device="cpu")   # a run directory
     logits = model(input_ids)            # [b, s, vocab] over the tokenizer's vocabulary
+    ids = model.tokenizer.tokenize("def main():")   # the tokenizer saved with the checkpoint
 
 Full-sequence forward only (no KV cache: MHAR decoders do not run Megatron's
-inference path). The model is built at TP=PP=1 whatever layout wrote the
+inference path). Forwards run under ``torch.no_grad()`` unless ``load_model(...,
+grad=True)``. The model is built at TP=PP=1 whatever layout wrote the
 checkpoint. Megatron needs its parallel state even for one process: when
 ``torch.distributed`` is not initialised, :func:`load_model` starts a
 single-process group (gloo on CPU with the CPU runtime of
@@ -15,15 +17,23 @@ tears it down.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
+import yaml
 
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.models.gpt_config import GPTModelConfig
+from megatron_mhar.quiet import quiet_known_warnings
+
+if TYPE_CHECKING:
+    from megatron_mhar.data.tokenizer import Tokenizer
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+RUN_CONFIG_FILE = "config.yaml"
+"""What marks a run directory (the driver writes the resolved config there first)."""
 DEVICE_TYPES = ("cpu", "cuda")
 
 
@@ -31,14 +41,24 @@ class CausalLM(torch.nn.Module):
     """A Megatron GPT (plain or MHAR) seen as ``input_ids [b, s] -> logits [b, s, vocab]``.
 
     Logits are returned over the real vocabulary (``config.vocab_size``); Megatron's
-    padded rows are cut off.
+    padded rows are cut off. With ``grad=False`` forwards build no autograd graph.
+    ``tokenizer`` is the checkpoint's (``None`` when it carries none).
     """
 
-    def __init__(self, gpt: torch.nn.Module, config: GPTModelConfig, mhar: MHARConfig):
+    def __init__(
+        self,
+        gpt: torch.nn.Module,
+        config: GPTModelConfig,
+        mhar: MHARConfig,
+        tokenizer: Optional["Tokenizer"] = None,
+        grad: bool = False,
+    ):
         super().__init__()
         self.gpt = gpt
         self.config = config
         self.mhar = mhar
+        self.tokenizer = tokenizer
+        self.grad = grad
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``input_ids [b, s]`` token ids in ``[0, vocab_size)`` -> ``[b, s, vocab_size]`` logits.
@@ -58,7 +78,8 @@ class CausalLM(torch.nn.Module):
                 "ignores them, so the logits would be those of positions 0 .. seq-1. Pass "
                 "position_ids=None (and split packed sequences into separate rows)"
             )
-        logits = self.gpt(input_ids, default, None)
+        with torch.set_grad_enabled(self.grad and torch.is_grad_enabled()):
+            logits = self.gpt(input_ids, default, None)
         return logits[..., : self.config.vocab_size]
 
     def _check_input_ids(self, input_ids) -> None:
@@ -86,15 +107,20 @@ def load_model(
     path: Union[str, Path],
     device: Union[str, torch.device] = "cpu",
     dtype: Optional[torch.dtype] = None,
+    grad: bool = False,
 ) -> CausalLM:
     """Build the checkpoint's model and load its weights; returns it in eval mode.
 
     Args:
-        path: a checkpoint directory, or a directory with a ``latest`` file (the
-            output of ``hf_to_mcore_mhar.py`` or a run's ``checkpoints/``).
+        path: a run directory (``run.output_dir``/``run.name``: its checkpoints), a
+            directory with a ``latest`` file (a run's ``checkpoints/``, the output of
+            ``mhar-convert hf-to-mcore``), or one checkpoint (``iter_*``).
         device: ``cpu`` or a CUDA device.
         dtype: parameter dtype; ``None`` keeps the dtype the checkpoint stores.
+        grad: build autograd graphs in forwards (gradients of the logits, fine-tuning);
+            by default forwards run under ``torch.no_grad()``.
     """
+    quiet_known_warnings()  # before Megatron's imports, which warn
     from megatron.core import parallel_state
 
     from megatron_mhar.checkpoint_format import read_configs, stored_dtype
@@ -107,8 +133,8 @@ def load_model(
             f"dtype must be None (the checkpoint's) or one of {DTYPES}, got {dtype!r}; "
             f"pass a torch.dtype such as torch.bfloat16, not a string"
         )
-    found = checkpoint.find_checkpoint(Path(path))
-    model_cfg, mhar, _ = read_configs(found)
+    found = checkpoint.find_checkpoint(_checkpoints_of(Path(path)))
+    model_cfg, mhar, common = read_configs(found)
     if not torch.distributed.is_initialized():
         initialize_model_parallel_from_env(
             device="cpu" if device.type == "cpu" else "cuda", create_gloo_process_groups=False
@@ -121,7 +147,42 @@ def load_model(
         model_cfg, mhar, dtype or stored_dtype(found), device="cpu" if device.type == "cpu" else "cuda"
     )
     checkpoint.load_into(gpt, found)
-    return CausalLM(gpt.to(device), model_cfg, mhar).eval()
+    tokenizer = checkpoint_tokenizer(found, common.get("config", {}))
+    return CausalLM(gpt.to(device), model_cfg, mhar, tokenizer, grad).eval()
+
+
+def _checkpoints_of(path: Path) -> Path:
+    """``path``, or where a run directory keeps its checkpoints (``checkpoint.dir`` of its
+    ``config.yaml``, by default ``checkpoints/``)."""
+    from megatron_mhar.checkpoint_format import LATEST, is_complete
+
+    run_config = path / RUN_CONFIG_FILE
+    if (path / LATEST).is_file() or is_complete(path) or not run_config.is_file():
+        return path
+    with open(run_config, encoding="utf-8") as f:
+        saved = yaml.safe_load(f) or {}
+    configured = (saved.get("checkpoint") or {}).get("dir") if isinstance(saved, dict) else None
+    checkpoints = Path(os.path.expandvars(os.path.expanduser(configured))) if configured else path / "checkpoints"
+    if not checkpoints.is_dir():
+        raise FileNotFoundError(
+            f"{path} is a run directory without checkpoints ({checkpoints} does not exist); a run "
+            f"saves one at its end (checkpoint.save_at_end) or every checkpoint.interval steps"
+        )
+    return checkpoints
+
+
+def checkpoint_tokenizer(checkpoint: Path, config: dict) -> Optional["Tokenizer"]:
+    """The tokenizer a checkpoint carries: a trained one's ``tokenizer/``, a converted
+    one's ``hf/`` (``None`` when it has neither)."""
+    from megatron_mhar.checkpoint_format import TOKENIZER_DIR
+    from megatron_mhar.conversion.checkpoint import HF_SUBDIR
+    from megatron_mhar.data.tokenizer import TOKENIZER_FILE, Tokenizer
+
+    eod_token = (config.get("data") or {}).get("eod_token")
+    for directory in (Path(checkpoint) / TOKENIZER_DIR, Path(checkpoint) / HF_SUBDIR):
+        if (directory / TOKENIZER_FILE).is_file():
+            return Tokenizer.from_dir(str(directory), eod_token)
+    return None
 
 
 def _check_device(device: Union[str, torch.device]) -> torch.device:

@@ -33,6 +33,7 @@ from megatron_mhar.checkpoint_format import (
     CHECKPOINT_VERSION,
     LATEST,
     TMP_PREFIX,
+    TOKENIZER_DIR,
     TRAIN_CONFIG_FILE,
     check_config,
     checkpoint_name,
@@ -40,6 +41,7 @@ from megatron_mhar.checkpoint_format import (
     reading,
     staging_dir,
 )
+from megatron_mhar.errors import ConfigError
 from megatron_mhar.files import fsync_dir, write_atomic
 from megatron_mhar.training.model import unwrap
 from megatron_mhar.training.signals import SIGNALS as STOP_SIGNALS
@@ -134,8 +136,12 @@ def save_checkpoint(
     train_state: Dict[str, Any],
     config: Dict[str, Any],
     keep_last: int = 0,
+    tokenizer=None,
 ) -> Path:
-    """Save on every rank (a collective); returns the published checkpoint directory."""
+    """Save on every rank (a collective); returns the published checkpoint directory.
+
+    ``tokenizer`` (a :class:`megatron_mhar.data.tokenizer.Tokenizer`) is saved beside the
+    weights, in ``TOKENIZER_DIR``."""
     if iteration > 0:
         check_optimizer_checkpointable(optimizer)
     ckpt_dir = Path(ckpt_dir)
@@ -167,6 +173,8 @@ def save_checkpoint(
     final = ckpt_dir / name
     if _is_rank0():
         (tmp / TRAIN_CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
+        if tokenizer is not None:
+            tokenizer.save(tmp / TOKENIZER_DIR)
         suffix = 1
         while final.exists():  # never rename over a checkpoint `latest` may name
             suffix += 1
@@ -248,7 +256,7 @@ def load_checkpoint(
         saved = saved_config.get("parallel", {}).get("use_distributed_optimizer", False)
         current = config.get("parallel", {}).get("use_distributed_optimizer", False)
         if saved != current:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint {checkpoint} holds the optimizer state of "
                 f"parallel.use_distributed_optimizer={str(saved).lower()}, which this run "
                 f"(={str(current).lower()}) cannot load; resume with "
