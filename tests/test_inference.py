@@ -1,10 +1,17 @@
-"""megatron_mhar.load_model and its CausalLM: bad arguments and inputs get errors that name them."""
+"""megatron_mhar.load_model and its CausalLM: bad arguments and inputs get errors that name
+them; a run directory loads with its tokenizer, without autograd, and quietly."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import megatron_mhar
 from megatron_mhar.models.mhar_config import MHARConfig
+from tests.helpers import EMBEDDED_BYTES, EMBEDDED_VOCAB, LAUNCHER_ENV, TINY
 
 VOCAB, SEQ = 100, 8  # VOCAB pads to 128 rows: ids 100..127 index padding rows
 
@@ -74,3 +81,82 @@ def test_position_ids_other_than_the_default_are_refused(checkpoint_dir):
             model(ids, default + 5)
         with pytest.raises(ValueError, match="position_ids other than 0 .. seq-1"):
             model(ids, torch.arange(SEQ // 2)[None])
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, embedded_dir):
+    """A tiny MHAR model trained by the driver on the embedded corpus (builtin tokenizer)."""
+    from megatron_mhar.training.loop import run
+    from megatron_mhar.training.recipes import load_config
+
+    root = tmp_path_factory.mktemp("runs")
+    with pytest.MonkeyPatch.context() as env:
+        for name in LAUNCHER_ENV:
+            env.delenv(name, raising=False)
+        cfg = load_config("smoke_cpu", TINY + [f"run.output_dir={root}", "run.name=tiny", "eval.interval=0",
+                                               f"data.embedded_dir={embedded_dir}"])
+        run(cfg)
+    return cfg
+
+
+def test_load_model_takes_a_run_directory(trained_run, megatron_world1):
+    """The run directory, its checkpoints/ and the checkpoint itself load the same model."""
+    ids = torch.arange(12)[None]
+    logits = [megatron_mhar.load_model(path)(ids)
+              for path in (trained_run.run.dir, trained_run.checkpoint_dir, trained_run.checkpoint_dir / "iter_0000006")]
+    assert all(torch.equal(other, logits[0]) for other in logits[1:])
+
+
+def test_run_directory_with_its_own_checkpoint_dir(trained_run, megatron_world1, tmp_path):
+    """A run whose config.yaml moved its checkpoints (checkpoint.dir) is followed there."""
+    import shutil
+
+    run_dir = tmp_path / "moved"
+    run_dir.mkdir()
+    shutil.copytree(trained_run.checkpoint_dir, tmp_path / "elsewhere")
+    config = (trained_run.run.dir / "config.yaml").read_text()
+    (run_dir / "config.yaml").write_text(config.replace("  dir: null", f"  dir: {tmp_path / 'elsewhere'}", 1))
+    assert megatron_mhar.load_model(run_dir).config.num_layers == 2
+    shutil.rmtree(tmp_path / "elsewhere")
+    with pytest.raises(FileNotFoundError, match=r"is a run directory without checkpoints .*\(checkpoint.save_at_end\)"):
+        megatron_mhar.load_model(run_dir)
+    with pytest.raises(FileNotFoundError, match="is not a Megatron distributed checkpoint"):
+        megatron_mhar.load_model(tmp_path / "nothing")
+
+
+def test_inference_builds_no_autograd_graph_unless_asked(trained_run, megatron_world1):
+    ids = torch.arange(8)[None]
+    logits = megatron_mhar.load_model(trained_run.run.dir)(ids)
+    assert logits.grad_fn is None and not logits.requires_grad
+    model = megatron_mhar.load_model(trained_run.run.dir, grad=True)
+    logits = model(ids)
+    assert logits.grad_fn is not None
+    logits[0, -1].logsumexp(-1).backward()
+    assert model.gpt.embedding.word_embeddings.weight.grad is not None
+    with torch.no_grad():  # the caller's no_grad still wins
+        assert model(ids).grad_fn is None
+
+
+def test_the_checkpoint_carries_the_runs_tokenizer(trained_run, embedded_dir, megatron_world1):
+    """Trained with the builtin tokenizer, the model maps text to ids without the corpus build."""
+    from megatron_mhar.data.corpus import prepare_embedded
+
+    model = megatron_mhar.load_model(trained_run.run.dir)
+    builtin = prepare_embedded(str(embedded_dir), EMBEDDED_VOCAB, EMBEDDED_BYTES).tokenizer()
+    text = "def main():\n    return 0\n"
+    assert model.tokenizer is not None and model.tokenizer.tokenize(text) == builtin.tokenize(text)
+    assert model.tokenizer.eod == builtin.eod
+    assert (trained_run.checkpoint_dir / "iter_0000006" / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_load_model_prints_no_library_warnings(trained_run):
+    """load_model in a fresh process: the model loads, and stderr stays empty."""
+    code = ("import megatron_mhar, torch, sys; "
+            "model = megatron_mhar.load_model(sys.argv[1]); "
+            "print(tuple(model(torch.tensor([[1, 2, 3]])).shape))")
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    done = subprocess.run([sys.executable, "-c", code, str(trained_run.run.dir)], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"(1, 3, {EMBEDDED_VOCAB})"
+    assert done.stderr == ""
