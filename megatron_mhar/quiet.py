@@ -1,7 +1,8 @@
 """Known-harmless warnings of Megatron-Core and torch, silenced at the entry points.
 
-``mhar-train``, ``python -m megatron_mhar.demo``, ``mhar-preprocess``, ``mhar-convert``
-and :func:`megatron_mhar.load_model` call :func:`quiet_known_warnings` first. Each entry
+``mhar-train``, ``python -m megatron_mhar.demo``, ``mhar-preprocess``, ``mhar-convert``,
+``python -m megatron_mhar.evaluate`` and :func:`megatron_mhar.load_model` call
+:func:`quiet_known_warnings` first. Each entry
 below silences one message, matched by its text, that says nothing about the user's run;
 every other warning (ours, Megatron's, torch's) still shows. A ``-W`` option or
 ``PYTHONWARNINGS`` means the user chose what to see: then nothing is silenced.

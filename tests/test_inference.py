@@ -16,22 +16,26 @@ from tests.helpers import EMBEDDED_BYTES, EMBEDDED_VOCAB, LAUNCHER_ENV, TINY
 VOCAB, SEQ = 100, 8  # VOCAB pads to 128 rows: ids 100..127 index padding rows
 
 
-@pytest.fixture
-def checkpoint_dir(megatron_world1, tmp_path):
-    """A tiny full-variant model saved in the driver's layout (``latest`` -> ``iter_0000000``)."""
+def _save_model(directory, mhar: MHARConfig, **model_fields):
+    """A tiny model at its initialisation, saved in the driver's layout (``latest`` -> ``iter_0000000``)."""
     from megatron_mhar.conversion import checkpoint
     from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
     from megatron_mhar.models.gpt_config import GPTModelConfig
 
     model = GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
-                           seq_length=SEQ)
-    mhar = MHARConfig(variant="full", num_heads=4)
+                           seq_length=SEQ, **model_fields)
     gpt = build_gpt_model(model, mhar, make_transformer_config(model, mhar, use_cpu_initialization=True))
-    iteration = tmp_path / checkpoint.ITERATION_DIR
-    iteration.mkdir()
+    iteration = directory / checkpoint.ITERATION_DIR
+    iteration.mkdir(parents=True)
     checkpoint.save(gpt, iteration, checkpoint.common_state(model, mhar, {}))
-    (tmp_path / checkpoint.LATEST).write_text(checkpoint.ITERATION_DIR)
-    return tmp_path
+    (directory / checkpoint.LATEST).write_text(checkpoint.ITERATION_DIR)
+    return directory
+
+
+@pytest.fixture
+def checkpoint_dir(megatron_world1, tmp_path):
+    """A tiny full-variant model saved in the driver's layout."""
+    return _save_model(tmp_path, MHARConfig(variant="full", num_heads=4))
 
 
 LOAD_ERRORS = [
@@ -160,3 +164,70 @@ def test_load_model_prints_no_library_warnings(trained_run):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"(1, 3, {EMBEDDED_VOCAB})"
     assert done.stderr == ""
+
+
+@pytest.mark.parametrize(
+    "mhar, model_fields, architecture",
+    [
+        pytest.param(MHARConfig(variant="none"), {}, "LlamaForCausalLM", id="baseline-llama"),
+        pytest.param(MHARConfig(variant="full", num_heads=4), dict(qk_layernorm=True), "MHARQwen3ForCausalLM",
+                     id="full-qwen3"),
+        pytest.param(MHARConfig(variant="block", num_heads=2, block_size=3), dict(tie_embeddings=False),
+                     "MHARLlamaForCausalLM", id="block-llama-untied"),
+        pytest.param(MHARConfig(variant="delta", num_heads=4, delta_block_layers=1), {}, "MHARLlamaForCausalLM",
+                     id="delta-llama"),
+    ],
+)
+def test_to_hf_is_the_same_network(megatron_world1, tmp_path, mhar, model_fields, architecture):
+    """The in-memory transformers form computes the Megatron model's logits."""
+    model = megatron_mhar.load_model(_save_model(tmp_path, mhar, **model_fields))
+    hf = model.to_hf()
+    assert type(hf).__name__ == architecture and not hf.training
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_generate_maps_text_to_text_greedily(trained_run, megatron_world1):
+    """``generate`` continues a prompt with the KV-cache decoder of the transformers form;
+    the result is the greedy continuation of the Megatron model itself (full-sequence
+    forwards, one token at a time), decoded with the checkpoint's tokenizer."""
+    model = megatron_mhar.load_model(trained_run.run.dir)
+    tokenizer = model.tokenizer
+    prompt, new = "def main(", 12
+    ids = tokenizer.tokenize(prompt)
+    expected = []
+    for _ in range(new):
+        logits = model(torch.tensor([ids + expected]))[0, -1]
+        top2 = logits.topk(2).values
+        assert top2[0] - top2[1] > 1e-4  # no near-tie for rounding to decide
+        token = int(logits.argmax())
+        if token == tokenizer.eod:
+            break
+        expected.append(token)
+    text = model.generate(prompt, max_new_tokens=new)
+    assert isinstance(text, str) and text == tokenizer.detokenize(expected)
+
+
+def test_generate_errors(trained_run, megatron_world1, checkpoint_dir):
+    model = megatron_mhar.load_model(trained_run.run.dir)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        model.generate("")
+    with pytest.raises(ValueError, match=r"plus max_new_tokens=32 exceeds the 32 tokens the model was trained on"):
+        model.generate("a b c")
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+        model.generate("a", max_new_tokens=0)
+    bare = megatron_mhar.load_model(checkpoint_dir)  # saved without a tokenizer
+    assert bare.tokenizer is None
+    with pytest.raises(ValueError, match=r"carries no tokenizer .* load_model\(..., tokenizer=DIR\)"):
+        bare.generate("a")
+    tokenizer_dir = trained_run.checkpoint_dir / "iter_0000006" / "tokenizer"
+    with pytest.raises(ValueError, match=f"has {EMBEDDED_VOCAB} tokens, more than the model's {VOCAB}"):
+        megatron_mhar.load_model(checkpoint_dir, tokenizer=tokenizer_dir)
+    # a tokenizer the checkpoint carries but that cannot serve: the model still loads, and says why
+    damaged = checkpoint_dir / "iter_0000000" / "tokenizer"
+    damaged.mkdir()
+    (damaged / "tokenizer.json").write_text("{truncated")
+    with pytest.warns(UserWarning, match="the checkpoint's tokenizer is not used: .*tokenizer=DIR"):
+        model = megatron_mhar.load_model(checkpoint_dir)
+    assert model.tokenizer is None and model(torch.zeros(1, 2, dtype=torch.long)).shape == (1, 2, VOCAB)
