@@ -9,6 +9,8 @@ and the conversion and inference (:mod:`megatron_mhar.conversion.checkpoint`,
       iter_0000200/          one megatron.core.dist_checkpointing checkpoint
         common.pt, metadata.json, __*.distcp
         train_config.yaml    the run config (of a converted checkpoint: its model and mhar sections)
+        tokenizer/           the run's tokenizer, a Hugging Face tokenizer directory
+                             (tokenizer.json, tokenizer_config.json); trained checkpoints
         manifest.json        every other file's size and checksum (megatron_mhar.manifest)
       .tmp.iter_0000300/     a save in progress (or interrupted): never read
 
@@ -38,6 +40,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_mhar import manifest
+from megatron_mhar.errors import ConfigError
 from megatron_mhar.files import TMP_PREFIX
 from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.mhar_config import MHARConfig, function_fields
@@ -49,6 +52,8 @@ CHECKPOINT_VERSION = 2
 """2: the checkpoint carries a manifest; 1: written before manifests (read unverified)."""
 METADATA_FILE = "metadata.json"
 TRAIN_CONFIG_FILE = "train_config.yaml"
+TOKENIZER_DIR = "tokenizer"
+"""The run's tokenizer inside a trained checkpoint (converted ones carry theirs in ``hf/``)."""
 # Config sections that define the network; any difference makes a checkpoint unusable.
 MODEL_SECTIONS = ("model", "mhar")
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
@@ -306,7 +311,7 @@ def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:
             old, new = function_fields(old), function_fields(new)
         diffs += config_differences(old, new, f"{section}.")
     if diffs:
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint {checkpoint} was written for a different model; differing fields:\n  "
             + "\n  ".join(diffs)
             + f"\nuse the checkpoint's model/mhar settings (its {TRAIN_CONFIG_FILE}) or another "

@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megatron_mhar.quiet import quiet_known_warnings
+
 # Files one of which an HF directory needs for transformers' AutoTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -93,6 +95,7 @@ def export_checkpoint(args: argparse.Namespace, out: Path) -> Path:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    quiet_known_warnings()
     parser = _parser()
     args = parser.parse_args(argv)
     if args.model.is_file() or not args.model.exists():

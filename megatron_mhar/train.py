@@ -8,6 +8,9 @@ RECIPE is a YAML file or the name of a recipe shipped in the package
 corpus). ``--print-config`` shows the resolved config and exits. The run writes
 ``runs/<run.name>/``: config.yaml, metrics.jsonl, tensorboard/, checkpoints/ and
 summary.json; it resumes from its own checkpoints when restarted.
+
+A configuration error (a recipe that does not load, data that does not fit, a
+checkpoint of another model) prints its message alone and exits with code 2.
 """
 
 import argparse
@@ -15,9 +18,41 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from megatron_mhar.quiet import quiet_known_warnings
+
+
+def _epilog() -> str:
+    """The recipes with their descriptions, and where the keys are documented."""
+    from megatron_mhar.training import schema
+    from megatron_mhar.training.recipes import DEFAULT_RECIPE, RECIPES_DIR, recipe_description, recipe_names
+
+    names = recipe_names()
+    width = max(len(n) for n in names)
+    lines = [f"recipes (in {RECIPES_DIR}; or give a path to a YAML file):"]
+    for name in names:
+        default = " [default]" if name == DEFAULT_RECIPE else ""
+        lines.append(f"  {name:<{width}}  {recipe_description(name)}{default}")
+    lines += [
+        "",
+        "keys: RECIPE --print-config prints every key with its resolved value; each key is",
+        f"documented in {schema.__file__}.",
+        "overrides: dotted.key=value, a list as data.paths=[a,b] (one item: data.paths=a).",
+    ]
+    return "\n".join(lines)
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="mhar-train", description=__doc__.split("\n")[0])
+    quiet_known_warnings()
+    parser = argparse.ArgumentParser(
+        prog="mhar-train",
+        description=__doc__.split("\n")[0],
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("recipe", nargs="?", default=None, help="recipe path or name (default smoke_cpu)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -44,9 +79,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(to_yaml(cfg), end="")
             return 0
 
+        from megatron_mhar.errors import ConfigError
         from megatron_mhar.training.loop import run
 
-        run(cfg, stop=stop)
+        try:
+            run(cfg, stop=stop)
+        except ConfigError as err:  # found once the run started (a checkpoint of another model)
+            parser.exit(2, f"config error: {err}\n" if _is_rank0() else None)
     return 0
 
 

@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 import torch.multiprocessing as mp
@@ -60,12 +60,13 @@ def _rank_main(
     rank: int,
     world_size: int,
     port: int,
-    fn: Callable[..., Any],
+    fn: Callable[..., Iterator[Any]],
     args: tuple,
     kwargs: dict,
     env: Dict[str, str],
     results: "mp.Queue",
 ) -> None:
+    """One rank: each value ``fn`` yields goes to the parent as ``(rank, index, status, payload)``."""
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -75,11 +76,136 @@ def _rank_main(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    index = 0
     try:
-        payload = ("ok", _dumps(fn(*args, **kwargs)))
+        for value in fn(*args, **kwargs):
+            results.put((rank, index, "ok", _dumps(value)))
+            index += 1
     except BaseException:  # report everything, including KeyboardInterrupt/SystemExit
-        payload = ("error", traceback.format_exc())
-    results.put((rank, *payload))
+        results.put((rank, index, "error", traceback.format_exc()))
+
+
+def _yield_result(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Iterator[Any]:
+    yield fn(*args, **kwargs)
+
+
+class DistributedStream:
+    """A generator function run on ``world_size`` spawned ranks; its values as they come.
+
+    ``fn(*args, **kwargs)`` yields one value per item on every rank;
+    :meth:`result` returns item ``i``'s values, indexed by rank, as soon as every rank
+    yielded it, while the ranks go on with the next items. A module's tests can then each
+    wait for their own item instead of all waiting for the whole batch (no long silence
+    under ``pytest -q``). ``item_timeout`` bounds the wait for each item, counted from
+    when the previous one arrived; ``first_timeout`` (default ``item_timeout``) that for
+    the first, start-up included. The ranks, failures and timeouts are
+    :func:`run_distributed`'s. Close it (or use ``with``) to stop the ranks.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Iterator[Any]],
+        world_size: int,
+        *args: Any,
+        item_timeout: float = 120.0,
+        first_timeout: float | None = None,
+        env: Dict[str, str] | None = None,
+        name: str | None = None,
+        **kwargs: Any,
+    ):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size, self.item_timeout = world_size, item_timeout
+        self._timeout = first_timeout if first_timeout is not None else item_timeout
+        self.name = name or fn.__name__
+        ctx = mp.get_context("spawn")
+        self._queue = ctx.Queue()
+        port = free_port()
+        env = dict(env or {})
+        # Each rank gets one intra-op thread: ranks share the machine's cores.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        self._procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(rank, world_size, port, fn, args, kwargs, env, self._queue),
+                name=f"rank{rank}",
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self._values: Dict[int, Dict[int, bytes]] = {}  # item -> rank -> payload
+        self._errors: Dict[int, tuple] = {}  # rank -> (status, traceback or reason)
+        self._failed_at: float | None = None
+        self._failure: DistributedTestError | None = None
+        self._progress_at = time.monotonic()
+
+    def result(self, index: int) -> List[Any]:
+        """Item ``index``'s value on every rank (waits for it; raises if a rank failed or
+        timed out before every rank yielded it)."""
+        while self._failure is None and len(self._values.get(index, {})) < self.world_size:
+            now = time.monotonic()
+            if now > self._progress_at + self._timeout:
+                break
+            if self._failed_at is not None and now > self._failed_at + _GRACE_AFTER_FAILURE_S:
+                break
+            try:
+                rank, item, status, payload = self._queue.get(timeout=0.2)
+            except queue_module.Empty:
+                # A rank that died without reporting (segfault, os._exit, OOM kill).
+                dead = [
+                    r for r, p in enumerate(self._procs)
+                    if r not in self._errors and p.exitcode is not None and self._queue.empty()
+                    and r not in self._values.get(index, {})
+                ]
+                for r in dead:
+                    self._errors[r] = ("died", f"exited with code {self._procs[r].exitcode} without a result")
+                if dead and self._failed_at is None:
+                    self._failed_at = time.monotonic()
+                continue
+            if status == "ok":
+                self._values.setdefault(item, {})[rank] = payload
+                if len(self._values[item]) == self.world_size:
+                    self._progress_at, self._timeout = time.monotonic(), self.item_timeout
+                continue
+            self._errors[rank] = (status, payload)  # kept: a later item reports it
+            if self._failed_at is None:
+                self._failed_at = time.monotonic()
+        values = self._values.get(index, {})
+        if len(values) < self.world_size:
+            if self._failure is None:
+                self._failure = self._error(index)
+                self.close()
+            raise self._failure
+        return [torch.load(io.BytesIO(values[r]), weights_only=False) for r in range(self.world_size)]
+
+    def _error(self, index: int) -> DistributedTestError:
+        lines = [f"{self.name} on {self.world_size} ranks failed:"]
+        for r in sorted(self._errors):
+            lines.append(f"--- rank {r} ({self._errors[r][0]}) ---\n{self._errors[r][1].rstrip()}")
+        missing = [r for r in range(self.world_size) if r not in self._errors and r not in self._values.get(index, {})]
+        if missing:
+            reason = "timed out" if self._failed_at is None else "stopped after a failure"
+            lines.append(f"--- ranks {missing}: no result ({reason}, timeout={self._timeout}s) ---")
+        return DistributedTestError("\n".join(lines))
+
+    def close(self) -> None:
+        """Stop the ranks (those still running are terminated)."""
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    def __enter__(self) -> "DistributedStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def run_distributed(
@@ -109,6 +235,7 @@ def run_distributed(
     others are stopped (they would hang in a collective) and the parent raises
     :class:`DistributedTestError` with every failing rank's traceback. A run that does
     not finish within ``timeout`` seconds is killed and reported the same way.
+    (:class:`DistributedStream` returns the values of a generator item by item.)
 
     Args:
         fn: a picklable (module-level) function. It sees torchrun's environment
@@ -127,76 +254,10 @@ def run_distributed(
         DistributedTestError: a rank raised (its traceback is in the message),
             died without reporting (exit code given), or the run timed out.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    env = dict(env or {})
-    # Each rank gets one intra-op thread: ranks share the machine's cores.
-    env.setdefault("OMP_NUM_THREADS", "1")
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(rank, world_size, port, fn, args, kwargs, env, results),
-            name=f"rank{rank}",
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-
-    outcomes: Dict[int, tuple] = {}
-    deadline = time.monotonic() + timeout
-    first_failure_at = None
-    try:
-        while len(outcomes) < world_size:
-            now = time.monotonic()
-            if now > deadline:
-                break
-            if first_failure_at is not None and now > first_failure_at + _GRACE_AFTER_FAILURE_S:
-                break
-            try:
-                rank, status, payload = results.get(timeout=0.2)
-            except queue_module.Empty:
-                # A rank that died without reporting (segfault, os._exit, OOM kill).
-                dead = [
-                    r
-                    for r, p in enumerate(procs)
-                    if r not in outcomes and p.exitcode is not None and results.empty()
-                ]
-                for r in dead:
-                    outcomes[r] = ("died", f"exited with code {procs[r].exitcode} without a result")
-                if dead and first_failure_at is None:
-                    first_failure_at = time.monotonic()
-                continue
-            outcomes[rank] = (status, payload)
-            if status != "ok" and first_failure_at is None:
-                first_failure_at = time.monotonic()
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-
-    failures = {r: o for r, o in outcomes.items() if o[0] != "ok"}
-    missing = [r for r in range(world_size) if r not in outcomes]
-    if failures or missing:
-        lines = [f"{fn.__name__} on {world_size} ranks failed:"]
-        for r in sorted(failures):
-            lines.append(f"--- rank {r} ({failures[r][0]}) ---\n{failures[r][1].rstrip()}")
-        if missing:
-            reason = "timed out" if first_failure_at is None else "stopped after a failure"
-            lines.append(f"--- ranks {missing}: no result ({reason}, timeout={timeout}s) ---")
-        raise DistributedTestError("\n".join(lines))
-    return [
-        torch.load(io.BytesIO(outcomes[r][1]), weights_only=False) for r in range(world_size)
-    ]
+    with DistributedStream(
+        _yield_result, world_size, fn, *args, item_timeout=timeout, env=env, name=fn.__name__, **kwargs
+    ) as stream:
+        return stream.result(0)
 
 
 # ---------------------------------------------------------------- models

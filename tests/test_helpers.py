@@ -1,4 +1,5 @@
-"""tests/helpers.py's run_distributed: per-rank results, torchrun environment, failures, timeouts."""
+"""tests/helpers.py's run_distributed and DistributedStream: per-rank results, torchrun
+environment, failures, timeouts, values streamed item by item."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import DistributedTestError, run_distributed
+from tests.helpers import DistributedStream, DistributedTestError, run_distributed
 
 
 def _all_reduce_rank(scale: float):
@@ -52,3 +53,38 @@ def test_timeout_kills_ranks_and_says_so():
     with pytest.raises(DistributedTestError, match=r"ranks \[0\]: no result \(timed out"):
         run_distributed(_sleep_forever, 1, timeout=5)
     assert time.monotonic() - start < 30
+
+
+def _items_after_gate(gate: str):
+    """Yields item 0 at once, item 1 only once ``gate`` exists, then fails on rank 1."""
+    rank = int(os.environ["RANK"])
+    yield {"item": 0, "rank": rank}
+    while not os.path.exists(gate):
+        time.sleep(0.05)
+    yield {"item": 1, "rank": rank}
+    if rank == 1:
+        raise ValueError("boom after two items")
+    yield {"item": 2, "rank": rank}
+
+
+def test_stream_returns_each_item_while_the_ranks_go_on(tmp_path):
+    gate = tmp_path / "gate"
+    with DistributedStream(_items_after_gate, 2, str(gate), item_timeout=60) as stream:
+        assert stream.result(0) == [{"item": 0, "rank": 0}, {"item": 0, "rank": 1}]  # item 1 is still held back
+        gate.touch()
+        assert stream.result(1) == [{"item": 1, "rank": 0}, {"item": 1, "rank": 1}]
+        with pytest.raises(DistributedTestError, match=r"(?s)rank 1 \(error\).*boom after two items"):
+            stream.result(2)
+        assert stream.result(1)[0] == {"item": 1, "rank": 0}  # items done before stay available
+        with pytest.raises(DistributedTestError, match="boom after two items"):  # the failure stays
+            stream.result(2)
+
+
+def test_stream_times_out_per_item(tmp_path):
+    with DistributedStream(_items_after_gate, 1, str(tmp_path / "never"), item_timeout=5,
+                           first_timeout=120) as stream:
+        assert stream.result(0) == [{"item": 0, "rank": 0}]
+        start = time.monotonic()
+        with pytest.raises(DistributedTestError, match=r"ranks \[0\]: no result \(timed out, timeout=5s\)"):
+            stream.result(1)
+        assert time.monotonic() - start < 30

@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megatron_mhar.quiet import quiet_known_warnings
+
 DESCRIPTION = "Convert checkpoints between Hugging Face and Megatron MHAR models."
 HF_TO_MCORE_HELP = "Hugging Face Llama / Qwen3 (safetensors) -> Megatron distributed checkpoint with MHAR"
 MCORE_TO_HF_HELP = "Megatron distributed checkpoint (converted or trained) -> Hugging Face directory"
@@ -125,6 +127,7 @@ COMMANDS = {
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``mhar-convert {hf-to-mcore,mcore-to-hf} ...``."""
+    quiet_known_warnings()
     parser = argparse.ArgumentParser(prog="mhar-convert", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True, title="commands")
     for name, (summary, add_arguments, _) in COMMANDS.items():
@@ -135,6 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def command_main(name: str, prog: str, argv: Optional[Sequence[str]] = None) -> int:
     """One subcommand as a program of its own (the ``checkpoint_tools/`` scripts)."""
+    quiet_known_warnings()
     summary, add_arguments, run = COMMANDS[name]
     parser = argparse.ArgumentParser(prog=prog, description=summary)
     add_arguments(parser)

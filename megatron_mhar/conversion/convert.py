@@ -29,6 +29,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from megatron_mhar import checkpoint_format
 from megatron_mhar.models.mhar_config import MHARConfig, function_fields
 from megatron_mhar.conversion import checkpoint, hf_config, hf_io, mapping, weight_checks
 from megatron_mhar.models.gpt_config import GPTModelConfig
@@ -318,11 +319,15 @@ def mcore_to_hf(
     from the ``hf/`` folder a converted checkpoint carries; a checkpoint with neither
     (trained from scratch) gets a config derived from its model config. ``tokenizer``
     (a directory holding ``tokenizer.json``, such as the one a run trained on) supplies
-    the tokenizer files instead, and a derived config its end-of-document token as EOS.
+    the tokenizer files instead, and a derived config its end-of-document token as EOS;
+    by default a trained checkpoint's own tokenizer (its ``tokenizer/``) does.
     """
     from megatron_mhar.runtime import destroy
 
     found = checkpoint.find_checkpoint(Path(ckpt))
+    own_tokenizer = found / checkpoint_format.TOKENIZER_DIR
+    if tokenizer is None and not hf_reference and not (found / checkpoint.HF_SUBDIR / "config.json").is_file():
+        tokenizer = own_tokenizer if (own_tokenizer / "tokenizer.json").is_file() else None
     inputs = (Path(ckpt), found) + tuple(Path(p) for p in (hf_reference, tokenizer) if p)
     checkpoint.check_output(out, overwrite, inputs)
     source_hf = Path(hf_reference) if hf_reference else found / checkpoint.HF_SUBDIR

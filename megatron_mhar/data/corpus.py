@@ -10,6 +10,11 @@ train/valid split draws both from all packages.
 the Megatron ``.bin/.idx`` dataset once, into a directory named after the Python
 version, vocabulary and size; it builds into a temporary directory and renames
 it into place, so concurrent or interrupted builds never publish a partial one.
+
+The builds live in a cache (:func:`embedded_root`): ``data.embedded_dir`` when set,
+else ``{data.cache_dir}/embedded``, else ``$XDG_CACHE_HOME/megatron_mhar/embedded``
+(``~/.cache/megatron_mhar/embedded`` when ``XDG_CACHE_HOME`` is unset); about 7 MB
+for the whole corpus. Deleting it costs one rebuild.
 """
 
 from __future__ import annotations
@@ -22,11 +27,15 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 from typing import List, Optional
 
 from megatron_mhar.data.indexed_writer import write_indexed_dataset
 from megatron_mhar.data.tokenizer import Tokenizer, train_builtin_tokenizer
+
+CACHE_NAME = "megatron_mhar"
+EMBEDDED_SUBDIR = "embedded"
 
 _SKIP_TOP = {"site-packages", "dist-packages", "test", "idlelib", "lib2to3", "tkinter", "turtledemo"}
 _SKIP_ANY = {"test", "tests", "__pycache__"}
@@ -83,17 +92,32 @@ class EmbeddedData:
         return json.loads((self.directory / "manifest.json").read_text())
 
 
-def embedded_data_dir(root: str, vocab_size: int, max_bytes: Optional[int] = None) -> Path:
-    """Where :func:`prepare_embedded` puts a build with these parameters."""
+def embedded_root(embedded_dir: Optional[str] = None, cache_dir: Optional[str] = None) -> Path:
+    """Where embedded builds live: ``embedded_dir``, else ``cache_dir/embedded``, else the
+    user's cache, ``$XDG_CACHE_HOME/megatron_mhar/embedded`` (``~/.cache/...``)."""
+    if embedded_dir:
+        return Path(os.path.expanduser(embedded_dir))
+    if cache_dir:
+        return Path(os.path.expanduser(cache_dir)) / EMBEDDED_SUBDIR
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    # The XDG spec: a relative XDG_CACHE_HOME is invalid and ignored.
+    cache = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return cache / CACHE_NAME / EMBEDDED_SUBDIR
+
+
+def embedded_data_dir(root: Optional[str], vocab_size: int, max_bytes: Optional[int] = None) -> Path:
+    """Where :func:`prepare_embedded` puts a build with these parameters under ``root``
+    (``None``: :func:`embedded_root`'s default)."""
     version = f"py{sys.version_info.major}.{sys.version_info.minor}"
     size = "all" if max_bytes is None else f"{max_bytes}B"
-    return Path(os.path.expanduser(root)) / f"stdlib-{version}-v{vocab_size}-{size}"
+    return embedded_root(root) / f"stdlib-{version}-v{vocab_size}-{size}"
 
 
 def prepare_embedded(
     root: Optional[str] = None, vocab_size: int = 4096, max_bytes: Optional[int] = None
 ) -> EmbeddedData:
-    """Build (once) the builtin tokenizer and the indexed dataset of the embedded corpus."""
+    """Build (once) the builtin tokenizer and the indexed dataset of the embedded corpus
+    under ``root`` (``None``: :func:`embedded_root`'s default); a build says so on stdout."""
     if vocab_size < 260:  # the BPE trainer would silently stop at 257 (256 bytes + EOD)
         raise ValueError(
             f"the builtin tokenizer needs a vocabulary of >= 260 tokens (256 bytes + special "
@@ -104,14 +128,21 @@ def prepare_embedded(
             f"the embedded corpus needs a positive byte budget, got {max_bytes}; set "
             f"data.embedded_max_bytes (preprocess: --embedded-max-bytes) > 0, or null for all of it"
         )
-    target = embedded_data_dir(root or "~/.cache/megatron_mhar/embedded", vocab_size, max_bytes)
+    target = embedded_data_dir(root, vocab_size, max_bytes)
     if (target / "manifest.json").is_file():
         return EmbeddedData(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    start = time.perf_counter()
     try:
         files = stdlib_files(max_bytes)
         docs = read_documents(files)
+        size = sum(len(d) for d in docs) / 1e6
+        print(
+            f"building the embedded corpus once ({len(files)} standard-library files, {size:.1f} MB): "
+            f"training a {vocab_size}-token tokenizer and tokenizing into {target} ...",
+            flush=True,
+        )
         tokenizer = train_builtin_tokenizer(docs, vocab_size, tmp)
         stats = write_indexed_dataset(docs, tokenizer, str(tmp / DATASET_NAME))
         manifest = dict(
@@ -130,4 +161,5 @@ def prepare_embedded(
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    print(f"built the embedded corpus in {time.perf_counter() - start:.0f} s: {target}", flush=True)
     return EmbeddedData(target)

@@ -30,6 +30,7 @@ from megatron_mhar.data.corpus import prepare_embedded
 from megatron_mhar.data.indexed_writer import write_indexed_dataset
 from megatron_mhar.data.tokenizer import Tokenizer
 from megatron_mhar.files import nearest_existing
+from megatron_mhar.quiet import quiet_known_warnings
 
 
 def iter_documents(paths: Sequence[str], json_key: str = "text", line_docs: bool = False) -> Iterator[str]:
@@ -116,6 +117,7 @@ def load_tokenizer(spec: str, eod_token: str | None = None, embedded_dir: str | 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    quiet_known_warnings()
     parser = argparse.ArgumentParser(
         prog="mhar-preprocess",
         description="Tokenize jsonl or text files into a Megatron .bin/.idx dataset.",
@@ -130,8 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--eod-token", default=None, help="end-of-document token to append")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing PREFIX.bin/PREFIX.idx (default: refuse)")
-    parser.add_argument("--embedded-dir", default="~/.cache/megatron_mhar/embedded",
-                        help="with --tokenizer builtin: where the builtin tokenizer lives")
+    parser.add_argument("--embedded-dir", default=None,
+                        help="with --tokenizer builtin: where the builtin tokenizer lives "
+                             "(data.embedded_dir; default $XDG_CACHE_HOME/megatron_mhar/embedded, "
+                             "~/.cache/megatron_mhar/embedded)")
     parser.add_argument("--vocab-size", type=int, default=4096,
                         help="with --tokenizer builtin: its vocabulary size (data.embedded_vocab_size)")
     parser.add_argument("--embedded-max-bytes", type=int, default=None,

@@ -8,6 +8,11 @@ The builtin tokenizer is a byte-level BPE (GPT-2 style pre-tokenizer, no unknown
 tokens) trained on the embedded corpus by :func:`train_builtin_tokenizer`; its only
 special token is ``<|endoftext|>``, the end-of-document token.
 
+:meth:`Tokenizer.save` writes a Hugging Face tokenizer directory (``tokenizer.json``,
+``tokenizer_config.json``): the training driver saves the run's tokenizer into every
+checkpoint (``iter_*/tokenizer/``), so a trained model maps text to text on its own
+(:func:`megatron_mhar.load_model`) and ``transformers.AutoTokenizer`` reads it.
+
 For the published recipes, download the Qwen3 tokenizer once (e.g. the
 ``tokenizer.json`` and ``tokenizer_config.json`` of ``Qwen/Qwen3-0.6B-Base``) into a
 directory and point ``data.tokenizer`` at it.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Iterable, List, Optional
 
@@ -25,6 +31,14 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 EOD_TOKEN = "<|endoftext|>"
 """End-of-document token of the builtin tokenizer (and of Qwen/GPT-2 tokenizers)."""
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+HF_TOKENIZER_FILES = (
+    TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "chat_template.jinja",
+)
+"""Files of a Hugging Face tokenizer directory that :meth:`Tokenizer.save` copies."""
 
 
 class Tokenizer:
@@ -55,7 +69,7 @@ class Tokenizer:
                 f"{directory} is a file; give the Hugging Face tokenizer directory that holds "
                 f"tokenizer.json"
             )
-        path = os.path.join(directory, "tokenizer.json")
+        path = os.path.join(directory, TOKENIZER_FILE)
         if not os.path.isfile(path):
             raise ValueError(f"no tokenizer.json in {directory}; give a Hugging Face tokenizer dir")
         try:
@@ -86,6 +100,33 @@ class Tokenizer:
             "eod": self.eod,
         }
 
+    def save(self, directory: Path) -> None:
+        """Write a Hugging Face tokenizer directory that :meth:`from_dir` and
+        ``transformers.AutoTokenizer`` read back.
+
+        A tokenizer read from a directory has its Hugging Face files copied as they are
+        (a Qwen3 download keeps its chat template); one that has no ``tokenizer_config.json``
+        (the builtin) gets one naming ``PreTrainedTokenizerFast`` and its end-of-document
+        token as ``eos_token``.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        source = Path(self.path) if self.path and os.path.isdir(self.path) else None
+        copied = []
+        for name in HF_TOKENIZER_FILES if source is not None else ():
+            if (source / name).is_file():
+                shutil.copyfile(source / name, directory / name)
+                copied.append(name)
+        if TOKENIZER_FILE not in copied:
+            self._tokenizer.save(str(directory / TOKENIZER_FILE))
+        if TOKENIZER_CONFIG_FILE not in copied:
+            config = {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": self.eod_token,
+                "clean_up_tokenization_spaces": False,
+            }
+            (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
+
     def tokenize(self, text: str) -> List[int]:
         """Token ids of ``text`` (no special tokens added)."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -100,7 +141,7 @@ class Tokenizer:
 
 
 def _configured_eos(directory: str) -> Optional[str]:
-    config = os.path.join(directory, "tokenizer_config.json")
+    config = os.path.join(directory, TOKENIZER_CONFIG_FILE)
     if not os.path.isfile(config):
         return None
     with open(config, encoding="utf-8") as f:
@@ -126,5 +167,5 @@ def train_builtin_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path
     )
     tokenizer.train_from_iterator(texts, trainer)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
+    tokenizer.save(str(out_dir / TOKENIZER_FILE))
     return Tokenizer(tokenizer, EOD_TOKEN, path=str(out_dir))

@@ -39,6 +39,7 @@ from megatron_mhar.checkpoint_format import (
     CHECKPOINT_VERSION,
     LATEST,
     TMP_PREFIX,
+    TOKENIZER_DIR,
     TRAIN_CONFIG_FILE,
     check_config,
     checkpoint_name,
@@ -49,6 +50,7 @@ from megatron_mhar.checkpoint_format import (
     reading,
     staging_dir,
 )
+from megatron_mhar.errors import ConfigError
 from megatron_mhar.files import fsync_dir, write_atomic
 from megatron_mhar.training.model import unwrap
 from megatron_mhar.training.signals import SIGNALS as STOP_SIGNALS
@@ -204,11 +206,14 @@ def save_checkpoint(
     keep_last: int = 0,
     verify: str = "full",
     failed: Iterable[Path] = (),
+    tokenizer=None,
 ) -> Path:
     """Save on every rank (a collective); returns the published checkpoint directory.
 
     ``failed``: checkpoints known to fail verification (found so at resume); pruning leaves
-    them and does not count them among the ``keep_last`` kept.
+    them and does not count them among the ``keep_last`` kept. ``tokenizer`` (a
+    :class:`megatron_mhar.data.tokenizer.Tokenizer`) is saved beside the weights, in
+    ``TOKENIZER_DIR``, and covered by the manifest.
     """
     if iteration > 0:
         check_optimizer_checkpointable(optimizer)
@@ -233,7 +238,7 @@ def save_checkpoint(
         )
         with checksummed_writes():
             dist_checkpointing.save(state, str(tmp))  # ends with a barrier once all ranks wrote
-        _on_rank0(lambda: (tmp / TRAIN_CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False)))
+        _on_rank0(lambda: _write_run_files(tmp, config, tokenizer))
         _write_manifest(tmp)
         final = _on_rank0(lambda: _publish(ckpt_dir, tmp, name))
         # The checksums were taken from the files as written (read back after the writer's
@@ -297,6 +302,13 @@ def _save_failure(ckpt_dir: Path, name: str, code: int, err: BaseException) -> s
                        f"checkpoint.dir to a larger filesystem; then restart the run")
     return head + (f"{ckpt_dir} is not writable by this user: fix its permissions (or the mount), "
                    f"or set checkpoint.dir to a writable directory; then restart the run")
+
+
+def _write_run_files(tmp: Path, config: Dict[str, Any], tokenizer) -> None:
+    """The run's config and tokenizer, beside the weights (before the manifest lists them)."""
+    (tmp / TRAIN_CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
+    if tokenizer is not None:
+        tokenizer.save(tmp / TOKENIZER_DIR)
 
 
 def _prepare_staging(ckpt_dir: Path, tmp: Path) -> None:
@@ -399,7 +411,7 @@ def load_checkpoint(
         saved = saved_config.get("parallel", {}).get("use_distributed_optimizer", False)
         current = config.get("parallel", {}).get("use_distributed_optimizer", False)
         if saved != current:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint {checkpoint} holds the optimizer state of "
                 f"parallel.use_distributed_optimizer={str(saved).lower()}, which this run "
                 f"(={str(current).lower()}) cannot load; resume with "

@@ -184,6 +184,9 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0  # the data position (a resume may change the batch size)
         self.val_losses: List[List[float]] = []
+        # Training losses since the last logged step; saved with a checkpoint, so that the
+        # first loss logged after a resume averages the same steps as an uninterrupted run.
+        self.loss_window: List[float] = []
         self.checkpoint: Optional[Path] = None
         self.failed_checkpoints: Set[Path] = set()
         self._resume()
@@ -217,12 +220,14 @@ class Trainer:
         """The tokenizer and the dataset prefixes (building the embedded corpus if needed)."""
         data = self.cfg.data
         if data.embedded or data.tokenizer == "builtin":
-            from megatron_mhar.data.corpus import embedded_data_dir, prepare_embedded
+            from megatron_mhar.data.corpus import embedded_root, prepare_embedded
 
+            cache = expand_path(data.cache_dir, "data.cache_dir") if data.cache_dir else None
+            root = str(embedded_root(data.embedded_dir, cache))
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one build per node; atomic publish
-                prepare_embedded(data.embedded_dir, data.embedded_vocab_size, data.embedded_max_bytes)
+                prepare_embedded(root, data.embedded_vocab_size, data.embedded_max_bytes)
             torch.distributed.barrier()
-            embedded = prepare_embedded(data.embedded_dir, data.embedded_vocab_size, data.embedded_max_bytes)
+            embedded = prepare_embedded(root, data.embedded_vocab_size, data.embedded_max_bytes)
             tokenizer = embedded.tokenizer()
         else:
             from megatron_mhar.data.tokenizer import Tokenizer
@@ -317,6 +322,7 @@ class Trainer:
         self.iteration = loaded["iteration"]
         train_state = loaded["train_state"]
         self.val_losses = [list(v) for v in train_state.get("val_losses", [])]
+        self.loss_window = list(train_state.get("loss_window", []))
         # Checkpoints from before consumed_samples was saved ran one batch size throughout.
         self.consumed_samples = train_state.get(
             "consumed_samples", self.iteration * cfg.training.global_batch_size
@@ -450,11 +456,16 @@ class Trainer:
             self.model,
             self.optimizer,
             self.scheduler,
-            {"val_losses": self.val_losses, "consumed_samples": self.consumed_samples},
+            {
+                "val_losses": self.val_losses,
+                "consumed_samples": self.consumed_samples,
+                "loss_window": self.loss_window,
+            },
             self.cfg.to_dict(),
             keep_last=self.cfg.checkpoint.keep_last,
             verify=self.cfg.checkpoint.verify,
             failed=self.failed_checkpoints,
+            tokenizer=self.tokenizer,
         )
         self.metrics.console(f"saved checkpoint {self.checkpoint}")
 
@@ -463,7 +474,6 @@ class Trainer:
     def train(self, stop: Optional[StopSignal] = None) -> TrainResult:
         cfg, tr = self.cfg, self.cfg.training
         losses: Dict[int, float] = {}
-        window: List[float] = []
         timer = StepTimer()
         last_saved = self.iteration if self.checkpoint is not None else -1
         self.metrics.console(
@@ -498,15 +508,16 @@ class Trainer:
                 self.iteration += 1
                 self.consumed_samples += tr.global_batch_size
                 losses[self.iteration] = loss
-                window.append(loss)
+                self.loss_window.append(loss)
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss is {loss} at step {self.iteration}")
                 if grad_norm is not None and not math.isfinite(grad_norm):
                     raise FloatingPointError(f"grad norm is {grad_norm} at step {self.iteration}")
 
                 if self.iteration % cfg.logging.interval == 0 or self.iteration == tr.train_iters:
-                    self._log_train(window, grad_norm, lr, timer)
-                    window, _ = [], timer.reset()
+                    self._log_train(self.loss_window, grad_norm, lr, timer)
+                    self.loss_window = []
+                    timer.reset()
                 if self.step_hook is not None:
                     self.step_hook(self, self.iteration)
 

@@ -9,7 +9,11 @@ copy-paste:
   Mappings merge key by key, lists and scalars replace.
 * Command-line overrides ``dotted.key=value`` (``model.num_layers=4``,
   ``data.paths=[a,b]``) apply last; the value is parsed as YAML except for string
-  fields, which take the text verbatim.
+  fields, which take the text verbatim. A list field also takes a single value, a
+  one-item list (``data.paths=/data/corpus_text_document``).
+
+The first line of a recipe, a comment, is its one-line description
+(:func:`recipe_description`, listed by ``mhar-train --help``).
 
 The recipes of the paper's runs ship inside the package (``megatron_mhar/recipes``,
 package data), so a bare name such as ``smoke_cpu`` resolves in a checkout and in an
@@ -55,6 +59,13 @@ INCLUDE_KEY = "include"
 def recipe_names() -> List[str]:
     """Names of the packaged recipes (``base/`` holds the pieces they include, not recipes)."""
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def recipe_description(name: str) -> str:
+    """The one-line description of a recipe: its first line, a comment (``""`` if none)."""
+    with open(resolve_recipe(name), encoding="utf-8") as f:
+        first = f.readline().strip()
+    return first.lstrip("#").strip() if first.startswith("#") else ""
 
 
 def resolve_recipe(recipe: str) -> Path:
@@ -137,6 +148,13 @@ def _is_str_field(hint) -> bool:
     return typing.get_origin(hint) in (typing.Union, types.UnionType) and str in args
 
 
+def _is_list_field(hint) -> bool:
+    """``List[...]`` or ``Optional[List[...]]``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_is_list_field(arg) for arg in typing.get_args(hint))
+    return typing.get_origin(hint) is list
+
+
 def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
     """Apply ``dotted.key=value`` overrides to a recipe dict (returns a new dict)."""
     raw = copy.deepcopy(raw)
@@ -164,6 +182,8 @@ def _apply_override(raw: Dict[str, Any], item: str) -> None:
             value = yaml.safe_load(text)
         except yaml.YAMLError as err:
             raise ValueError(f"override {item!r}: cannot parse value: {err}") from None
+        if _is_list_field(hint) and value is not None and not isinstance(value, (list, dict)):
+            value = [value]  # data.paths=/data/corpus: a list of one
     node = raw
     *parents, leaf = key.split(".")
     for part in parents:

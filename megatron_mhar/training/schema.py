@@ -273,10 +273,13 @@ class DataConfig:
     tokenizer's configured EOS token."""
 
     cache_dir: Optional[str] = None
-    """Where GPTDataset caches its sample indices; ``None``: beside each dataset."""
+    """Where the run's caches go: GPTDataset's sample indices, and the embedded corpus in
+    ``{cache_dir}/embedded`` unless ``embedded_dir`` is set. ``None``: the indices beside
+    each dataset, the embedded corpus in ``$XDG_CACHE_HOME/megatron_mhar/embedded``."""
 
-    embedded_dir: str = "~/.cache/megatron_mhar/embedded"
-    """Where the embedded corpus, builtin tokenizer and their ``.bin/.idx`` are built."""
+    embedded_dir: Optional[str] = None
+    """Where the embedded corpus, builtin tokenizer and their ``.bin/.idx`` are built (about
+    7 MB); ``None``: see ``cache_dir`` (``~/.cache/megatron_mhar/embedded`` by default)."""
 
     embedded_vocab_size: int = 4096
     """Vocabulary of the builtin tokenizer."""
@@ -550,7 +553,10 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
         raise errors[0]
     if origin in (list, List, tuple, Tuple, typing.Sequence):
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+            raise ValueError(
+                f"{path}: expected a list, got {type(value).__name__} {value!r}; write a list as "
+                f"[a, b] in YAML, {path}=[a,b] on the command line (one item: {path}=a)"
+            )
         (arg, *_) = typing.get_args(hint) or (Any,)
         items = [_coerce(v, arg, f"{path}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin in (tuple, Tuple) else items

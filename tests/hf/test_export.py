@@ -164,3 +164,21 @@ def test_side_file_exports_still_convert_back(megatron_world1, checkpoints, expo
     for key, value in original.items():
         if torch.is_tensor(value) and not key.endswith("_extra_state"):
             assert torch.equal(value, restored[key]), key
+
+
+def test_export_of_a_trained_checkpoint_carries_its_tokenizer(megatron_world1, checkpoints, tmp_path):
+    """Without --tokenizer, a trained checkpoint's own tokenizer (iter_*/tokenizer/, saved by
+    the driver) goes with the export; transformers reads it, with its EOS as the model's."""
+    import transformers
+
+    from megatron_mhar.conversion.convert import mcore_to_hf
+
+    case = ROUTED_CASES[0]
+    own = checkpoints[case] / "iter_0000004" / "tokenizer"
+    out = mcore_to_hf(checkpoints[case], tmp_path / "hf")
+    assert (out / "tokenizer.json").read_bytes() == (own / "tokenizer.json").read_bytes()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    text = "def main():\n    return 0\n"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text

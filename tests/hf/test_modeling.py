@@ -57,7 +57,7 @@ def test_gradients_equal_megatrons(megatron_world1, checkpoints, exports, case):
     from transformers import AutoModelForCausalLM
 
     tokens = export_token_batch(1)
-    megatron = megatron_mhar.load_model(checkpoints[case])
+    megatron = megatron_mhar.load_model(checkpoints[case], grad=True)  # autograd: asked for
     hf = AutoModelForCausalLM.from_pretrained(exports[case], dtype=torch.float32).eval()
     losses = []
     for logits in (megatron(tokens), hf(tokens).logits):

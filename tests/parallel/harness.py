@@ -1,6 +1,6 @@
 """Train one tiny MHAR GPT under a parallel layout and under a single process, compare.
 
-Workers live at module level so that ``tests.helpers.run_distributed`` can pickle
+Workers live at module level so that ``tests.helpers.DistributedStream`` can pickle
 them. One spawned process group runs many (layout, variant) jobs in a row: Megatron's
 model-parallel state is rebuilt per job, torch.distributed is set up once.
 
@@ -313,12 +313,12 @@ def _run_job(layout: Layout, variant: str, full: Dict[str, torch.Tensor]):
 
 
 def parallel_worker(jobs: List[Tuple[Layout, str]], weights: Dict[str, Dict[str, torch.Tensor]]):
-    """Run every (layout, variant) job on this rank; one result dict per job."""
+    """Run every (layout, variant) job on this rank; yields one result dict per job, as it
+    finishes (``tests.helpers.DistributedStream``)."""
     from megatron.core import parallel_state, tensor_parallel
 
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
 
-    results = []
     try:
         for index, (layout, variant) in enumerate(jobs):
             if index == 0:
@@ -334,11 +334,11 @@ def parallel_worker(jobs: List[Tuple[Layout, str]], weights: Dict[str, Dict[str,
                     create_gloo_process_groups=False,
                 )
                 tensor_parallel.model_parallel_cuda_manual_seed(SEED, force_reset_rng=True)
-            results.append(_run_job(layout, variant, weights[variant]))
+            result = _run_job(layout, variant, weights[variant])
             parallel_state.destroy_model_parallel()
+            yield result
     finally:
         destroy()
-    return results
 
 
 def gather_grads(rank_results: List[dict]) -> Dict[str, torch.Tensor]:

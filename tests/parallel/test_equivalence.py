@@ -8,7 +8,9 @@ gathered back to full shape (TP shards concatenated, pipeline chunks mapped to g
 layer numbers), within fp32 tolerance.
 
 All jobs of one world size run in one spawned process group (module-scoped), so the
-grid costs two process starts.
+grid costs two process starts. Each test waits for its own job's result only, as the
+group streams them (``DistributedStream``): a test finishes every few seconds, and the
+time limit is per job, which a loaded machine does not exhaust.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from tests.helpers import LAUNCHER_ENV, run_distributed
+from tests.helpers import LAUNCHER_ENV, DistributedStream
 from tests.parallel import harness as H
 
 L = H.Layout
@@ -48,6 +50,8 @@ VARIANTS = [pytest.param(v, id=v) for v in H.VARIANTS]
 # Routing parameters without their sequence_parallel marking (negative control).
 UNMARKED = {v: L(tp=2, sp=True, unmark_routing_sp=True) for v in ("full", "block", "delta")}
 
+# Seconds for one job (a few seconds on 2 idle cores; the first includes the process start).
+JOB_TIMEOUT_S = 300
 LOSS_RTOL = 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-5  # atol relative to the tensor's largest reference grad
 # (for a scalar, to its module's largest; see _assert_grads_close)
@@ -75,19 +79,25 @@ def _all_jobs() -> List[Tuple[H.Layout, str]]:
 
 @pytest.fixture(scope="module")
 def parallel_runs(references):
-    """(layout, variant) -> per-rank results; one process group per world size."""
-    cache: Dict[Tuple[H.Layout, str], List[dict]] = {}
+    """(layout, variant) -> per-rank results; one process group per world size, started at
+    the first job of its size and streaming every job of that size in order."""
     weights = {variant: ref[0] for variant, ref in references.items()}
+    streams: Dict[int, Tuple[DistributedStream, List[Tuple[H.Layout, str]]]] = {}
 
     def get(layout: H.Layout, variant: str) -> List[dict]:
-        if (layout, variant) not in cache:
+        if layout.world not in streams:
             jobs = [job for job in _all_jobs() if job[0].world == layout.world]
-            per_rank = run_distributed(H.parallel_worker, layout.world, jobs, weights, timeout=600)
-            for index, job in enumerate(jobs):
-                cache[job] = [rank[index] for rank in per_rank]
-        return cache[(layout, variant)]
+            stream = DistributedStream(H.parallel_worker, layout.world, jobs, weights,
+                                       item_timeout=JOB_TIMEOUT_S)
+            streams[layout.world] = (stream, jobs)
+        stream, jobs = streams[layout.world]
+        return stream.result(jobs.index((layout, variant)))
 
-    return get
+    try:
+        yield get
+    finally:
+        for stream, _ in streams.values():
+            stream.close()
 
 
 def _assert_grads_close(grads: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]):

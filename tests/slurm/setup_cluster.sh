@@ -4,11 +4,12 @@
 #   tests/slurm/setup_cluster.sh           install the packages if missing, then start
 #   tests/slurm/setup_cluster.sh install   apt-get install munge, slurmctld, slurmd, the clients, shellcheck
 #   tests/slurm/setup_cluster.sh start     write slurm.conf, start munged, slurmctld, slurmd; wait for the node
-#   tests/slurm/setup_cluster.sh stop      stop the daemons this script started
+#   tests/slurm/setup_cluster.sh stop      stop the daemons this script started (munged too,
+#                                          unless it was running before)
 #   tests/slurm/setup_cluster.sh status    exit 0 if the cluster answers and the node is up
 #
 # Everything lives in $MHAR_SLURM_DIR (default /tmp/megatron_mhar_slurm): slurm.conf,
-# state, spool, pid and log files. A Slurm configuration in /etc/slurm is never touched;
+# state, spool, pid and log files; munged.pid there records a munged this script started. A Slurm configuration in /etc/slurm is never touched;
 # clients reach this cluster through SLURM_CONF=$MHAR_SLURM_DIR/slurm.conf (the test
 # sets it; jobs inherit it). The cluster is deliberately plain, for a sandbox or a CI
 # container: no cgroups (proctrack/linuxproc, task/none), no accounting database,
@@ -18,6 +19,7 @@ set -euo pipefail
 
 CLUSTER_DIR=${MHAR_SLURM_DIR:-/tmp/megatron_mhar_slurm}
 CONF=$CLUSTER_DIR/slurm.conf
+MUNGED_PID=$CLUSTER_DIR/munged.pid   # written only when this script starts munged
 NODE=localhost                 # node name; slurmd is started with -N so it needs no DNS entry
 PARTITION=debug
 CTLD_PORT=${MHAR_SLURMCTLD_PORT:-16817}   # non-default ports: never collide with a real Slurm
@@ -61,9 +63,16 @@ start_munge() {
     chown -R munge:munge /etc/munge /run/munge /var/lib/munge /var/log/munge
     chmod 0700 /etc/munge
     chmod 0400 /etc/munge/munge.key
-    runuser -u munge -- /usr/sbin/munged
+    # munged (as user munge) writes its pid into /run/munge; $CLUSTER_DIR gets a copy once
+    # it answers, which marks it as ours for `stop`.
+    rm -f /run/munge/munged.pid
+    runuser -u munge -- /usr/sbin/munged --pid-file=/run/munge/munged.pid
     for _ in $(seq 50); do
-        munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 && return
+        if munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
+            mkdir -p "$CLUSTER_DIR"
+            cp /run/munge/munged.pid "$MUNGED_PID"
+            return
+        fi
         sleep 0.2
     done
     die "munged did not start (see /var/log/munge/munged.log)"
@@ -169,12 +178,13 @@ start_cluster() {
 
 stop_cluster() {
     local pidfile
-    for pidfile in "$CLUSTER_DIR/slurmd.pid" "$CLUSTER_DIR/slurmctld.pid"; do
+    for pidfile in "$CLUSTER_DIR/slurmd.pid" "$CLUSTER_DIR/slurmctld.pid" "$MUNGED_PID"; do
         if daemon_running "$pidfile"; then
             kill "$(cat "$pidfile")"
             log "stopped $(basename "$pidfile" .pid)"
         fi
     done
+    rm -f "$MUNGED_PID"   # a munged running before `start` has no such file: it stays up
 }
 
 case ${1:-all} in

@@ -1,4 +1,4 @@
-"""Signals in a real process, the demo, the heatmap and the routing-entropy logging."""
+"""Signals in a real process, the heatmap, the routing-entropy logging, where caches go."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, embedded_dir, single_process)
             proc.kill()
     assert proc.returncode == 0, output
     assert "received SIGTERM" in output
+    # megatron_mhar.quiet: no library warnings, no rerun-machine log lines
+    assert "Warning:" not in output and "Rerun" not in output, output
     last = read_metrics(run_dir, "train")[-1]["step"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"iter_{last:07d}"
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -72,22 +74,17 @@ def test_routing_entropy_is_logged(tiny):
     assert (cfg.run.dir / "routing_heatmap.png").is_file()
 
 
-def test_demo_compares_baseline_and_mhar(tmp_path, embedded_dir, single_process, capsys):
-    from megatron_mhar.demo import main
+def test_the_embedded_corpus_goes_to_data_cache_dir(tiny, tmp_path, monkeypatch):
+    """Without data.embedded_dir the driver builds the embedded corpus in
+    ``{data.cache_dir}/embedded``, and writes nothing under the home directory."""
+    from megatron_mhar.training.loop import run
 
-    out = tmp_path / "demo"
-    assert main(["--out", str(out), *TINY, "training.train_iters=4", "eval.interval=0",
-                 f"data.embedded_dir={embedded_dir}"]) == 0
-    printed = capsys.readouterr().out
-    table = (out / "results.md").read_text()
-    assert table.strip() in printed
-    rows = [line for line in table.splitlines() if line.startswith("| baseline") or line.startswith("| mhar")]
-    assert len(rows) == 2 and "| none |" in rows[0] and "| full H=4 |" in rows[1]  # the overrides win over the demo defaults
-    for name in ("baseline", "mhar"):
-        assert read_metrics(out / name, "eval")[-1]["step"] == 4
-        assert os.listdir(out / name / "tensorboard")
-    base = json.loads((out / "baseline" / "summary.json").read_text())
-    mhar = json.loads((out / "mhar" / "summary.json").read_text())
-    # The paper's initialisation: 2 queries + 2 norm weights per layer plus the final site: (4L + 2) d
-    assert mhar["parameters"] - base["parameters"] == (4 * 2 + 2) * 32
-    assert "MHAR - baseline final validation loss" in printed
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    cache = tmp_path / "cache"
+    cfg = tiny("data.embedded_dir=null", f"data.cache_dir={cache}", "training.train_iters=3",
+               "eval.interval=0", "checkpoint.save_at_end=false")
+    assert run(cfg).iteration == 3
+    (build,) = (cache / "embedded").iterdir()
+    assert (build / "manifest.json").is_file()
+    assert not (tmp_path / "home").exists()

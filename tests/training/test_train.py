@@ -117,6 +117,26 @@ def test_bf16_runs_megatrons_mixed_precision_path_and_resumes_exactly(tiny):
     assert straight.losses[4] < straight.losses[1]
 
 
+def test_first_loss_logged_after_a_resume_covers_the_whole_interval(tiny):
+    """Stopped between two logged steps, the run saves the losses since the last log with
+    the checkpoint: the loss logged after the resume averages the same steps as the
+    uninterrupted run's (not only those after the resume)."""
+    common = ("training.train_iters=8", "eval.interval=0", "logging.interval=4")
+    straight = _run(tiny(*common, name="straight"))
+
+    def stop_at_6(trainer, step):
+        if step == 6:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    cfg = tiny(*common, name="resumed")
+    assert _run(cfg, step_hook=stop_at_6).iteration == 6
+    _run(cfg)
+    logged = _train_losses(cfg.run.dir)
+    assert sorted(logged) == [4, 8]
+    assert logged == _train_losses(straight.run_dir)  # bitwise
+    assert logged[8] == sum(straight.losses[s] for s in range(5, 9)) / 4
+
+
 def test_interrupted_save_keeps_last_good_checkpoint(tiny, monkeypatch):
     from megatron_mhar.training import checkpointing
 
