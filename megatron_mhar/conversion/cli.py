@@ -17,6 +17,9 @@ weights plus ``mhar_params.safetensors`` and ``mhar_config.json`` (the routing
 parameters, which transformers ignores).
 
 Both write their output beside ``--out`` and rename it into place only when complete.
+Both refuse weights holding NaN or Inf, naming the tensor, unless ``--allow-nonfinite``; a
+converted checkpoint carries a manifest of its files, and ``mcore-to-hf`` verifies the
+checkpoint it reads against its manifest.
 The commands are argument parsing and one library call
 (:mod:`megatron_mhar.conversion.convert`); bad input exits with code 2 and a message.
 ``checkpoint_tools/hf_to_mcore_mhar.py`` and ``checkpoint_tools/mcore_to_hf_mhar.py``

@@ -253,6 +253,10 @@ def save_checkpoint(
         _on_rank0(lambda: write_atomic(ckpt_dir / LATEST, final.name + "\n"))
     except BaseException as err:
         code = _errno_of(err)
+        if code is None and ckpt_dir.is_dir() and _space_left(ckpt_dir) < _checkpoint_bytes(ckpt_dir):
+            # torch's zip writer reports a short write on a full disk as a position
+            # mismatch ("unexpected pos"), without the OS error behind it.
+            code = errno.ENOSPC
         if code not in _SPACE_ERRORS + _PERMISSION_ERRORS:
             raise
         if _is_rank0():  # free the space the partial save holds; the message says what remains
@@ -284,19 +288,37 @@ def _errno_of(err: BaseException) -> Optional[int]:
     return None
 
 
+def _latest_name(ckpt_dir: Path) -> Optional[str]:
+    """The checkpoint ``latest`` names, if it can be read."""
+    try:
+        return (ckpt_dir / LATEST).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _space_left(ckpt_dir: Path) -> int:
+    return shutil.disk_usage(ckpt_dir).free
+
+
+def _checkpoint_bytes(ckpt_dir: Path) -> int:
+    """The size of this run's last checkpoint (from its manifest), at least 1 MiB."""
+    previous = _latest_name(ckpt_dir)
+    return max((manifest.total_bytes(ckpt_dir / previous) if previous else None) or 0, 2**20)
+
+
 def _save_failure(ckpt_dir: Path, name: str, code: int, err: BaseException) -> str:
     """What failed, that nothing was published, and what to do."""
-    latest = ckpt_dir / LATEST
-    previous = latest.read_text().strip() if latest.is_file() else None
+    previous = _latest_name(ckpt_dir)
     kept = (f"{LATEST} still names {previous}, which the restarted run resumes from" if previous
             else "no checkpoint of this run existed before")
-    head = (f"saving checkpoint {name} into {ckpt_dir} failed: {os.strerror(code)} ({err}). Nothing was "
+    detail = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+    head = (f"saving checkpoint {name} into {ckpt_dir} failed: {os.strerror(code)} ({detail}). Nothing was "
             f"published (the partial {TMP_PREFIX}{name} is removed); {kept}. ")
     if code in _SPACE_ERRORS:
         size = manifest.total_bytes(ckpt_dir / previous) if previous else None
-        free = shutil.disk_usage(ckpt_dir).free if ckpt_dir.is_dir() else None
-        need = f"about {size / 2**20:,.0f} MiB per checkpoint, " if size else ""
-        left = f"{free / 2**20:,.0f} MiB free now" if free is not None else "free space unknown"
+        free = _space_left(ckpt_dir) if ckpt_dir.is_dir() else None
+        need = f"about {size / 2**20:,.1f} MiB per checkpoint, " if size else ""
+        left = f"{free / 2**20:,.1f} MiB free now" if free is not None else "free space unknown"
         return head + (f"Free space on the filesystem of {ckpt_dir} ({need}{left}): delete older "
                        f"iter_* checkpoints or other files, lower checkpoint.keep_last, or set "
                        f"checkpoint.dir to a larger filesystem; then restart the run")
