@@ -68,6 +68,7 @@ def test_defaults_are_the_smoke_recipe():
         pytest.param("optimizer.lr_warmup_iters=500", "optimizer.lr_warmup_iters=500 must be shorter than the decay (training.train_iters=150)", id="warmup"),
         pytest.param("data.weights=[1.0]", "data.weights has 1 entries for 0 data.paths", id="weights"),
         pytest.param("training.cuda_graph=partial", "training.cuda_graph must be one of ['none', 'full_iteration']", id="graph-mode"),
+        pytest.param("checkpoint.verify=sha", "checkpoint.verify must be one of full, size, off, got 'sha'", id="verify-level"),
         # what the full-iteration graph does not cover, each with its fix
         pytest.param("training.cuda_graph=full_iteration", "set logging.routing_entropy=false or set training.cuda_graph=none", id="graph-entropy"),
         pytest.param(["training.cuda_graph=full_iteration", "parallel.pipeline_model_parallel_size=2"],
