@@ -63,6 +63,8 @@ class TrainResult:
     """``[step, validation loss]`` of every evaluation, including those before a resume."""
     val_loss_tail: Optional[float]
     """Mean of the last ``eval.tail`` validation losses."""
+    test_loss: Optional[float] = None
+    """Loss on the test data after the last step, when the run has test data."""
     stopped_by: Optional[str] = None
     """Name of the signal that stopped the run early, if any."""
     checkpoint: Optional[Path] = None
@@ -184,23 +186,25 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0  # the data position (a resume may change the batch size)
         self.val_losses: List[List[float]] = []
+        self.test_loss: Optional[List[float]] = None  # [step, loss] after the last step
         self.checkpoint: Optional[Path] = None
         self._resume()
 
-        train_ds, valid_ds, _ = build_gpt_datasets(
+        eval_samples = cfg.eval.iters * tr.global_batch_size
+        self.train_ds, self.valid_ds, self.test_ds = build_gpt_datasets(
             data_paths,
             cfg.data.weights,
-            cfg.data.split,
+            None if cfg.data.heldout else cfg.data.train_split,
             cfg.model.seq_length,
             [self.consumed_samples + max(tr.train_iters - self.iteration, 0) * tr.global_batch_size,
-             cfg.eval.iters * tr.global_batch_size, 0],
+             eval_samples, eval_samples if cfg.data.has_test_data else 0],
             self.tokenizer,
             cfg.run.seed,
             cache_dir=expand_path(cfg.data.cache_dir, "data.cache_dir") if cfg.data.cache_dir else None,
             eod_mask_loss=cfg.data.eod_mask_loss,
+            heldout=self._heldout_blends(),
         )
-        self.train_ds, self.valid_ds = train_ds, valid_ds
-        self.train_iterators = self._iterators(train_ds, self.consumed_samples)
+        self.train_iterators = self._iterators(self.train_ds, self.consumed_samples)
         self.metrics = MetricsWriter(self.run_dir, self.is_logger, cfg.logging.tensorboard, self.iteration)
 
     # ---------------------------------------------------------------- setup
@@ -225,6 +229,18 @@ class Trainer:
         else:
             paths = [expand_path(p, f"data.paths[{i}]") for i, p in enumerate(data.paths)]
         return tokenizer, paths
+
+    def _heldout_blends(self):
+        """``[valid, test]`` blends of ``data.valid_paths`` / ``data.test_paths`` (test
+        ``None`` without test paths), or ``None`` when ``data.split`` carves them out."""
+        data = self.cfg.data
+        if not data.heldout:
+            return None
+        valid = ([expand_path(p, f"data.valid_paths[{i}]") for i, p in enumerate(data.valid_paths)],
+                 data.valid_weights)
+        test = ([expand_path(p, f"data.test_paths[{i}]") for i, p in enumerate(data.test_paths)],
+                data.test_weights) if data.test_paths else None
+        return [valid, test]
 
     def _optimizer_config(self) -> MegatronOptimizerConfig:
         opt, bf16 = self.cfg.optimizer, self.cfg.training.precision == "bf16"
@@ -292,6 +308,7 @@ class Trainer:
         self.iteration = loaded["iteration"]
         train_state = loaded["train_state"]
         self.val_losses = [list(v) for v in train_state.get("val_losses", [])]
+        self.test_loss = train_state.get("test_loss")
         # Checkpoints from before consumed_samples was saved ran one batch size throughout.
         self.consumed_samples = train_state.get(
             "consumed_samples", self.iteration * cfg.training.global_batch_size
@@ -351,11 +368,12 @@ class Trainer:
         return loss_sum / tokens, grad_norm, lr
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean token loss over ``eval.iters`` global batches of the validation split."""
+    def evaluate(self, dataset=None) -> float:
+        """Mean token loss over the first ``eval.iters`` global batches of ``dataset``
+        (default: the validation data)."""
         for chunk in self.model:
             chunk.eval()
-        iterators = self._iterators(self.valid_ds, 0)
+        iterators = self._iterators(self.valid_ds if dataset is None else dataset, 0)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for _ in range(self.cfg.eval.iters):
             total += self._global_loss(self.forward_backward(iterators, forward_only=True))
@@ -418,6 +436,16 @@ class Trainer:
             f"{tail:.4f} | ppl {math.exp(min(loss, 50)):.2f} | {time.perf_counter() - start:.1f}s"
         )
 
+    def _run_test(self) -> None:
+        start = time.perf_counter()
+        loss = self.evaluate(self.test_ds)
+        self.test_loss = [self.iteration, loss]
+        self.metrics.log("test", self.iteration, {"test_loss": loss})
+        self.metrics.console(
+            f"test step {self.iteration:>6} | test loss {loss:.4f} | ppl {math.exp(min(loss, 50)):.2f} | "
+            f"{time.perf_counter() - start:.1f}s"
+        )
+
     def save(self) -> None:
         self.checkpoint = checkpointing.save_checkpoint(
             self.cfg.checkpoint_dir,
@@ -425,7 +453,8 @@ class Trainer:
             self.model,
             self.optimizer,
             self.scheduler,
-            {"val_losses": self.val_losses, "consumed_samples": self.consumed_samples},
+            {"val_losses": self.val_losses, "consumed_samples": self.consumed_samples,
+             "test_loss": self.test_loss},
             self.cfg.to_dict(),
             keep_last=self.cfg.checkpoint.keep_last,
         )
@@ -491,6 +520,8 @@ class Trainer:
             else:
                 if not self.val_losses or self.val_losses[-1][0] != self.iteration:
                     self._run_eval()
+                    if self.test_ds is not None:
+                        self._run_test()
                 if cfg.checkpoint.save_at_end and last_saved != self.iteration:
                     self.save()
 
@@ -500,6 +531,7 @@ class Trainer:
             losses=losses,
             val_losses=self.val_losses,
             val_loss_tail=self.val_loss_tail(),
+            test_loss=self.test_loss[1] if self.test_loss else None,
             stopped_by=stop.name,
             checkpoint=self.checkpoint,
         )
@@ -514,6 +546,7 @@ class Trainer:
                 "val_loss": self.val_losses[-1][1] if self.val_losses else None,
                 "val_loss_tail": result.val_loss_tail,
                 "val_losses": self.val_losses,
+                "test_loss": result.test_loss,
                 "stopped_by": stop.name,
                 "checkpoint": str(self.checkpoint) if self.checkpoint else None,
             }

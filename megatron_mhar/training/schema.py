@@ -25,6 +25,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.mhar_config import MHARConfig
 
+DEFAULT_SPLIT = "98,2,0"
+"""``data.split`` when none is given and no held-out paths are."""
+
 CUDA_GRAPH_MODES = ("none", "full_iteration")
 """Values of ``training.cuda_graph`` (see :mod:`megatron_mhar.training.cuda_graphs`)."""
 
@@ -229,10 +232,12 @@ class OptimizerConfig:
 
 @dataclasses.dataclass
 class EvalConfig:
-    """Periodic validation on a fixed set of held-out batches."""
+    """Periodic validation on a fixed set of held-out batches (and a test after the last step)."""
 
     interval: int = 50
-    """Evaluate every this many steps (and always after the last step); 0: only at the end."""
+    """Evaluate every this many steps (and always after the last step); 0: only at the end.
+    Test data (``data.test_paths`` or a test share of ``data.split``) is evaluated once,
+    after the last step, on ``iters`` global batches too."""
 
     iters: int = 4
     """Global batches per evaluation; every evaluation reads the same batches."""
@@ -259,8 +264,23 @@ class DataConfig:
     weights: Optional[List[float]] = None
     """Blend weights, one per path; ``None``: proportional to dataset size."""
 
-    split: str = "98,2,0"
-    """Train, validation, test split over documents (Megatron's ``--split``)."""
+    split: Optional[str] = None
+    """Train, validation, test shares of the documents of ``paths`` (Megatron's ``--split``);
+    ``None``: ``98,2,0``, or, with ``valid_paths``, all of ``paths`` trains."""
+
+    valid_paths: List[str] = dataclasses.field(default_factory=list)
+    """Held-out validation prefixes (Megatron's ``--valid-data-path``), read by every
+    evaluation; ``paths`` then trains whole. Empty: the validation share of ``split``."""
+
+    valid_weights: Optional[List[float]] = None
+    """Blend weights, one per ``valid_paths`` entry; ``None``: proportional to size."""
+
+    test_paths: List[str] = dataclasses.field(default_factory=list)
+    """Held-out test prefixes (Megatron's ``--test-data-path``), evaluated once after the
+    last step; needs ``valid_paths``. Empty: the test share of ``split``, if any."""
+
+    test_weights: Optional[List[float]] = None
+    """Blend weights, one per ``test_paths`` entry; ``None``: proportional to size."""
 
     tokenizer: str = "builtin"
     """``builtin`` (byte-level BPE trained on the embedded corpus) or a local Hugging Face
@@ -286,15 +306,20 @@ class DataConfig:
     """Do not train on predicting the token after an end-of-document token."""
 
     def __post_init__(self):
-        if self.weights is not None and len(self.weights) != len(self.paths):
+        for prefix in ("", "valid_", "test_"):
+            _check_blend_weights(getattr(self, f"{prefix}paths"), getattr(self, f"{prefix}weights"), prefix)
+        if self.test_paths and not self.valid_paths:
             raise ValueError(
-                f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths; "
-                f"give one weight per path or set data.weights=null"
+                "data.test_paths needs data.valid_paths (held-out sets replace data.split for "
+                "validation and test together); give data.valid_paths too"
             )
-        if self.weights is not None and (any(w < 0 for w in self.weights) or sum(self.weights) <= 0):
-            raise ValueError(f"data.weights must be non-negative with a positive sum: {self.weights}")
+        if self.valid_paths and self.split is not None:
+            raise ValueError(
+                f"data.split={self.split!r} carves validation data out of data.paths, but "
+                f"data.valid_paths is set: set data.split=null to train on all of data.paths"
+            )
         try:
-            parts = [float(p) for p in self.split.replace("/", ",").split(",")]
+            parts = [float(p) for p in self.train_split.replace("/", ",").split(",")]
         except ValueError:
             parts = []
         if len(parts) != 3 or min(parts) < 0 or parts[0] <= 0 or parts[1] <= 0:
@@ -312,6 +337,36 @@ class DataConfig:
     def embedded(self) -> bool:
         """Whether the run trains on the embedded corpus."""
         return not self.paths
+
+    @property
+    def heldout(self) -> bool:
+        """Whether validation (and test) data come from their own paths, not from ``split``."""
+        return bool(self.valid_paths)
+
+    @property
+    def train_split(self) -> str:
+        """The ``split`` in force when held-out data is carved out of ``paths``."""
+        return DEFAULT_SPLIT if self.split is None else self.split
+
+    @property
+    def has_test_data(self) -> bool:
+        """Whether a test evaluation follows the last step (``test_paths`` or a test share)."""
+        if self.heldout:
+            return bool(self.test_paths)
+        return float(self.train_split.replace("/", ",").split(",")[2]) > 0
+
+
+def _check_blend_weights(paths: List[str], weights: Optional[List[float]], prefix: str) -> None:
+    """One non-negative weight per path with a positive sum, or no weights."""
+    if weights is None:
+        return
+    if len(weights) != len(paths):
+        raise ValueError(
+            f"data.{prefix}weights has {len(weights)} entries for {len(paths)} data.{prefix}paths; "
+            f"give one weight per path or set data.{prefix}weights=null"
+        )
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"data.{prefix}weights must be non-negative with a positive sum: {weights}")
 
 
 @dataclasses.dataclass
