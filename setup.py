@@ -21,7 +21,7 @@ setup(
         "tensorboard",
         "safetensors",
         "psutil",  # Megatron's checkpoint writer needs it (without it a save hangs)
-        "pillow",  # routing heatmap of the training driver
+        "pillow",  # routing maps (training driver, megatron_mhar.analyze)
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],

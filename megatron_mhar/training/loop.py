@@ -37,6 +37,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mhar.data.datasets import MicroBatches, build_gpt_datasets
+from megatron_mhar.models.routing import RoutingRecorder, SiteRouting, make_layout
 from megatron_mhar.parallel import pipeline
 from megatron_mhar.runtime.distributed import DistributedContext, destroy, initialize_model_parallel_from_env
 from megatron_mhar.training import checkpointing, cuda_graphs
@@ -187,6 +188,7 @@ class Trainer:
         self.consumed_samples = 0  # the data position (a resume may change the batch size)
         self.val_losses: List[List[float]] = []
         self.test_loss: Optional[List[float]] = None  # [step, loss] after the last step
+        self.routing: Dict[int, SiteRouting] = {}  # routing of the last recorded step, by site
         self.checkpoint: Optional[Path] = None
         self._resume()
 
@@ -384,32 +386,48 @@ class Trainer:
 
     # ---------------------------------------------------------------- outputs
 
-    def _record_routing_entropy(self, enabled: bool) -> None:
-        """Have the MHAR decoders record routing entropy on the steps that get logged."""
-        enabled = enabled and self.cfg.mhar.enabled and self.cfg.logging.routing_entropy
+    def _records_routing(self, step: int) -> bool:
+        """Whether training step ``step`` records the routing diagnostics (same on every rank)."""
+        log = self.cfg.logging
+        logged = step % log.interval == 0 or step == self.cfg.training.train_iters
+        return self.cfg.mhar.enabled and ((log.routing_entropy and logged) or self._maps_step(step))
+
+    def _maps_step(self, step: int) -> bool:
+        """Whether step ``step`` logs the routing maps to TensorBoard (``logging.routing_interval``)."""
+        interval = self.cfg.logging.routing_interval
+        return bool(interval) and step % interval == 0
+
+    def _attach_routing_recorder(self, recorder: Optional[RoutingRecorder]) -> None:
+        """Have the MHAR decoders of this rank add their routing to ``recorder`` (``None``: stop)."""
         for chunk in self.model:
             decoder = getattr(unwrap(chunk), "decoder", None)
-            if hasattr(decoder, "record_routing_entropy"):
-                decoder.record_routing_entropy = enabled
+            if hasattr(decoder, "routing_recorder"):
+                decoder.routing_recorder = recorder
 
-    def routing_entropy(self) -> Dict[str, List[float]]:
-        """Per-site per-head routing entropy of the last forward, from every rank's chunks."""
-        local: Dict[str, List[float]] = {}
+    def _gather_routing(self, recorder: RoutingRecorder) -> Dict[int, SiteRouting]:
+        """Every rank's recorded sites (one copy per site: DP and TP rank 0), on every rank."""
+        local = {}
         if self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
-            for chunk in self.model:
-                decoder = getattr(unwrap(chunk), "decoder", None)
-                if hasattr(decoder, "routing_entropy"):
-                    entropy = decoder.routing_entropy()
-                    if entropy:
-                        local.update({k: v.float().tolist() for k, v in entropy.items()})
-        if torch.distributed.get_world_size() == 1:
-            return local
-        gathered: List[Dict[str, List[float]]] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, local)
-        merged: Dict[str, List[float]] = {}
-        for part in gathered:
-            merged.update(part)
-        return merged
+            local = {site: (r.weights.cpu(), r.entropy.cpu(), r.tokens) for site, r in recorder.sites.items()}
+        gathered = [local]
+        if torch.distributed.get_world_size() > 1:
+            gathered = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, local)
+        return {site: SiteRouting(*record) for part in gathered for site, record in part.items()}
+
+    def _routing_maps(self):
+        from megatron_mhar.training.heatmap import RoutingMaps
+
+        return RoutingMaps.from_records(self.routing, make_layout(self.cfg.mhar, self.cfg.model.num_layers))
+
+    def _log_routing_maps(self) -> None:
+        """The routing maps of the step just run into TensorBoard (rank 0)."""
+        if not self.is_logger:
+            return
+        from megatron_mhar.training.heatmap import render
+
+        title = f"{self.cfg.run.name}: routing maps, step {self.iteration}"
+        self.metrics.add_image("routing/maps", render(self._routing_maps(), title), self.iteration)
 
     def _memory_gb(self) -> float:
         """Peak memory of the busiest rank (pipeline stages and ranks differ); every rank calls."""
@@ -485,12 +503,17 @@ class Trainer:
             last_saved = 0
         with contextlib.nullcontext(stop) if stop is not None else StopSignal() as stop:
             while self.iteration < tr.train_iters:
-                logs_next = (self.iteration + 1) % cfg.logging.interval == 0
-                self._record_routing_entropy(logs_next or self.iteration + 1 == tr.train_iters)
+                recorder = RoutingRecorder() if self._records_routing(self.iteration + 1) else None
+                self._attach_routing_recorder(recorder)
                 timer.start()
                 loss, grad_norm, lr = self.train_step()
                 timer.stop()
+                self._attach_routing_recorder(None)
                 self.iteration += 1
+                if recorder is not None:
+                    self.routing = self._gather_routing(recorder)
+                    if self._maps_step(self.iteration):
+                        self._log_routing_maps()
                 self.consumed_samples += tr.global_batch_size
                 losses[self.iteration] = loss
                 window.append(loss)
@@ -535,7 +558,7 @@ class Trainer:
             stopped_by=stop.name,
             checkpoint=self.checkpoint,
         )
-        self._write_heatmap()
+        self._write_routing_maps()
         parameters = self._count_parameters()
         if self.is_logger:
             summary = {
@@ -561,18 +584,17 @@ class Trainer:
         torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
         return int(total.item())
 
-    def _write_heatmap(self) -> None:
-        """``routing_heatmap.png`` (and a TensorBoard image) from the last forward's routing."""
-        if not (self.cfg.mhar.enabled and self.cfg.logging.routing_entropy):
+    def _write_routing_maps(self) -> None:
+        """``routing_maps.png`` / ``.json`` (and a TensorBoard image) of the last recorded step."""
+        if not (self.cfg.logging.routing_entropy and self.routing and self.is_logger):
             return
-        entropy = self.routing_entropy()
-        if not entropy or not self.is_logger:
-            return
-        from megatron_mhar.training.heatmap import save_heatmap
+        from megatron_mhar.training.heatmap import save_routing_maps
 
-        title = f"{self.cfg.run.name}: routing entropy per site and head, step {self.iteration}"
-        image = save_heatmap(entropy, self.run_dir / "routing_heatmap.png", title)
-        self.metrics.add_image("routing/entropy_heatmap", image, self.iteration)
+        title = f"{self.cfg.run.name}: routing maps, step {self.iteration}"
+        image = save_routing_maps(self._routing_maps(), self.run_dir, title, step=self.iteration,
+                                  variant=self.cfg.mhar.variant)
+        if not self._maps_step(self.iteration):  # else already in TensorBoard
+            self.metrics.add_image("routing/maps", image, self.iteration)
 
     def _log_train(self, window: List[float], grad_norm: float, lr: float, timer: StepTimer) -> None:
         cfg = self.cfg
@@ -588,11 +610,11 @@ class Trainer:
             "consumed_samples": self.consumed_samples,
         }
         extra = {}
-        if cfg.logging.routing_entropy and cfg.mhar.enabled:
-            entropy = self.routing_entropy()
-            if entropy:
-                extra["routing_entropy"] = entropy
-                self.metrics.log_routing_entropy(self.iteration, entropy)
+        if cfg.logging.routing_entropy and self.routing:
+            entropy = {f"site{site:03d}": (record.entropy / record.tokens).tolist()
+                       for site, record in sorted(self.routing.items())}
+            extra["routing_entropy"] = entropy
+            self.metrics.log_routing_entropy(self.iteration, entropy)
         self.metrics.log("train", self.iteration, scalars, extra)
         eta = (cfg.training.train_iters - self.iteration) * timer.seconds_per_step
         self.metrics.console(

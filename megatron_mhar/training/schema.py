@@ -415,11 +415,19 @@ class LoggingConfig:
     """Write TensorBoard event files into ``{run dir}/tensorboard``."""
 
     routing_entropy: bool = True
-    """Log per-site per-head routing entropy of MHAR models."""
+    """Log per-site per-head routing entropy of MHAR models at every log step, and write
+    the routing maps of the last step (``routing_maps.png`` / ``.json`` in the run
+    directory, see :mod:`megatron_mhar.training.heatmap`)."""
+
+    routing_interval: int = 0
+    """Log the routing maps of MHAR models (mean weight of each site over each source, per
+    head, and normalised entropy) to TensorBoard every this many steps; 0: never."""
 
     def __post_init__(self):
         if self.interval < 1:
             raise ValueError(f"logging.interval must be >= 1, got {self.interval}")
+        if self.routing_interval < 0:
+            raise ValueError(f"logging.routing_interval must be >= 0, got {self.routing_interval}")
 
 
 @dataclasses.dataclass
@@ -503,11 +511,11 @@ class TrainConfig:
                 f"reduction or parameter gathering; set parallel.overlap_grad_reduce=false and "
                 f"parallel.overlap_param_gather=false {fix}"
             )
-        if self.mhar.enabled and self.logging.routing_entropy:
+        if self.mhar.enabled and (self.logging.routing_entropy or self.logging.routing_interval):
             raise ValueError(
-                f"training.cuda_graph={tr.cuda_graph}: the routing-entropy diagnostic is recorded "
-                f"by Python on logged steps, which a replayed graph does not run; set "
-                f"logging.routing_entropy=false {fix}"
+                f"training.cuda_graph={tr.cuda_graph}: the routing diagnostics are recorded by "
+                f"Python on the steps they log, which a replayed graph does not run; set "
+                f"logging.routing_entropy=false and logging.routing_interval=0 {fix}"
             )
 
     @property

@@ -69,7 +69,11 @@ def test_defaults_are_the_smoke_recipe():
         pytest.param("data.weights=[1.0]", "data.weights has 1 entries for 0 data.paths", id="weights"),
         pytest.param("training.cuda_graph=partial", "training.cuda_graph must be one of ['none', 'full_iteration']", id="graph-mode"),
         # what the full-iteration graph does not cover, each with its fix
-        pytest.param("training.cuda_graph=full_iteration", "set logging.routing_entropy=false or set training.cuda_graph=none", id="graph-entropy"),
+        pytest.param("training.cuda_graph=full_iteration",
+                     "set logging.routing_entropy=false and logging.routing_interval=0 or set training.cuda_graph=none", id="graph-entropy"),
+        pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "logging.routing_interval=10"],
+                     "the routing diagnostics are recorded by Python on the steps they log", id="graph-routing-maps"),
+        pytest.param("logging.routing_interval=-1", "logging.routing_interval must be >= 0, got -1", id="routing-interval"),
         pytest.param(["training.cuda_graph=full_iteration", "parallel.pipeline_model_parallel_size=2"],
                      "not supported with pipeline parallelism (pipeline_model_parallel_size=2)", id="graph-pp"),
         pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "training.recompute_granularity=selective"],
