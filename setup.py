@@ -8,7 +8,7 @@ setup(
     version="0.1.0",
     description="Multi-Head Attention Residuals (MHAR) for Megatron-Core GPT models",
     python_requires=">=3.11",
-    packages=find_packages(include=["megatron_mhar", "megatron_mhar.*", "mhar_kernels"]),
+    packages=find_packages(include=["megatron_mhar", "megatron_mhar.*", "mhar_kernels", "mhar_kernels.*"]),
     # The recipes ship with the package: a bare recipe name resolves in any install.
     package_data={"megatron_mhar": ["recipes/*.yaml", "recipes/base/*.yaml"]},
     include_package_data=True,
@@ -28,7 +28,9 @@ setup(
         "dali": ["nvidia-dali-cuda120"],
         # setuptools: tests/test_install.py builds the wheel without build isolation (offline),
         # which needs a setuptools that writes wheels by itself (70.1 and later).
-        "dev": ["pytest", "triton", "transformers", "setuptools>=70.1"],
+        # lm-eval: lm-evaluation-harness; transformers >= 5.25 for the cache API megatron_mhar.hf uses.
+        "eval": ["lm-eval[hf]>=0.4.13", "transformers>=5.25"],
+        "dev": ["pytest", "triton", "transformers>=5.25", "lm-eval[hf]>=0.4.13", "setuptools>=70.1"],
     },
     entry_points={
         "console_scripts": [

@@ -1,6 +1,6 @@
 """Host cost of MHAR's routing around its kernels, measured on a CPU machine.
 
-    python benchmarks/bench_host.py --out benchmarks/results/host_cpu.json
+    python benchmarks/bench_host.py      # writes benchmarks/results/host/cpu.json
 
 On one H200 the 350M and 1B training steps are host-bound (benchmarks/bench_training.py,
 ``micro_batch_host_split``): what MHAR adds to a step there is the host time of its
@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_training import MODELS, SIZES  # noqa: E402
-from benchmarks.json_out import check_out, write_json  # noqa: E402
+from benchmarks.json_out import check_out, default_out, write_json  # noqa: E402
 from megatron_mhar.models.builder import build_gpt_model, make_transformer_config  # noqa: E402
 from megatron_mhar.models.gpt_config import GPTModelConfig  # noqa: E402
 from megatron_mhar.ops.history import RoutingBackend  # noqa: E402
@@ -80,9 +80,9 @@ class StubBackends:
             kw = dict(dtype=torch.float32, device=grad_out.device)
             return torch.empty(grad_out.shape[0], heads, **kw), torch.empty(query.shape, **kw), torch.empty(query.shape, **kw)
 
-        def group_backward(grad_outs, sources, queries, norms, lse, delta, heads, eps, tau,
-                           grad_sources, site_range=None, merge_dw=None, accumulate=True):  # fmt: skip
-            self.calls["group_backward"] += 1
+        def group_backward_deferred(grad_outs, sources, queries, norms, lse, delta, heads, eps, tau,
+                                    grad_sources, site_range=None, merge_dw=None, accumulate=True):  # fmt: skip
+            self.calls["group_backward_deferred"] += 1
             lo, hi = site_range or (0, queries.shape[0])
             # Nothing deferred: the rows' gradients are the row loop's, added in place.
             return torch.empty(hi - lo, queries.shape[1]), torch.empty(hi - lo, queries.shape[1]), ()
@@ -96,8 +96,8 @@ class StubBackends:
         def merge_dw_partials(num_tokens, d, heads, device):
             return 1
 
-        return LookaheadBackend(group_forward, merge_forward, merge_backward, group_backward, add_row_grads,
-                                merge_row_grad, merge_dw_partials)  # fmt: skip
+        return LookaheadBackend(group_forward, merge_forward, merge_backward, group_backward_deferred,
+                                add_row_grads, merge_row_grad, merge_dw_partials)  # fmt: skip
 
 
 class CountOps(TorchDispatchMode):
@@ -185,7 +185,7 @@ def main(argv=None):
     parser.add_argument("--models", default=",".join(HOST_MODELS), help="comma list of " + ",".join(HOST_MODELS))
     parser.add_argument("--steps", type=int, default=30, help="timed micro-batches per model")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", help="JSON output path")
+    parser.add_argument("--out", default=default_out("host", "cpu"), help="JSON report (default: %(default)s)")
     args = parser.parse_args(argv)
     sizes, models = args.sizes.split(","), args.models.split(",")
     unknown = [s for s in sizes if s not in ("100m", "350m", "1b")]

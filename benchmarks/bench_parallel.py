@@ -1,6 +1,6 @@
 """Parallel layouts on real process groups: loss trajectories, throughput and memory.
 
-    python benchmarks/bench_parallel.py --out benchmarks/results/parallel_h200x2.json
+    python benchmarks/bench_parallel.py      # writes benchmarks/results/parallel/<device>.json
     python benchmarks/bench_parallel.py --layouts tp2,pp2 --variants mhar     # a subset
     python benchmarks/bench_parallel.py --device cpu --steps 3 --recipe smoke_cpu ...  # CPU smoke
 
@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,7 +44,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_training import environment  # noqa: E402
-from benchmarks.json_out import check_out, write_json  # noqa: E402
+from benchmarks.json_out import check_out, default_out, device_name, write_json  # noqa: E402
+from megatron_mhar.runtime import free_port  # noqa: E402
 from megatron_mhar.training.launch_checks import validate_launch  # noqa: E402
 from megatron_mhar.training.metrics import read_metrics  # noqa: E402
 from megatron_mhar.training.recipes import load_config  # noqa: E402
@@ -90,12 +90,6 @@ NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST":
                     "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Job:
     """One driver run: a model under a layout, started as a torchrun subprocess."""
 
@@ -119,7 +113,7 @@ class Job:
                              # own index cache: runs side by side must not write the same files
                              f"data.cache_dir={self.run_dir}/index_cache"] + args.overrides)
         self.command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-                        f"--nproc-per-node={self.processes}", f"--master-port={_free_port()}",
+                        f"--nproc-per-node={self.processes}", f"--master-port={free_port()}",
                         "-m", "megatron_mhar.train", args.recipe, *self.overrides]
         self.recipe = args.recipe
         self.proc = None
@@ -276,7 +270,9 @@ def main(argv=None):
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--run-dir", default="runs/bench_parallel")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
-    parser.add_argument("--out", default=None, help="JSON to write (rewritten after every run)")
+    parser.add_argument("--out", default=None,
+                        help="JSON report, rewritten after every run (default: "
+                             "benchmarks/results/parallel/<device>.json, e.g. h200x2)")
     parser.add_argument("overrides", nargs="*", help="extra driver overrides (dotted.key=value)")
     args = parser.parse_args(argv)
 
@@ -290,13 +286,15 @@ def main(argv=None):
     if args.skip < 0 or args.early_steps < 1 or args.timeout <= 0:
         parser.error(f"--skip must be >= 0, --early-steps >= 1 and --timeout > 0; got {args.skip}, "
                      f"{args.early_steps} and {args.timeout}")
+    gpu_count = _gpu_count(args.device)
+    if args.out is None:
+        args.out = default_out("parallel", device_name(gpu_count, args.device))
     check_out(parser, args.out)
     settings = {"recipe": args.recipe, "steps": args.steps, "device": args.device,
                 "overrides": DEFAULT_OVERRIDES + args.overrides}
     if REFERENCE_LAYOUT not in layouts:
         layouts.insert(0, REFERENCE_LAYOUT)
 
-    gpu_count = _gpu_count(args.device)
     if args.device == "cuda" and gpu_count == 0:
         parser.error("--device cuda: no CUDA device visible (use --device cpu for a gloo smoke run)")
     needs = {name: LAYOUTS[name][0] for name in layouts}
@@ -321,8 +319,7 @@ def main(argv=None):
                   "not_run": not_run,
                   "summary": summarize(records, args.rtol, args.skip, args.early_steps, args.noise_factor),
                   "runs": records}
-        if args.out:
-            write_json(args.out, result)
+        write_json(args.out, result)
         return result
 
     records = run_jobs(jobs, gpu_count, args.timeout, report)

@@ -1,7 +1,7 @@
 """End-to-end training throughput: plain Megatron GPT vs AttnRes (H=1) vs MHAR (H=8).
 
-    python benchmarks/bench_training.py --out benchmarks/results/training_h200.json
-    python benchmarks/bench_training.py --sizes tiny --steps 2   # CPU smoke of the script
+    python benchmarks/bench_training.py      # writes benchmarks/results/training/<device>.json
+    python benchmarks/bench_training.py --sizes tiny --steps 2 --out /tmp/tiny.json   # CPU smoke
 
 One process, one run, one GPU: every model of a size is built with the same builder,
 trained with the same Megatron components (bf16 params, Megatron DDP with fp32 grad
@@ -33,18 +33,11 @@ CUDA time into the routing kernels' forward and backward and everything else, ne
 step's wall time (their ratio shows how far the host, not the GPU, bounds the step),
 and one profiled micro-batch's host time by operator and CUDA runtime call
 (``host_profile``).
-
-A kernel change is timed against the kernels of another revision in the same run: a model
-marked ``@kernels=base`` trains on the ``mhar_kernels`` tree given by ``--base-kernels``
-(``benchmarks/base_kernels.py`` writes one from a git revision), interleaved with the
-same model on this checkout's kernels, which reports ``throughput_vs_base_kernels``
-(above 1: this checkout's kernels are faster) and its round median.
 """
 
 import argparse
 import contextlib
 import dataclasses
-import functools
 import gc
 import json
 import os
@@ -57,7 +50,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.json_out import check_out, write_json  # noqa: E402
+from benchmarks.json_out import check_out, default_out, device_name, write_json  # noqa: E402
 from megatron_mhar.models.mhar_config import MHARConfig  # noqa: E402
 from megatron_mhar.models.builder import build_gpt_model, make_transformer_config  # noqa: E402
 from megatron_mhar.models.gpt_config import GPTModelConfig  # noqa: E402
@@ -106,22 +99,6 @@ MODELS = {
                                               lookahead_kernels="tensor_cores"),
     "attnres_lookahead": MHARConfig(variant="full", num_heads=1, routing_schedule="lookahead"),
 }
-
-
-# A --models entry's token that runs the model with --base-kernels' tree (benchmarks/base_kernels.py).
-BASE_KERNELS = "kernels=base"
-
-
-def split_kernels(spec: str):
-    """(the entry without its ``@kernels=base`` token, whether it had one): such an entry
-    trains the same model with another revision's kernels (``--base-kernels``)."""
-    name, *tokens = spec.split("@")
-    bad = [t for t in tokens if t.startswith("kernels=") and t != BASE_KERNELS]
-    if bad:
-        raise ValueError(f"model {spec!r}: {bad[0]!r}: the kernels token takes only base "
-                         f"(the --base-kernels tree)")
-    kept = [t for t in tokens if t != BASE_KERNELS]
-    return "@".join([name, *kept]), len(kept) != len(tokens)
 
 
 def parse_model(spec: str) -> MHARConfig:
@@ -215,7 +192,7 @@ def _step(trainer, case: SizeCase, schedule=None):
     ddp, optimizer, batches = trainer.ddp, trainer.optimizer, trainer.batches
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    with trainer.kernels():
+    with trainer.context():
         result = (schedule or trainer.schedule)(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
             num_microbatches=case.num_microbatches, seq_length=case.model.seq_length,
@@ -231,16 +208,19 @@ def _sync(device):
 
 
 def routing_kernel_phases():
-    """{Triton function name of mhar_kernels: "fwd" or "bwd"} (backward: the names with
+    """{Triton kernel name of mhar_kernels: "fwd" or "bwd"} (backward: the names with
     ``bwd`` and the dquery/dnorm reductions)."""
+    import importlib
+    import pkgutil
+
     import triton
 
-    from mhar_kernels import depth_route, lookahead
+    import mhar_kernels
 
     phases = {}
-    for module in (depth_route, lookahead):
-        for name, obj in vars(module).items():
-            if isinstance(obj, triton.runtime.JITFunction):
+    for info in pkgutil.walk_packages(mhar_kernels.__path__, "mhar_kernels."):
+        for name, obj in vars(importlib.import_module(info.name)).items():
+            if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel"):
                 phases[name] = "bwd" if ("bwd" in name or "dw_reduce" in name) else "fwd"
     return phases
 
@@ -292,7 +272,7 @@ def _host_split(trainer, device: str, repeats: int = 3):
     for _ in range(repeats):
         _sync(device)
         start = time.perf_counter()
-        with trainer.kernels():
+        with trainer.context():
             loss = _micro_batch_loss(trainer.ddp, batch).float().mean()
             issued = time.perf_counter()
             _sync(device)
@@ -314,7 +294,7 @@ def _host_profile(trainer, top: int = 40):
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, trainer.kernels():
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, trainer.context():
         _micro_batch_loss(trainer.ddp, trainer.batches[0]).float().mean().backward()
         torch.cuda.synchronize()
     trainer.ddp.zero_grad_buffer()
@@ -333,9 +313,8 @@ class _Trainer:
     optimizer: object
     batches: list
     schedule: object  # Megatron's forward/backward function, or a FullIterationGraph
-    # Entered around everything that runs the model: base_kernels.active for a model on
-    # another revision's kernels (the routing imports them every forward).
-    kernels: object = contextlib.nullcontext
+    # Entered around everything that runs the model (run_size's ``contexts``).
+    context: object = contextlib.nullcontext
 
 
 def _timed_step(trainer: _Trainer, case: SizeCase, device: str):
@@ -367,7 +346,7 @@ def _schedule(cuda_graph: str):
 
 
 def _build_and_warm(case: SizeCase, mhar: MHARConfig, device: str, warmup: int,
-                    cuda_graph: str = "none", kernels=contextlib.nullcontext):
+                    cuda_graph: str = "none", context=contextlib.nullcontext):
     """Builds one model and runs its warmup steps: (trainer, warmup losses, own peak GiB
     or None on CPU). The models built before stay idle, so the peak over this phase minus
     the bytes allocated before it is this model's own."""
@@ -378,7 +357,7 @@ def _build_and_warm(case: SizeCase, mhar: MHARConfig, device: str, warmup: int,
     torch.manual_seed(0)
     trainer = _Trainer(*_train_setup(case, mhar, device),
                        _batches(case, device, case.model.padded_vocab_size()),
-                       _schedule(cuda_graph), kernels)
+                       _schedule(cuda_graph), context)
     losses = [_timed_step(trainer, case, device)[1] for _ in range(warmup)]
     if device != "cuda":
         return trainer, losses, None
@@ -401,7 +380,7 @@ def _timed_rounds(trainers: dict, case: SizeCase, device: str, steps: int):
     return times, losses
 
 
-def _round_ratios(reference, times):
+def round_ratios(reference, times):
     """Per round, reference step time / step time: a throughput ratio that cancels drift
     slower than a round, since both steps ran back to back."""
     return [ref / t for ref, t in zip(reference, times)]
@@ -412,32 +391,25 @@ def _add_ratios(results: dict, times: dict):
     if base:
         for name, entry in results.items():
             entry["throughput_ratio"] = base["step_s_median"] / entry["step_s_median"]
-            rounds = _round_ratios(times["baseline"], times[name])
+            rounds = round_ratios(times["baseline"], times[name])
             entry["throughput_ratio_rounds"] = rounds
             entry["throughput_ratio_round_median"] = statistics.median(rounds)
             if "peak_memory_gib" in entry:
                 entry["memory_ratio"] = entry["peak_memory_gib"] / base["peak_memory_gib"]
-    # A model on this checkout's kernels against the same model on --base-kernels' tree.
-    for name, entry in results.items():
-        twin, on_base = split_kernels(name)
-        if on_base and twin in results:
-            results[twin]["throughput_vs_base_kernels"] = entry["step_s_median"] / results[twin]["step_s_median"]
-            results[twin]["throughput_vs_base_kernels_round_median"] = statistics.median(
-                _round_ratios(times[name], times[twin]))
     # AttnRes against MHAR on the same schedule ("the heads must be free").
     for attnres_name, mhar_name in (("attnres", "mhar"), ("attnres_lookahead", "mhar_lookahead")):
         if attnres_name in results and mhar_name in results:
             attnres = results[attnres_name]
             attnres["throughput_vs_mhar"] = results[mhar_name]["step_s_median"] / attnres["step_s_median"]
             attnres["throughput_vs_mhar_round_median"] = statistics.median(
-                _round_ratios(times[mhar_name], times[attnres_name]))
+                round_ratios(times[mhar_name], times[attnres_name]))
 
 
 def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profile: bool,
-             cuda_graph: str = "none", kernels=None):
-    """Trains ``models`` ({name: MHARConfig}) of one size; ``kernels`` ({name: context
-    manager factory}) gives a model the kernels to run under (default: this checkout's)."""
-    kernels = kernels or {}
+             cuda_graph: str = "none", contexts=None):
+    """Trains ``models`` ({name: MHARConfig}) of one size; ``contexts`` ({name: context
+    manager factory}) is entered around everything that runs that model."""
+    contexts = contexts or {}
     vocab = case.model.padded_vocab_size()
     if cuda_graph != "none":
         reset_static_inputs()
@@ -445,7 +417,7 @@ def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profi
     trainers, warm_losses, peaks = {}, {}, {}
     for name, mhar in models.items():
         trainers[name], warm_losses[name], peaks[name] = _build_and_warm(
-            case, mhar, device, warmup, cuda_graph, kernels.get(name, contextlib.nullcontext))
+            case, mhar, device, warmup, cuda_graph, contexts.get(name, contextlib.nullcontext))
     times, losses = _timed_rounds(trainers, case, device, steps)
     results = {}
     for name, trainer in trainers.items():
@@ -501,17 +473,13 @@ def environment():
     return env
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser(description=None) -> argparse.ArgumentParser:
+    """The benchmark's options (tools/perf/ab_training.py adds its own to them)."""
+    parser = argparse.ArgumentParser(description=description or __doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100m,350m,1b", help="comma list of " + ",".join(SIZES))
     parser.add_argument("--models", default="baseline,attnres,mhar",
                         help="comma list of " + ",".join(MODELS) + "; a name may carry "
-                             "MHARConfig overrides: mhar_lookahead@lookahead_group=8, and @"
-                             + BASE_KERNELS + " to run on --base-kernels' tree")
-    parser.add_argument("--base-kernels", metavar="DIR",
-                        help="another revision's mhar_kernels (python benchmarks/base_kernels.py REV "
-                             "DIR) for the models marked @" + BASE_KERNELS + "; each such model is "
-                             "compared with the same model on this checkout's kernels")
+                             "MHARConfig overrides: mhar_lookahead@lookahead_group=8")
     parser.add_argument("--steps", type=int, default=8,
                         help="timed rounds (one optimizer step per model each)")
     parser.add_argument("--warmup", type=int, default=3,
@@ -524,24 +492,20 @@ def main(argv=None):
                         help="full_iteration: every model's forward/backward schedule (all "
                              "micro-batches) captured once by Megatron's FullCudaGraphWrapper "
                              "and replayed, which removes the host's launch cost (CUDA only)")
-    parser.add_argument("--out", help="JSON output path")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", default=default_out("training", device_name()),
+                        help="JSON report (default: %(default)s)")
+    return parser
+
+
+def check_args(parser, args):
+    """The sizes to run; ``parser.error`` for options that cannot run (the models are
+    parsed by the caller: :func:`parse_model`)."""
     sizes = args.sizes.split(",")
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         parser.error(f"unknown sizes {unknown}; choose from {list(SIZES)}")
     if len(set(sizes)) < len(sizes):
         parser.error(f"--sizes {args.sizes} names a size twice; give each once")
-    try:
-        specs = {spec: split_kernels(spec) for spec in args.models.split(",")}
-        models = {spec: parse_model(config) for spec, (config, _) in specs.items()}
-    except ValueError as err:
-        parser.error(str(err))
-    on_base = [spec for spec, (_, base) in specs.items() if base]
-    if on_base and not args.base_kernels:
-        parser.error(f"{on_base} run on another revision's kernels: give their tree with --base-kernels DIR")
-    if args.base_kernels and not on_base:
-        parser.error(f"--base-kernels is used only by models marked @{BASE_KERNELS}, and none is")
     if args.cuda_graph != "none" and (not torch.cuda.is_available() or args.warmup < 2):
         parser.error("--cuda-graph needs CUDA and --warmup >= 2 (one eager step, then the "
                      "capture, both inside the warmup whose peak memory is reported)")
@@ -551,16 +515,13 @@ def main(argv=None):
     if args.steps < 1:
         parser.error(f"--steps must be >= 1 (the timed rounds), got {args.steps}")
     check_out(parser, args.out)
-    kernels = {}
-    if on_base:
-        from benchmarks import base_kernels
+    return sizes
 
-        try:
-            tree = base_kernels.load(args.base_kernels)
-        except ValueError as err:
-            parser.error(str(err))
-        kernels = {spec: functools.partial(base_kernels.active, tree) for spec in on_base}
 
+def run(args, sizes, models, contexts=None, annotate=None, extra=None):
+    """Trains ``models`` ({name: MHARConfig}) at each size and returns the report, written
+    to ``args.out`` after every size. ``contexts``: :func:`run_size`'s; ``annotate(entry)``
+    is called on each size's report before it is written; ``extra``: more report fields."""
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -568,32 +529,42 @@ def main(argv=None):
                                        cuda_graph_rng=args.cuda_graph != "none")
     models = {m: dataclasses.replace(mhar, kernel_impl=args.kernel_impl) if mhar.enabled else mhar
               for m, mhar in models.items()}
-    report = {"environment": environment(), "args": vars(args), "sizes": {}}
-    if on_base:
-        report["kernel_trees"] = {"base": base_kernels.describe(args.base_kernels),
-                                  "checkout": base_kernels.describe(base_kernels.ROOT)}
-        from megatron_mhar.ops.depth_route import resolve_impl
-
-        if resolve_impl(args.kernel_impl, torch.device(device)) == "torch":
-            print("--base-kernels: the routing runs the torch reference here, so both trees' "
-                  "models run the same code", flush=True)
+    report = {"environment": environment(), "args": vars(args), **(extra or {}), "sizes": {}}
     try:
         with capture_stream(args.cuda_graph):
             if device == "cuda":  # on the stream the models run on: cuBLAS keys its workspaces by stream
                 _prime_cublas()
             for size in sizes:
-                report["sizes"][size] = run_size(SIZES[size], models, args.steps, args.warmup,
-                                                 device, profile=not args.no_profile,
-                                                 cuda_graph=args.cuda_graph, kernels=kernels)
+                entry = run_size(SIZES[size], models, args.steps, args.warmup, device,
+                                 profile=not args.no_profile, cuda_graph=args.cuda_graph, contexts=contexts)
+                if annotate is not None:
+                    annotate(entry)
+                report["sizes"][size] = entry
                 if args.out:
                     write_json(args.out, report)
     finally:
         destroy()
-    print(json.dumps({s: {m: {k: round(v, 3) for k, v in e.items() if k in (
-        "tokens_per_s", "throughput_ratio", "throughput_ratio_round_median", "throughput_vs_mhar",
-        "throughput_vs_mhar_round_median", "throughput_vs_base_kernels", "throughput_vs_base_kernels_round_median",
-        "memory_ratio", "mfu", "peak_memory_gib")}
-        for m, e in r["models"].items()} for s, r in report["sizes"].items()}, indent=1))
+    return report
+
+
+SUMMARY_KEYS = ("tokens_per_s", "throughput_ratio", "throughput_ratio_round_median", "throughput_vs_mhar",
+                "throughput_vs_mhar_round_median", "memory_ratio", "mfu", "peak_memory_gib")
+
+
+def print_summary(report, keys=SUMMARY_KEYS):
+    print(json.dumps({s: {m: {k: round(v, 3) for k, v in e.items() if k in keys}
+                          for m, e in r["models"].items()} for s, r in report["sizes"].items()}, indent=1))
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sizes = check_args(parser, args)
+    try:
+        models = {spec: parse_model(spec) for spec in args.models.split(",")}
+    except ValueError as err:
+        parser.error(str(err))
+    print_summary(run(args, sizes, models))
 
 
 if __name__ == "__main__":

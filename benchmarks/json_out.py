@@ -1,6 +1,10 @@
-"""A benchmark's JSON report: its ``--out`` path checked before the run, every write whole.
+"""A benchmark's JSON report: where it goes, its ``--out`` path checked before the run,
+every write whole.
 
-The benchmarks rewrite their report after each case, so that a run cut short keeps what
+Reports of record live in ``benchmarks/results/<benchmark>/<device>.json`` (``default_out``):
+<benchmark> is the script's name without ``bench_``, <device> the GPU model in lower case
+with the GPU count where more than one runs (``h200``, ``h200x2``), ``cpu``, or
+``analytic`` for the byte models that run nothing. The benchmarks rewrite their report after each case, so that a run cut short keeps what
 it measured. ``write_json`` writes a temporary file beside the report and renames it over
 the report, so a run that fails while writing leaves the previous report, never a
 truncated one; ``check_out`` refuses a path that could never be written (a directory, a
@@ -9,9 +13,30 @@ path under a file) before any work, as an argparse error (exit 2).
 
 import json
 import os
+import re
 from pathlib import Path
 
 from megatron_mhar.files import nearest_existing, write_atomic
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_name(gpus: int = 1, device: str = "cuda") -> str:
+    """``h200`` (``h200x2`` for ``gpus`` > 1): the CUDA device's model in lower case, or
+    ``cpu`` where ``device`` is cpu or there is no CUDA device."""
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0)
+    model = re.search(r"\b([A-Z]+\d+\w*)\b", name.replace("NVIDIA", ""))
+    tag = (model.group(1) if model else name).lower().replace(" ", "_")
+    return tag if gpus <= 1 else f"{tag}x{gpus}"
+
+
+def default_out(benchmark: str, device: str) -> str:
+    """``benchmarks/results/<benchmark>/<device>.json``, the report of record's path."""
+    return str(RESULTS / benchmark / f"{device}.json")
 
 
 def check_out(parser, path, option="--out"):

@@ -1,6 +1,6 @@
 """Bytes crossing each pipeline boundary per micro-batch, for the 1B recipe (analytic).
 
-    python benchmarks/pipeline_bytes.py --out benchmarks/results/pipeline_bytes_1b.json
+    python benchmarks/pipeline_bytes.py      # writes benchmarks/results/pipeline_bytes/analytic.json
 
 An MHAR chunk sends its depth history packed along the hidden dimension,
 ``[s, b, width * h]``, and receives the gradient of the same shape back. The width of
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: E402
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # noqa: E402
 
-from benchmarks.json_out import check_out, write_json  # noqa: E402
+from benchmarks.json_out import check_out, default_out, write_json  # noqa: E402
 from megatron_mhar.models.mhar_config import MHARConfig  # noqa: E402
 from megatron_mhar.models.builder import make_transformer_config  # noqa: E402
 from megatron_mhar.models.gpt_config import GPTModelConfig  # noqa: E402
@@ -120,7 +120,8 @@ def boundaries(layout: LayoutCase, mhar: MHARConfig) -> List[dict]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=None, help="write the JSON here")
+    parser.add_argument("--out", default=default_out("pipeline_bytes", "analytic"),
+                        help="JSON report (default: %(default)s)")
     args = parser.parse_args()
     check_out(parser, args.out)
 
@@ -157,8 +158,7 @@ def main():
                       megatron_core=_megatron_version()),
         cases=cases,
     )
-    if args.out:
-        write_json(args.out, result, indent=2)
+    write_json(args.out, result, indent=2)
 
 
 def _megatron_version() -> str:

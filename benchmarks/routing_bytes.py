@@ -1,6 +1,6 @@
 """Bytes the routing of one training step moves: per-site vs two-phase ("lookahead").
 
-    python benchmarks/routing_bytes.py --out benchmarks/results/routing_bytes_lookahead.json
+    python benchmarks/routing_bytes.py      # writes benchmarks/results/routing_bytes/analytic.json
 
 Analytic, no GPU: full variant at the paper shapes (the paper's configurations, micro-batch x sequence
 tokens), bf16 sources, one pipeline stage. Site j = 1 .. 2L+1 reads rows [0, j).
@@ -42,9 +42,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.json_out import check_out, write_json  # noqa: E402
+from benchmarks.json_out import check_out, default_out, write_json  # noqa: E402
 from megatron_mhar.ops.lookahead import auto_group_size, group_ranges  # noqa: E402
-from mhar_kernels.lookahead import _dot_heads, _use_tensor_cores  # noqa: E402
+from mhar_kernels.launch import dot_heads, use_tensor_cores  # noqa: E402
 
 MODELS = [
     # name, decoder layers, width, tokens per micro-batch (micro-batch x sequence)
@@ -81,7 +81,7 @@ def groups(sites: int, group: int):
 def dots_forward(g: int, d: int, h: int) -> bool:
     """Whether a group of ``g`` sites runs the tensor-core phase-1 forward (the kernels'
     rule), which writes its first site's partial too (the row loop finishes that site)."""
-    return _use_tensor_cores(None, g, _dot_heads(d, h)[2], backward=False, dtype=torch.bfloat16)
+    return use_tensor_cores(None, g, dot_heads(d, h)[2], backward=False, dtype=torch.bfloat16)
 
 
 def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:
@@ -150,7 +150,8 @@ def report() -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/results/routing_bytes_lookahead.json")
+    parser.add_argument("--out", default=default_out("routing_bytes", "analytic"),
+                        help="JSON report (default: %(default)s)")
     args = parser.parse_args()
     check_out(parser, args.out)
     data = report()

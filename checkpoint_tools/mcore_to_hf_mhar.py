@@ -5,7 +5,12 @@ without installing the package.
 
     python checkpoint_tools/mcore_to_hf_mhar.py --ckpt runs/cpt/checkpoints --out hf_out
 
-The options and behaviour are those of :mod:`megatron_mhar.conversion.cli`.
+variant none: a plain LlamaForCausalLM / Qwen3ForCausalLM directory that transformers
+loads. MHAR variants: an MHARLlamaForCausalLM / MHARQwen3ForCausalLM directory (routing
+parameters in its safetensors, its modeling files beside them) that
+AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True) loads, with or without
+megatron_mhar installed. The options and behaviour are those of
+:mod:`megatron_mhar.conversion.cli`.
 """
 
 import sys

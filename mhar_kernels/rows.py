@@ -1,25 +1,21 @@
 """Row copies of the source history: a sublayer output into its row of the ``[T, R, D]``
 buffer, and a row's fp32 gradient out as the sublayer's gradient in its dtype.
 
-A history row is a ``[T, D]`` view whose token stride is ``R * D``. torch's copy of such a
-view takes its generic strided path: on the H200 a 1B row (T = 2048, D = 1280) took 6.4 us
-to write and 7.6 us to cast its gradient, a 100M row (T = 16384, D = 512) 17 and 24 us,
-1.0-2.0 TB/s (``benchmarks/results/training_h200_graph_other_kernels.json``, one per row
-and micro-batch). These kernels move ``[BT, BD]`` tiles with the token stride as a
-runtime argument and the channels contiguous, so every row of a tile is one vectorised
-access whatever R is.
+A history row is a ``[T, D]`` view whose token stride is ``R * D``; torch's copy of such
+a view takes its generic strided path. These kernels move ``[BT, BD]`` tiles with the
+token stride as a runtime argument and the channels contiguous, so every row of a tile
+is one vectorised access whatever R is (tile: ``launch.copy_tile``).
 """
-
-import functools
-from typing import Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from .launch import copy_tile
+
 
 @triton.jit
-def _copy_rows_kernel(
+def copy_rows_kernel(
     SRC_ptr,  # [T, D], strides (stride_st, 1)
     DST_ptr,  # [T, D], strides (stride_dt, 1); the values are cast to its dtype
     T,
@@ -37,15 +33,6 @@ def _copy_rows_kernel(
     tl.store(DST_ptr + o_t64 * stride_dt + o_d[None, :], b_x.to(DST_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _copy_tile(d: int) -> Tuple[int, int]:
-    """(tokens, channels) of a program's tile: the channels the largest power of two that
-    divides D, up to 1024 (1280 = 5 x 256: no masked lane), or D padded where D is odd;
-    8K elements per tile."""
-    block_d = min(1024, d & -d if d % 16 == 0 else triton.next_power_of_2(d))
-    return max(1, 8192 // block_d), block_d
-
-
 def copy_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
     """``dst.copy_(src)`` for two ``[T, D]`` views with unit stride over D (any token
     strides), casting to ``dst``'s dtype."""
@@ -57,7 +44,7 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
     t, d = src.shape
     if t == 0 or d == 0:
         return
-    block_t, block_d = _copy_tile(d)
-    _copy_rows_kernel[(triton.cdiv(t, block_t), triton.cdiv(d, block_d))](
+    block_t, block_d = copy_tile(d)
+    copy_rows_kernel[(triton.cdiv(t, block_t), triton.cdiv(d, block_d))](
         src, dst, t, src.stride(0), dst.stride(0), D=d, BT=block_t, BD=block_d, num_warps=4,
     )  # fmt: skip

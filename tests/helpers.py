@@ -350,3 +350,47 @@ def read_safetensors(directory: Path) -> dict:
         if path.name != "mhar_params.safetensors":
             tensors.update(load_file(str(path)))
     return tensors
+
+
+# --- Hugging Face export cases (tests/hf): tiny runs of every family and variant ---
+
+EXPORT_LAYERS = 3
+EXPORT_SEQ = 64
+
+EXPORT_ARCHITECTURE = [
+    "run.device=cpu", "run.seed=1234", f"model.num_layers={EXPORT_LAYERS}", "model.hidden_size=32",
+    "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=64",
+    f"model.vocab_size={EMBEDDED_VOCAB}", f"model.seq_length={EXPORT_SEQ}",
+]
+EXPORT_TRAINING = [
+    "training.train_iters=4", "training.global_batch_size=4", "training.micro_batch_size=4",
+    "optimizer.lr=3.0e-2", "optimizer.min_lr=3.0e-3", "optimizer.lr_warmup_iters=1",
+    "eval.interval=0", "logging.interval=1", "logging.tensorboard=false", "checkpoint.keep_last=1",
+    f"data.embedded_vocab_size={EMBEDDED_VOCAB}", f"data.embedded_max_bytes={EMBEDDED_BYTES}",
+    "data.split=80,20,0",
+]
+QWEN3_FAMILY = ["model.qk_layernorm=true"]
+LLAMA_FAMILY = ["model.qk_layernorm=false"]
+
+# case -> overrides of the smoke recipe. Together: both families, every variant, H = 8 and
+# H = 1, logit_scale != 1, tied and untied embeddings.
+EXPORT_CASES = {
+    # Qwen3 (q/k norms), every sublayer output a source, 8 heads, tau = 2, tied embeddings
+    "qwen3-full-h8": QWEN3_FAMILY + ["mhar.variant=full", "mhar.num_heads=8", "mhar.logit_scale=2.0",
+                              "model.tie_embeddings=true"],
+    # Llama, Attention Residuals (one head), untied output layer
+    "llama-full-h1": LLAMA_FAMILY + ["mhar.variant=full", "mhar.num_heads=1", "model.tie_embeddings=false"],
+    # blocks of 4 sublayers over 6: block 2 spans layers, the final site reads a partial
+    "llama-block-h4": LLAMA_FAMILY + ["mhar.variant=block", "mhar.num_heads=4", "mhar.block_size=4",
+                               "mhar.logit_scale=4.0", "model.tie_embeddings=true"],
+    # delta over blocks of one layer (null source + embedding + 2 deltas), untied, tau = 8
+    "qwen3-delta-h8": QWEN3_FAMILY + ["mhar.variant=delta", "mhar.num_heads=8", "mhar.delta_block_layers=1",
+                               "mhar.logit_scale=8.0", "model.tie_embeddings=false"],
+    # no routing: a plain Qwen3 export
+    "qwen3-none": QWEN3_FAMILY + ["mhar.variant=none", "model.tie_embeddings=true"],
+}
+ROUTED_CASES = [name for name in EXPORT_CASES if not name.endswith("none")]
+
+
+def export_token_batch(seed: int = 0, batch: int = 2, seq: int = 24) -> torch.Tensor:
+    return torch.randint(0, EMBEDDED_VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))

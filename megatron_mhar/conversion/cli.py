@@ -67,6 +67,9 @@ def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-reference", type=Path,
                         help="HF directory whose config.json and tokenizer files to use "
                              "(default: those the converted checkpoint carries)")
+    parser.add_argument("--tokenizer", type=Path,
+                        help="directory holding the tokenizer.json to ship with the model (e.g. the "
+                             "builtin tokenizer a run trained with); default: --hf-reference's")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
 
@@ -100,7 +103,7 @@ def run_mcore_to_hf(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
     try:
         out = mcore_to_hf(args.ckpt, args.out, overwrite=args.overwrite, dtype=args.dtype,
-                          hf_reference=args.hf_reference)
+                          hf_reference=args.hf_reference, tokenizer=args.tokenizer)
     except INPUT_ERRORS as err:
         parser.exit(2, f"error: {err}\n")
     print(f"wrote {out}")

@@ -8,8 +8,11 @@ writes the shards. The result loads at any TP/PP layout (Megatron's sharded keys
 are global; the padded vocabulary rows are ``allow_shape_mismatch``).
 
 :func:`mcore_to_hf` loads a converted or trained checkpoint into a single-process
-model and writes HF safetensors; MHAR routing parameters go to the side file
-described in :mod:`megatron_mhar.conversion.hf_io`.
+model and writes HF safetensors. An MHAR model becomes a directory of its MHAR form
+(:mod:`megatron_mhar.hf`): the routing parameters in the model's own safetensors, the
+``mhar_*`` fields and ``auto_map`` in ``config.json`` and the modeling files beside it
+(see :mod:`megatron_mhar.conversion.hf_io`). The import reads such exports, plain
+Llama / Qwen3 directories and the side file of earlier exports.
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ class ImportPlan:
     tp: int
     pp: int
     overwrite: bool
-    side_file: bool
-    """Whether routing parameters come from the HF directory's MHAR side file."""
+    routing_source: str
+    """Where routing parameters come from: ``"export"`` (the tensors of an MHAR export),
+    ``"side_file"`` (an earlier export's MHAR side file) or ``"initial"`` (the values the
+    model is built with)."""
     hf_ignored: tuple
 
 
@@ -81,15 +86,21 @@ def plan_import(
     )
     checkpoint.check_layout(model, tp, pp)
     side = hf_io.read_mhar_side_file(hf_dir)
+    exported = hf_config.mhar_config_from_hf(raw) if hf_config.is_mhar_export(raw) else None
+    if exported is not None and side is not None:
+        raise ValueError(
+            f"{hf_dir} is an MHAR export and also carries {hf_io.MHAR_PARAMS_FILE}; remove the "
+            f"side file (the export's own tensors hold the routing)"
+        )
     fields: Dict[str, Any] = {}
-    if side is not None:
-        description, _ = side
-        fields.update(description["mhar"])
+    if exported is not None or side is not None:
+        fields.update(function_fields(dataclasses.asdict(exported)) if exported else side[0]["mhar"])
+        where = "config.json" if exported else hf_io.MHAR_PARAMS_FILE
         if variant is not None and variant != fields["variant"]:
             raise ValueError(
                 f"{hf_dir} carries MHAR parameters of variant {fields['variant']!r} "
-                f"({hf_io.MHAR_PARAMS_FILE}); --variant {variant} would drop or misplace them. "
-                f"Use --variant {fields['variant']} or convert a directory without the side file"
+                f"({where}); --variant {variant} would drop or misplace them. "
+                f"Use --variant {fields['variant']} or convert a directory without them"
             )
     elif variant is None:
         raise ValueError("--variant is required (none, full, block or delta)")
@@ -105,13 +116,18 @@ def plan_import(
     mhar.validate_for_model(model.hidden_size, model.num_layers)
     if side is not None:
         _check_side_file(side[0], model, mhar, hf_dir)
-    names = hf_io.SafetensorsReader(hf_dir).keys()
-    ignored = mapping.check_hf_names(names, model, str(hf_dir))
+    if exported is not None:
+        _check_same_routing(exported, mhar, f"{hf_dir}/config.json")
+    reader = hf_io.SafetensorsReader(hf_dir)
+    ignored = mapping.check_hf_names(reader.keys(), model, str(hf_dir), exported)
+    if exported is not None:
+        _check_routing_shapes(reader, model, exported, hf_dir)
     dtype = dtype or _hf_dtype(hf_dir)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    source = "export" if exported is not None else "side_file" if side is not None else "initial"
     return ImportPlan(str(hf_dir), str(Path(out).absolute()), model, mhar, dtype, tp, pp,
-                      overwrite, side is not None, tuple(ignored))
+                      overwrite, source, tuple(ignored))
 
 
 def _hf_dtype(hf_dir: Path) -> str:
@@ -123,12 +139,33 @@ def _hf_dtype(hf_dir: Path) -> str:
 def _check_side_file(description, model: GPTModelConfig, mhar: MHARConfig, hf_dir: Path) -> None:
     saved = GPTModelConfig(**description["model"])
     hf_config.check_same_function(saved, model, f"{hf_dir}/config.json and {hf_io.MHAR_CONFIG_FILE}")
-    if function_fields(description["mhar"]) != function_fields(dataclasses.asdict(mhar)):
+    _check_same_routing(MHARConfig(**description["mhar"]), mhar, hf_io.MHAR_CONFIG_FILE)
+
+
+def _check_same_routing(saved: MHARConfig, mhar: MHARConfig, where: str) -> None:
+    saved_fields = function_fields(dataclasses.asdict(saved))
+    if saved_fields != function_fields(dataclasses.asdict(mhar)):
         raise ValueError(
-            f"{hf_io.MHAR_CONFIG_FILE} has mhar={description['mhar']}, the options ask for "
-            f"{dataclasses.asdict(mhar)}; routing parameters only fit the configuration they "
-            f"were trained with"
+            f"{where} has mhar={saved_fields}, the options ask for "
+            f"{function_fields(dataclasses.asdict(mhar))}; routing parameters only fit the "
+            f"configuration they were trained with"
         )
+
+
+def _check_routing_shapes(reader, model: GPTModelConfig, mhar: MHARConfig, hf_dir: Path) -> None:
+    """Every routing tensor of an MHAR export has the shape its config.json implies."""
+    base = set(mapping.expected_hf_names(model))
+    for name in mapping.expected_hf_names(model, mhar):
+        if name in base:
+            continue
+        wanted = (1,) if name.endswith(".gate") else (model.hidden_size,)
+        shape = tuple(reader(name).shape)
+        if shape != wanted:
+            raise ValueError(
+                f"{hf_dir}: {name} has shape {shape}, but config.json (hidden_size="
+                f"{model.hidden_size}, mhar_variant={mhar.variant!r}) implies {wanted}; the config "
+                f"does not belong to these weights"
+            )
 
 
 def hf_to_mcore(plan: ImportPlan) -> Path:
@@ -172,7 +209,7 @@ def _import_rank(plan: ImportPlan) -> None:
             "architecture": hf_config.architecture(hf_io.read_config(Path(plan.hf_dir))),
             "dtype": plan.dtype,
             "converted_at_layout": {"tp": plan.tp, "pp": plan.pp},
-            "mhar_params_from_side_file": plan.side_file,
+            "routing_source": plan.routing_source,
             "ignored_hf_tensors": list(plan.hf_ignored),
         }
         checkpoint.save(chunk, iteration_dir, checkpoint.common_state(plan.model, plan.mhar, conversion))
@@ -222,15 +259,16 @@ def _fill_from_hf(chunk, plan: ImportPlan) -> None:
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     reader = hf_io.SafetensorsReader(Path(plan.hf_dir))
     shapes = mapping.Shapes.of(plan.model, tp_size)
-    routing = hf_io.read_mhar_side_file(Path(plan.hf_dir))[1] if plan.side_file else None
+    side_file = plan.routing_source == "side_file"
+    routing = hf_io.read_mhar_side_file(Path(plan.hf_dir))[1] if side_file else None
     if plan.model.tie_embeddings and "lm_head.weight" in reader:
         _check_tied_copy(reader)
     used_routing = set()
     for name, param in chunk.named_parameters():
         key = checkpoint.global_name(chunk, name)
-        if mapping.is_mhar_param(key):
-            if routing is None:
-                continue  # identity values from the model's construction
+        if mapping.is_mhar_param(key) and plan.routing_source == "initial":
+            continue  # identity values from the model's construction
+        if mapping.is_mhar_param(key) and side_file:
             if key not in routing:
                 raise ValueError(f"{hf_io.MHAR_PARAMS_FILE} has no {key!r}")
             full = routing[key]
@@ -265,21 +303,27 @@ def mcore_to_hf(
     overwrite: bool = False,
     dtype: Optional[str] = None,
     hf_reference: Optional[Path] = None,
+    tokenizer: Optional[Path] = None,
 ) -> Path:
-    """Write an HF directory (plus the MHAR side file for MHAR models) from a checkpoint.
+    """Write an HF directory from a checkpoint: a plain Llama / Qwen3 for ``variant: none``,
+    else its MHAR form, which ``AutoModelForCausalLM`` loads (``trust_remote_code=True``, or
+    none once :mod:`megatron_mhar.hf` is imported).
 
     ``config.json`` and the tokenizer files come from ``hf_reference`` if given, else
     from the ``hf/`` folder a converted checkpoint carries; a checkpoint with neither
-    (trained from scratch) gets a config derived from its model config.
+    (trained from scratch) gets a config derived from its model config. ``tokenizer``
+    (a directory holding ``tokenizer.json``, such as the one a run trained on) supplies
+    the tokenizer files instead, and a derived config its end-of-document token as EOS.
     """
     from megatron_mhar.runtime import destroy
 
     found = checkpoint.find_checkpoint(Path(ckpt))
-    inputs = (Path(ckpt), found) + ((Path(hf_reference),) if hf_reference else ())
+    inputs = (Path(ckpt), found) + tuple(Path(p) for p in (hf_reference, tokenizer) if p)
     checkpoint.check_output(out, overwrite, inputs)
     source_hf = Path(hf_reference) if hf_reference else found / checkpoint.HF_SUBDIR
     if hf_reference and not (source_hf / "config.json").is_file():
         raise FileNotFoundError(f"--hf-reference {hf_reference} has no config.json")
+    tokenizer_files = hf_io.tokenizer_files(Path(tokenizer)) if tokenizer else None
     model_cfg, mhar, _ = checkpoint.read_configs(found)
     stored = checkpoint.stored_dtype(found)
     target = DTYPES[dtype] if dtype else stored
@@ -291,37 +335,32 @@ def mcore_to_hf(
     finally:
         if started:
             destroy()
-    shapes = mapping.Shapes.of(model_cfg)
-    tensors, routing = mapping.hf_tensors(state, model_cfg, shapes)
-
-    if not mhar.enabled and routing:
-        raise ValueError(f"variant none checkpoint holds routing tensors: {sorted(routing)[:4]}")
+    tensors = mapping.hf_tensors(state, model_cfg, mapping.Shapes.of(model_cfg), mhar)
     if (source_hf / "config.json").is_file():
         what = f"--hf-reference {hf_reference}/config.json" if hf_reference else f"{source_hf}/config.json"
-        config = hf_io.read_config(source_hf)
+        config = hf_config.plain_hf_config(hf_io.read_config(source_hf))
         derived = hf_config.model_config_from_hf(config)
         hf_config.check_same_function(derived, model_cfg, f"{what} and the checkpoint's model")
     else:
         config = hf_config.hf_config_from_model(model_cfg, _DTYPE_NAMES[target])
+        if tokenizer is not None:
+            from megatron_mhar.data.tokenizer import Tokenizer
+
+            config["eos_token_id"] = Tokenizer.from_dir(str(tokenizer)).eod
+    if mhar.enabled:
+        config = hf_config.mhar_hf_config(config, mhar)
 
     out = Path(out).absolute()
     tmp = checkpoint.prepare_output(out, overwrite, inputs)
     try:
         if (source_hf / "config.json").is_file():
             hf_io.copy_auxiliary(source_hf, tmp)
+        if tokenizer_files is not None:
+            hf_io.write_tokenizer(tokenizer_files, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         hf_io.write_safetensors(tensors, tmp)
         if mhar.enabled:
-            hf_io.write_mhar_side_file(
-                tmp,
-                routing,
-                {
-                    "variant": mhar.variant,
-                    "mhar": dataclasses.asdict(mhar),
-                    "model": dataclasses.asdict(model_cfg),
-                    "source_checkpoint": str(found),
-                },
-            )
+            hf_io.copy_remote_code(tmp)
         return checkpoint.publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written directory behind

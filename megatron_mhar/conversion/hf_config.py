@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` <-> :class:`GPTModelConfig`, for Llama and Qwen3.
+"""Hugging Face ``config.json`` <-> :class:`GPTModelConfig` (and :class:`MHARConfig`), for
+Llama and Qwen3 and their MHAR forms.
 
 Reads the raw ``config.json`` dict (no ``transformers`` import), in both the
 transformers 4.x spelling (``rope_theta`` + ``rope_scaling``) and the 5.x one
@@ -6,13 +7,19 @@ transformers 4.x spelling (``rope_theta`` + ``rope_scaling``) and the 5.x one
 (biases, sliding windows, other RoPE scalings, a non-SiLU MLP) raises a
 ``ValueError`` that names the field, instead of converting into a model that is
 silently not the same function.
+
+An MHAR export (``MHARLlamaForCausalLM`` / ``MHARQwen3ForCausalLM``, the models of
+:mod:`megatron_mhar.hf`) is its family's config plus the ``mhar_*`` routing fields and an
+``auto_map`` naming the modeling files copied beside it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, Optional
 
 from megatron_mhar.models.gpt_config import GPTModelConfig
+from megatron_mhar.models.mhar_config import MHARConfig, function_fields
 
 # architecture class -> (model_type, per-head q/k RMSNorm, default head_dim or None for d/heads)
 ARCHITECTURES = {
@@ -20,6 +27,20 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": ("qwen3", True, 128),
 }
 _BY_MODEL_TYPE = {model_type: arch for arch, (model_type, _, _) in ARCHITECTURES.items()}
+
+# MHAR architecture (megatron_mhar/hf/modeling_mhar.py) -> (model_type, config class, base architecture)
+MHAR_ARCHITECTURES = {
+    "MHARLlamaForCausalLM": ("mhar_llama", "MHARLlamaConfig", "LlamaForCausalLM"),
+    "MHARQwen3ForCausalLM": ("mhar_qwen3", "MHARQwen3Config", "Qwen3ForCausalLM"),
+}
+_MHAR_BY_BASE = {base: arch for arch, (_, _, base) in MHAR_ARCHITECTURES.items()}
+_MHAR_BY_MODEL_TYPE = {model_type: arch for arch, (model_type, _, _) in MHAR_ARCHITECTURES.items()}
+CONFIGURATION_FILE = "configuration_mhar.py"
+MODELING_FILE = "modeling_mhar.py"
+
+# MHARConfig field -> config.json field of an MHAR export (the fields defining the function).
+MHAR_FIELDS = {name: f"mhar_{name}" for name in
+               ("variant", "num_heads", "block_size", "delta_block_layers", "eps", "logit_scale")}
 
 # Megatron's Llama-3.1 RoPE scaling hard-codes these (RotaryEmbedding._apply_scaling).
 _MEGATRON_LLAMA3_SCALING = {
@@ -30,15 +51,25 @@ _MEGATRON_LLAMA3_SCALING = {
 
 
 def architecture(hf: Dict[str, Any]) -> str:
-    """The supported architecture class of an HF config, or a ``ValueError``."""
+    """The supported architecture class of an HF config (the base class for an MHAR export),
+    or a ``ValueError``."""
     archs = hf.get("architectures") or []
     if len(archs) > 1:
         raise ValueError(f"config.json lists several architectures {archs}; expected exactly one")
-    arch = archs[0] if archs else _BY_MODEL_TYPE.get(hf.get("model_type"))
+    arch = archs[0] if archs else (_BY_MODEL_TYPE.get(hf.get("model_type"))
+                                   or _MHAR_BY_MODEL_TYPE.get(hf.get("model_type")))
+    if arch in MHAR_ARCHITECTURES:
+        expected_type, _, base = MHAR_ARCHITECTURES[arch]
+        if hf.get("model_type", expected_type) != expected_type:
+            raise ValueError(
+                f"config.json: architectures={archs} but model_type={hf.get('model_type')!r}; "
+                f"expected model_type={expected_type!r}"
+            )
+        return base
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {arch or hf.get('model_type')!r}: the converter handles "
-            f"{', '.join(ARCHITECTURES)}"
+            f"{', '.join(list(ARCHITECTURES) + list(MHAR_ARCHITECTURES))}"
         )
     expected_type = ARCHITECTURES[arch][0]
     if hf.get("model_type", expected_type) != expected_type:
@@ -192,10 +223,74 @@ def hf_config_from_model(model: GPTModelConfig, dtype: str = "float32") -> Dict[
         "rope_parameters": rope,
         "torch_dtype": dtype,
         "dtype": dtype,
+        # Unknown without the tokenizer (not the Llama class defaults 1 and 2); the export
+        # sets eos_token_id from the tokenizer it is given.
+        "bos_token_id": None,
+        "eos_token_id": None,
     }
     if arch == "LlamaForCausalLM":
         config["mlp_bias"] = False
     return config
+
+
+def is_mhar_export(hf: Dict[str, Any]) -> bool:
+    """Whether a config.json is an MHAR export's (the routing is in its own tensors)."""
+    archs = hf.get("architectures") or []
+    return bool(set(archs) & set(MHAR_ARCHITECTURES)) or hf.get("model_type") in _MHAR_BY_MODEL_TYPE
+
+
+def mhar_config_from_hf(hf: Dict[str, Any]) -> MHARConfig:
+    """The :class:`MHARConfig` of an MHAR export's config.json (``ValueError`` naming a bad field)."""
+    fields = {}
+    for name, key in MHAR_FIELDS.items():
+        if key not in hf and key != "mhar_eps":
+            raise ValueError(f"config.json of an MHAR export has no {key!r}")
+        fields[name] = hf.get(key)
+    if fields["variant"] not in ("full", "block", "delta"):
+        raise ValueError(
+            f"config.json: mhar_variant={fields['variant']!r}; an MHAR export is full, block or delta "
+            f"(a model without routing is exported as a plain Llama / Qwen3)"
+        )
+    try:
+        mhar = MHARConfig(**fields)
+    except ValueError as err:  # its fields are named mhar.<field>; the export spells them mhar_<field>
+        raise ValueError(f"config.json: {err}".replace("mhar.", "mhar_")) from None
+    try:
+        mhar.validate_for_model(hf["hidden_size"], hf["num_hidden_layers"])
+    except ValueError as err:
+        raise ValueError(f"config.json: {err}".replace("mhar.", "mhar_")) from None
+    return mhar
+
+
+def plain_hf_config(config: Dict[str, Any]) -> Dict[str, Any]:
+    """A config.json in its plain Llama / Qwen3 form (an MHAR export's without its routing)."""
+    if not is_mhar_export(config):
+        return config
+    base = architecture(config)
+    out = {k: v for k, v in config.items() if k != "auto_map" and k not in MHAR_FIELDS.values()}
+    out.update(architectures=[base], model_type=ARCHITECTURES[base][0])
+    return out
+
+
+def mhar_hf_config(config: Dict[str, Any], mhar: MHARConfig) -> Dict[str, Any]:
+    """The config.json of an MHAR export: a Llama / Qwen3 ``config`` turned into its MHAR form."""
+    base = architecture(config)
+    arch = _MHAR_BY_BASE[base]
+    model_type, config_class, _ = MHAR_ARCHITECTURES[arch]
+    fields = function_fields(dataclasses.asdict(mhar))
+    # The MHAR models need transformers 5, which reads RoPE from rope_parameters alone.
+    legacy = ("rope_theta", "rope_scaling") if "rope_parameters" in config else ()
+    out = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "auto_map", *legacy)}
+    out.update({MHAR_FIELDS[name]: value for name, value in fields.items()})
+    out.update(
+        architectures=[arch],
+        model_type=model_type,
+        auto_map={
+            "AutoConfig": f"{CONFIGURATION_FILE[:-3]}.{config_class}",
+            "AutoModelForCausalLM": f"{MODELING_FILE[:-3]}.{arch}",
+        },
+    )
+    return dict(sorted(out.items()))
 
 
 def _function_fields(model: GPTModelConfig) -> Dict[str, Any]:

@@ -3,18 +3,22 @@
 Layout written by the export (``mcore_to_hf_mhar.py``)::
 
     out/
-      config.json                    the source model's config (or one derived from the model)
+      config.json                    the source model's config (or one derived from the model);
+                                     for MHAR models its MHAR form (mhar_* fields, auto_map)
       generation_config.json, tokenizer files     copied from the source, when known
-      model.safetensors              or model-0000k-of-0000n.safetensors + model.safetensors.index.json
-      mhar_config.json               only for MHAR models: {"format", "variant", "mhar", "model"}
-      mhar_params.safetensors        only for MHAR models: the routing parameters
+      model.safetensors              or model-0000k-of-0000n.safetensors + model.safetensors.index.json;
+                                     MHAR models hold their routing parameters here too
+      configuration_mhar.py, modeling_mhar.py, depth_route.py
+                                     only for MHAR models: the model's code (megatron_mhar/hf and
+                                     megatron_mhar/ops/depth_route.py, copied verbatim)
 
-The side file ``mhar_params.safetensors`` holds every routing parameter under its
-Megatron name with the global 0-based layer index (``decoder.layers.3.input_router.query``;
-``decoder.final_router.*`` for the final site of the full and block variants); its
-safetensors metadata repeats ``mhar_config.json``. Transformers ignores both files:
-it loads the base model only. ``hf_to_mcore_mhar.py`` reads them back when they are
-present, so a Megatron -> HF -> Megatron round trip keeps the routing.
+Earlier exports of MHAR models held the routing parameters in a side file that
+transformers ignores, which ``hf_to_mcore_mhar.py`` still reads back:
+``mhar_params.safetensors`` (every routing parameter under its Megatron name with the
+global 0-based layer index, ``decoder.layers.3.input_router.query``;
+``decoder.final_router.*`` for the final site of the full and block variants) and
+``mhar_config.json`` (``{"format", "variant", "mhar", "model", "source_checkpoint"}``,
+repeated in the safetensors metadata).
 """
 
 from __future__ import annotations
@@ -34,9 +38,14 @@ MHAR_CONFIG_FILE = "mhar_config.json"
 MHAR_PARAMS_FILE = "mhar_params.safetensors"
 SIDE_FILE_FORMAT = "megatron_mhar.routing.v1"
 
-# Files of an HF model directory carried along unchanged (tokenizer, generation settings).
-AUXILIARY_FILES = (
-    "generation_config.json",
+# An MHAR export's code: file in the export -> its source under megatron_mhar/.
+REMOTE_CODE = {
+    "configuration_mhar.py": "hf/configuration_mhar.py",
+    "modeling_mhar.py": "hf/modeling_mhar.py",
+    "depth_route.py": "ops/depth_route.py",
+}
+
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -46,6 +55,9 @@ AUXILIARY_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
+
+# Files of an HF model directory carried along unchanged (tokenizer, generation settings).
+AUXILIARY_FILES = ("generation_config.json",) + TOKENIZER_FILES
 
 
 def read_config(hf_dir: Path) -> Dict[str, Any]:
@@ -144,20 +156,16 @@ def write_safetensors(
     return names
 
 
-def write_mhar_side_file(
-    out_dir: Path, routing: Mapping[str, torch.Tensor], description: Dict[str, Any]
-) -> None:
-    """Write ``mhar_params.safetensors`` and ``mhar_config.json`` (see the module docstring)."""
-    from safetensors.torch import save_file
+def copy_remote_code(out_dir: Path) -> List[str]:
+    """Copy the MHAR models' code into an export, for ``trust_remote_code=True`` loading.
 
-    description = {"format": SIDE_FILE_FORMAT, **description}
-    text = json.dumps(description, indent=2, sort_keys=False)
-    (Path(out_dir) / MHAR_CONFIG_FILE).write_text(text + "\n")
-    save_file(
-        {k: v.contiguous() for k, v in sorted(routing.items())},
-        str(Path(out_dir) / MHAR_PARAMS_FILE),
-        metadata={"format": "pt", "megatron_mhar": json.dumps(description)},
-    )
+    The files are those of this package (:data:`REMOTE_CODE`), byte for byte; the
+    config's ``auto_map`` names them. Returns the file names written.
+    """
+    package = Path(__file__).resolve().parents[1]
+    for name, source in REMOTE_CODE.items():
+        shutil.copyfile(package / source, Path(out_dir) / name)
+    return list(REMOTE_CODE)
 
 
 def read_mhar_side_file(hf_dir: Path) -> Optional[tuple]:
@@ -192,6 +200,35 @@ def _safetensors_read(path: Path) -> Iterator[None]:
         raise ValueError(
             f"{path} is not a readable safetensors file ({err}); it is truncated or corrupt: download or copy it again"
         ) from None
+
+
+def tokenizer_files(directory: Path) -> Dict[str, bytes]:
+    """The tokenizer files of ``directory`` (one holding ``tokenizer.json``), by name.
+
+    A directory without ``tokenizer_config.json`` (the builtin tokenizer a run trains) gets
+    one for transformers' ``PreTrainedTokenizerFast`` that names its end-of-document token
+    as the EOS token, so ``AutoTokenizer`` loads the export.
+    """
+    from megatron_mhar.data.tokenizer import Tokenizer
+
+    directory = Path(directory)
+    if not (directory / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"--tokenizer {directory} has no tokenizer.json")
+    files = {name: (directory / name).read_bytes() for name in TOKENIZER_FILES if (directory / name).is_file()}
+    if "tokenizer_config.json" not in files:
+        eos = Tokenizer.from_dir(str(directory)).eod_token
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+                  "clean_up_tokenization_spaces": False}
+        files["tokenizer_config.json"] = (json.dumps(config, indent=2) + "\n").encode()
+    return files
+
+
+def write_tokenizer(files: Mapping[str, bytes], out_dir: Path) -> None:
+    """Write :func:`tokenizer_files`' result into ``out_dir`` (replacing copied tokenizer files)."""
+    for name in TOKENIZER_FILES:
+        (Path(out_dir) / name).unlink(missing_ok=True)
+    for name, data in files.items():
+        (Path(out_dir) / name).write_bytes(data)
 
 
 def copy_auxiliary(src: Path, dst: Path, names: Iterable[str] = AUXILIARY_FILES) -> List[str]:

@@ -21,15 +21,18 @@ Special cases are named functions, each with its inverse:
 * :func:`pad_vocab` / :func:`strip_vocab`: Megatron pads the vocabulary to a
   multiple of ``make_vocab_size_divisible_by * TP``; the padded rows are zero.
 
-Every tensor on either side must be claimed by a rule (or be an MHAR routing
-parameter, which HF models do not have); anything else raises.
+MHAR routing parameters have a table of their own, :data:`ROUTING_RULES`, naming them
+as the transformers models of :mod:`megatron_mhar.hf` do (``model.layers.{}.attention_router.query``);
+it applies to MHAR models only, and its ``when`` conditions read the routing variant.
+
+Every tensor on either side must be claimed by a rule; anything else raises.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -145,7 +148,8 @@ class Rule:
     to_hf: Callable = _uncopy
     """``(megatron tensor, shapes) -> hf tensors`` in ``hf`` order."""
     when: Optional[str] = None
-    """Only for models where this GPTModelConfig predicate holds (see :data:`CONDITIONS`)."""
+    """Only for models where this predicate of (GPTModelConfig, MHARConfig) holds (see
+    :data:`CONDITIONS`)."""
 
 
 L = "model.layers.{}."
@@ -170,9 +174,24 @@ RULES: Tuple[Rule, ...] = (
          when="untied"),
 )
 
-# MHAR routing parameters (the paper's variants): not in HF models. On import they keep the
-# values the model is built with (zero queries and gates, unit norms, zero null
-# sources); on export they go to the side file (see megatron_mhar.conversion.hf_io).
+ROUTING_RULES: Tuple[Rule, ...] = (
+    # Megatron (MHAR layers)                            HF (megatron_mhar.hf's MHAR models)
+    Rule(M + "input_router.query",                      (L + "attention_router.query",)),
+    Rule(M + "input_router.norm_weight",                (L + "attention_router.norm_weight",)),
+    Rule(M + "input_router.null_source",                (L + "attention_router.null_source",),  when="delta"),
+    Rule(M + "input_router.gate",                       (L + "attention_router.gate",),         when="delta"),
+    Rule(M + "pre_mlp_router.query",                    (L + "mlp_router.query",)),
+    Rule(M + "pre_mlp_router.norm_weight",              (L + "mlp_router.norm_weight",)),
+    Rule(M + "pre_mlp_router.null_source",              (L + "mlp_router.null_source",),        when="delta"),
+    Rule(M + "pre_mlp_router.gate",                     (L + "mlp_router.gate",),               when="delta"),
+    Rule("decoder.final_router.query",                  ("model.final_router.query",),          when="final_site"),
+    Rule("decoder.final_router.norm_weight",            ("model.final_router.norm_weight",),    when="final_site"),
+)
+
+# The Megatron names of every routing parameter. A plain HF model has none: on import they
+# keep the values the model is built with (zero queries and gates, unit norms, zero null
+# sources), unless the HF directory is an MHAR export (ROUTING_RULES) or carries the side
+# file of earlier exports (see megatron_mhar.conversion.hf_io).
 MHAR_PARAMS: Tuple[str, ...] = (
     M + "input_router.query",
     M + "input_router.norm_weight",
@@ -189,10 +208,21 @@ MHAR_PARAMS: Tuple[str, ...] = (
 # HF tensors some checkpoints carry that hold no weights (recomputed buffers).
 HF_IGNORED: Tuple[str, ...] = (L + "self_attn.rotary_emb.inv_freq",)
 
-CONDITIONS: Dict[str, Callable[[GPTModelConfig], bool]] = {
-    "qk_layernorm": lambda model: model.qk_layernorm,
-    "untied": lambda model: not model.tie_embeddings,
+CONDITIONS: Dict[str, Callable[[GPTModelConfig, Any], bool]] = {
+    "qk_layernorm": lambda model, mhar: model.qk_layernorm,
+    "untied": lambda model, mhar: not model.tie_embeddings,
+    "delta": lambda model, mhar: mhar.variant == "delta",
+    "final_site": lambda model, mhar: mhar.variant in ("full", "block"),
 }
+
+
+# How errors spell the conditions of the routing table.
+_WHEN = {"delta": "mhar_variant is delta", "final_site": "mhar_variant is full or block (the final site)"}
+
+
+def rules(mhar=None) -> Tuple[Rule, ...]:
+    """The rules of a model: the base table, and the routing table when ``mhar`` routes."""
+    return RULES + (ROUTING_RULES if mhar is not None and mhar.variant != "none" else ())
 
 
 def _regex(pattern: str) -> "re.Pattern[str]":
@@ -200,14 +230,14 @@ def _regex(pattern: str) -> "re.Pattern[str]":
 
 
 # The reverse map, derived from the table: HF pattern -> (rule, position in rule.hf).
-_MEGATRON_RE = [(_regex(rule.megatron), rule) for rule in RULES]
-_HF_RE = [(_regex(pattern), rule, i) for rule in RULES for i, pattern in enumerate(rule.hf)]
+_MEGATRON_RE = [(_regex(rule.megatron), rule) for rule in RULES + ROUTING_RULES]
+_HF_RE = [(_regex(pattern), rule, i) for rule in RULES + ROUTING_RULES for i, pattern in enumerate(rule.hf)]
 _MHAR_RE = [_regex(pattern) for pattern in MHAR_PARAMS]
 _IGNORED_RE = [_regex(pattern) for pattern in HF_IGNORED]
 
 
-def _applies(rule: Rule, model: GPTModelConfig) -> bool:
-    return rule.when is None or CONDITIONS[rule.when](model)
+def _applies(rule: Rule, model: GPTModelConfig, mhar=None) -> bool:
+    return rule.when is None or CONDITIONS[rule.when](model, mhar)
 
 
 def _expand(pattern: str, layer: Optional[int]) -> str:
@@ -232,52 +262,57 @@ def rule_for_megatron(name: str) -> Tuple[Rule, Optional[int]]:
     raise KeyError(f"no conversion rule for Megatron tensor {name!r}")
 
 
-def expected_hf_names(model: GPTModelConfig) -> List[str]:
-    """Every HF tensor name a checkpoint of ``model`` must hold, in table order."""
+def expected_hf_names(model: GPTModelConfig, mhar=None) -> List[str]:
+    """Every HF tensor name a checkpoint of ``model`` must hold, in table order; with an
+    MHAR ``mhar``, those of an MHAR export (the routing tensors too)."""
     return [
         _expand(pattern, layer)
-        for rule in RULES if _applies(rule, model)
+        for rule in rules(mhar) if _applies(rule, model, mhar)
         for layer in _instances(rule, model)
         for pattern in rule.hf
     ]
 
 
-def check_hf_names(names: Iterable[str], model: GPTModelConfig, where: str) -> List[str]:
+def check_hf_names(names: Iterable[str], model: GPTModelConfig, where: str, mhar=None) -> List[str]:
     """Raise on missing or unexpected HF tensors; returns the names to ignore.
 
     A tied model may carry ``lm_head.weight`` as a copy of the embedding; the caller
-    checks that copy (see :func:`check_tied_copy`) and it is then ignored.
+    checks that copy (see :func:`check_tied_copy`) and it is then ignored. ``mhar``:
+    the routing of an MHAR export, whose routing tensors are then expected.
     """
     names = set(names)
-    expected = set(expected_hf_names(model))
+    expected = set(expected_hf_names(model, mhar))
     ignored = {n for n in names if any(r.match(n) for r in _IGNORED_RE)}
     if model.tie_embeddings and "lm_head.weight" in names:
         ignored.add("lm_head.weight")
     missing = sorted(expected - names)
     extra = sorted(names - expected - ignored)
     if missing or extra:
-        lines = [f"{where} does not match the {_arch(model)} config:"]
+        lines = [f"{where} does not match the {_arch(model, mhar)} config:"]
         if missing:
             lines.append(f"  missing {len(missing)} tensors: {_head(missing)}")
         if extra:
-            why = [f"{n} ({_explain_extra(n, model)})" for n in extra]
+            why = [f"{n} ({_explain_extra(n, model, mhar)})" for n in extra]
             lines.append(f"  unexpected {len(extra)} tensors: {_head(why)}")
         raise ValueError("\n".join(lines))
     return sorted(ignored)
 
 
-def _arch(model: GPTModelConfig) -> str:
-    return ("Qwen3" if model.qk_layernorm else "Llama") + f" ({model.num_layers} layers)"
+def _arch(model: GPTModelConfig, mhar=None) -> str:
+    routing = f", mhar_variant={mhar.variant}" if mhar is not None and mhar.variant != "none" else ""
+    return ("Qwen3" if model.qk_layernorm else "Llama") + f" ({model.num_layers} layers{routing})"
 
 
-def _explain_extra(name: str, model: GPTModelConfig) -> str:
+def _explain_extra(name: str, model: GPTModelConfig, mhar=None) -> str:
     for regex, rule, _ in _HF_RE:
         match = regex.match(name)
         if match:
             if match.groups() and int(match.group(1)) >= model.num_layers:
                 return f"layer {match.group(1)} >= num_hidden_layers={model.num_layers}"
-            if not _applies(rule, model):
-                return f"only expected when {rule.when}"
+            if rule not in rules(mhar):
+                return "a routing tensor, only expected in an MHAR export"
+            if not _applies(rule, model, mhar):
+                return f"only expected when {_WHEN.get(rule.when, rule.when)}"
     return "no conversion rule"
 
 
@@ -293,17 +328,17 @@ def megatron_tensor(name: str, read_hf: Callable[[str], torch.Tensor], shapes: S
 
 
 def hf_tensors(
-    megatron: Mapping[str, torch.Tensor], model: GPTModelConfig, shapes: Shapes
-) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
-    """Split a full Megatron state dict into (HF tensors, MHAR routing tensors).
+    megatron: Mapping[str, torch.Tensor], model: GPTModelConfig, shapes: Shapes, mhar=None
+) -> Dict[str, torch.Tensor]:
+    """The HF tensors of a full Megatron state dict (with ``mhar``'s routing tensors).
 
-    Raises on any Megatron tensor that is neither mapped nor an MHAR parameter, and
-    on any mapped tensor the model config requires but the state dict lacks.
+    Raises on any Megatron tensor without a rule of the model, and on any tensor the
+    model config requires but the state dict lacks.
     """
     hf: Dict[str, torch.Tensor] = {}
     used = set()
-    for rule in RULES:
-        if not _applies(rule, model):
+    for rule in rules(mhar):
+        if not _applies(rule, model, mhar):
             continue
         for layer in _instances(rule, model):
             name = _expand(rule.megatron, layer)
@@ -313,8 +348,7 @@ def hf_tensors(
             outputs = rule.to_hf(megatron[name], shapes)
             for pattern, tensor in zip(rule.hf, outputs, strict=True):
                 hf[_expand(pattern, layer)] = tensor
-    mhar = {n: t for n, t in megatron.items() if n not in used and is_mhar_param(n)}
-    unknown = sorted(set(megatron) - used - set(mhar))
+    unknown = sorted(set(megatron) - used)
     if unknown:
         raise ValueError(f"Megatron tensors without a conversion rule: {_head(unknown)}")
-    return hf, mhar
+    return hf

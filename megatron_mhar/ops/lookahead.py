@@ -237,8 +237,8 @@ def torch_merge_backward(
         sources: [T, n, D] new rows.
         lse: [T, H] saved by the merge.
         row_factors: (factors [T, n, H, 2], kv [T, n]) fp32 views receiving, per new row
-            i, head h and token, ``(p, tau r ds)`` and ``tau r c`` (README.md beside the
-            kernels, "Backward"): row i's gradient is then ``p do + tau r ds w - tau r c v``.
+            i, head h and token, ``(p, tau r ds)`` and ``tau r c`` (docs/kernels.md,
+            "Backward"): row i's gradient is then ``p do + tau r ds w - tau r c v``.
 
     Returns:
         (delta [T, H] fp32 = sum over each head of grad_out * out, dquery fp32 [D] and
@@ -451,13 +451,9 @@ def auto_group_size(num_sites: int) -> int:
     Bytes alone put the optimum at about sqrt(sites) (phase 1 reads ~S^2 / 2G rows, the
     merges ~S G / 2: benchmarks/routing_bytes.py), but a merge's row costs more than a
     phase-1 row (the merges are short, latency-bound kernels), which moves it lower. The
-    factor is fitted to the H200's training steps (mhar_kernels/README.md, "Group size"):
-    350M measured 0.900 / 0.896 / 0.882 of the baseline at G = 6 / 7 / 8 and 0.892 / 0.880
-    at 5 / 4, and 0.898 at both 6 and 7 (0.837 at 9) once phase 1 finished each group's
-    first site; 1B 0.837 / 0.831 / 0.812 at 8 / 7 / 6; 100M 0.945 at 5 on the row loops
-    against 0.943 / 0.942 at 4 in two runs (routing 42.5 against 44.3 ms per step), 0.930
-    at 8. Any factor in [0.81, 0.86) picks these three. Deeper models than 1B were not
-    measured: ``lookahead_group`` sets G by hand."""
+    factor 0.84 is fitted to the H200's training steps at the three sizes
+    (docs/performance.md); any factor in [0.81, 0.86) picks the same three sizes. The fit
+    does not reach past 1B: ``lookahead_group`` sets G by hand."""
     return max(1, round(math.sqrt(0.84 * max(1, num_sites))))
 
 

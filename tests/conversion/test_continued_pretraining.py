@@ -113,13 +113,18 @@ def test_continued_pretraining_from_converted_checkpoints(
     finally:
         destroy()
 
-    # The trained checkpoint (written by the driver) goes back to HF + the side file.
+    # The trained checkpoint (written by the driver) goes back to HF in its MHAR form.
     from safetensors.torch import load_file
 
     from megatron_mhar.conversion.convert import mcore_to_hf
 
     out = mcore_to_hf(cfg.checkpoint_dir, tmp_path / "hf_out", hf_reference=hf_dir)
-    side = load_file(str(out / "mhar_params.safetensors"))
+    exported = load_file(str(out / "model.safetensors"))
     for name, gate in gates.items():
-        assert torch.equal(side[name], gate.detach())
-    assert json.loads((out / "config.json").read_text()) == json.loads((hf_dir / "config.json").read_text())
+        hf_name = name.replace("decoder.", "model.").replace("input_router", "attention_router")
+        assert torch.equal(exported[hf_name.replace("pre_mlp_router", "mlp_router")], gate.detach())
+    config, reference = (json.loads((d / "config.json").read_text()) for d in (out, hf_dir))
+    assert config["architectures"] == ["MHARQwen3ForCausalLM"] and config["mhar_variant"] == "delta"
+    assert {k: v for k, v in config.items() if not k.startswith("mhar_") and k not in
+            ("architectures", "model_type", "auto_map")} == {
+        k: v for k, v in reference.items() if k not in ("architectures", "model_type")}

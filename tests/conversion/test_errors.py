@@ -127,7 +127,7 @@ def test_export_errors(hf_dirs, convert, tmp_path):
         mcore_to_hf(convert("qwen3_tied", "none"), hf_dirs["llama"])
 
 
-def test_side_file_variant_must_match(megatron_world1, convert, tmp_path):
+def test_exported_variant_must_match(megatron_world1, convert, tmp_path):
     from megatron_mhar.conversion.convert import mcore_to_hf
 
     exported = mcore_to_hf(convert("qwen3_tied", "delta"), tmp_path / "hf")
@@ -303,7 +303,7 @@ def test_reverse_map_covers_the_table_and_refuses_unknown_tensors(hf_dirs):
         for rule in mapping.RULES for layer in range(model.num_layers)
         if rule.when != "qk_layernorm"
     }
-    hf, routing = mapping.hf_tensors(megatron, model, shapes)
+    hf = mapping.hf_tensors(megatron, model, shapes)
     assert sorted(hf) == reader.keys() and all(torch.equal(hf[k], reader(k)) for k in hf)
     with pytest.raises(ValueError, match="without a conversion rule: decoder.extra"):
         mapping.hf_tensors({**megatron, "decoder.extra": torch.zeros(1)}, model, shapes)

@@ -53,10 +53,10 @@ def test_none_round_trip_is_bitwise_and_loads_in_transformers(megatron_world1, h
         assert torch.equal(model(tokens).logits, hf_logits(hf_dirs[name], tokens))
 
 
-def test_delta_export_writes_base_weights_and_side_file(megatron_world1, hf_dirs, convert, tmp_path):
-    """MHAR models: the same HF tensors plus mhar_params.safetensors / mhar_config.json,
-    and the side file comes back on re-import."""
-    from safetensors.torch import load_file
+def test_delta_export_is_an_mhar_directory(megatron_world1, hf_dirs, convert, tmp_path):
+    """MHAR models: the same HF tensors plus the routing tensors under their HF names, an
+    MHAR config.json, and the routing tensors come back on re-import."""
+    from safetensors.torch import load_file, save_file
 
     import megatron_mhar
     from megatron_mhar.conversion.convert import hf_to_mcore, mcore_to_hf, plan_import
@@ -64,29 +64,31 @@ def test_delta_export_writes_base_weights_and_side_file(megatron_world1, hf_dirs
     ckpt = convert("qwen3_tied", "delta", num_heads=4)
     out = mcore_to_hf(ckpt, tmp_path / "hf")
     original, exported = read_safetensors(hf_dirs["qwen3_tied"]), read_safetensors(out)
-    assert sorted(exported) == sorted(original)
+    routing = {k: v for k, v in exported.items() if "_router." in k}
+    assert sorted(set(exported) - set(routing)) == sorted(original)
     assert all(torch.equal(exported[k], v) for k, v in original.items())
-    routing = load_file(str(out / "mhar_params.safetensors"))
-    description = json.loads((out / "mhar_config.json").read_text())
-    assert description["variant"] == "delta" and description["mhar"]["num_heads"] == 4
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["MHARQwen3ForCausalLM"] and config["model_type"] == "mhar_qwen3"
+    assert config["mhar_variant"] == "delta" and config["mhar_num_heads"] == 4
     per_site = ("query", "norm_weight", "null_source", "gate")
     assert sorted(routing) == sorted(
-        f"decoder.layers.{i}.{site}.{p}" for i in range(4)
-        for site in ("input_router", "pre_mlp_router") for p in per_site
+        f"model.layers.{i}.{site}.{p}" for i in range(4)
+        for site in ("attention_router", "mlp_router") for p in per_site
     )
-    assert all(routing[f"decoder.layers.{i}.input_router.gate"].shape == (1,) for i in range(4))
+    assert all(routing[f"model.layers.{i}.attention_router.gate"].shape == (1,) for i in range(4))
+    assert not (out / "mhar_params.safetensors").exists()
 
-    # A trained side file: perturb it, re-import without --variant, the values come back.
-    from safetensors.torch import save_file
-
-    routing = {k: v + 0.25 for k, v in routing.items()}
-    save_file(routing, str(out / "mhar_params.safetensors"))
+    # Trained routing: perturb it, re-import without --variant, the values come back.
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors.update({k: v + 0.25 for k, v in routing.items()})
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     back = hf_to_mcore(plan_import(out, tmp_path / "back", None, seq_length=16,
                                    make_vocab_size_divisible_by=32))
     model = megatron_mhar.load_model(back)
     state = model.gpt.state_dict()
     for key, value in routing.items():
-        assert torch.equal(state[key], value), key
+        megatron = key.replace("model.layers", "decoder.layers").replace("attention_router", "input_router")
+        assert torch.equal(state[megatron.replace("mlp_router", "pre_mlp_router")], value + 0.25), key
     assert model.mhar.num_heads == 4
 
 

@@ -18,7 +18,9 @@ import torch
 
 from megatron_mhar.ops.depth_route import torch_route_backward, torch_route_forward
 from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, torch_merge_row_grad
+from mhar_kernels import launch
 from mhar_kernels import lookahead as fused
+from mhar_kernels.lookahead import phase1_dots
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -282,13 +284,13 @@ def test_half_precision_partials(d, heads, tensor_cores, dtype):
 @pytest.mark.parametrize("queries_left", [True, False], ids=["queries-left", "rows-left"])
 @pytest.mark.parametrize("d,heads,n0", [(1280, 8, 19), (768, 1, 5)], ids=["1B-width", "768-one-head"])
 def test_dot_forward_forms(d, heads, n0, queries_left, monkeypatch):
-    """The tensor-core forward's two forms of its first dot (``_queries_left``: W^T @ X^T
+    """The tensor-core forward's two forms of its first dot (``launch.queries_left``: W^T @ X^T
     where X @ W would not fit two programs per SM) give the reference's partials, over a
     row block and a remainder (n0 = 19), for every dtype the dots take. The rule picks
     queries left at the 1B width in bf16 only."""
-    assert fused._queries_left(8, 160, 2) and not fused._queries_left(8, 128, 2)
-    assert not fused._queries_left(8, 160, 4)
-    monkeypatch.setattr(fused, "_queries_left", lambda *shape: queries_left)
+    assert launch.queries_left(8, 160, 2) and not launch.queries_left(8, 128, 2)
+    assert not launch.queries_left(8, 160, 4)
+    monkeypatch.setattr(phase1_dots, "queries_left", lambda *shape: queries_left)
     t, g = _tokens(3), 6
     torch.manual_seed(n0 + heads)
     for dtype in DTYPES:
@@ -537,10 +539,10 @@ def test_add_row_grads_needs_a_program_per_sm():
 
 
 def test_add_row_grads_more_entries_than_one_launch():
-    """More owing entries than one launch takes (fused._ROW_GRADS_ENTRIES): the further
+    """More owing entries than one launch takes (launch.ROW_GRADS_ENTRIES): the further
     launches add the rest, in order, to the same rows (one-site groups over 3 rows), into
     rows that held no gradient (NaN, ``accumulate=False``): the first launch stores."""
-    t, d, heads, entries = _tokens(2), 512, 8, fused._ROW_GRADS_ENTRIES + 2
+    t, d, heads, entries = _tokens(2), 512, 8, launch.ROW_GRADS_ENTRIES + 2
     torch.manual_seed(5)
     buffer, queries, norms, grad_outs = _inputs(t, 3, 1, d, heads, 1.0, torch.float32)
     scales = torch.linspace(-1.5, 1.5, entries).tolist()
@@ -794,13 +796,13 @@ def test_tensor_cores_reject_row_loop_overrides():
 
 def test_folded_operand_is_the_kernels_split():
     """The dot backward's queries over bf16 rows: [NG, 2, D] holding their bf16 rounding and
-    the rounding of what it misses, bitwise the pair the kernels' _split formed in fp32
+    the rounding of what it misses, bitwise the pair the kernels' split_operand formed in fp32
     (round to nearest even, the difference exact in fp32); other dtypes keep fp32."""
     folded = torch.randn(3, 320, generator=torch.Generator().manual_seed(0)) * torch.logspace(-20, 20, 320)
-    pair = fused._folded_operand(folded, torch.bfloat16)
+    pair = phase1_dots.folded_operand(folded, torch.bfloat16)
     hi = folded.to(torch.bfloat16)
     assert pair.shape == (3, 2, 320) and pair.dtype == torch.bfloat16
     assert torch.equal(pair[:, 0].view(torch.int16), hi.view(torch.int16))
     assert torch.equal(pair[:, 1].view(torch.int16), (folded - hi.float()).to(torch.bfloat16).view(torch.int16))
     assert (pair.float().sum(1) - folded).abs().le(folded.abs() * 2.0**-16).all()
-    assert fused._folded_operand(folded, torch.float32) is folded
+    assert phase1_dots.folded_operand(folded, torch.float32) is folded

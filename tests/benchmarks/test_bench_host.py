@@ -28,7 +28,8 @@ def test_host_bench_runs_every_site_through_the_stubs(tmp_path):
     assert models["mhar"]["stub_calls"] == {"route_forward": sites, "route_backward": sites}
     groups = -(-sites // 5)
     assert models["mhar_lookahead"]["stub_calls"] == {
-        "group_forward": groups, "merge_forward": sites - groups, "merge_backward": sites, "group_backward": groups,
+        "group_forward": groups, "merge_forward": sites - groups, "merge_backward": sites,
+        "group_backward_deferred": groups,
         "merge_row_grad": sites - groups,
     }  # fmt: skip
     for name in ("mhar", "mhar_lookahead"):

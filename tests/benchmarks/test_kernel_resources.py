@@ -1,5 +1,5 @@
 """The tensor-core phase-1 kernels fit an H200's shared memory at the model shapes and the
-launches that once overflowed it (``benchmarks/kernel_resources.py``: compiled for sm_90 on
+launches that once overflowed it (``tools/perf/kernel_resources.py``: compiled for sm_90 on
 this machine, as the JIT would compile those launches)."""
 
 import json
@@ -17,7 +17,7 @@ def test_tensor_core_kernels_fit_shared_memory():
     pytest.importorskip("triton.backends.nvidia", reason="needs Triton's CUDA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "kernel_resources.py")],
+        [sys.executable, str(ROOT / "tools" / "perf" / "kernel_resources.py")],
         check=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]

@@ -1,16 +1,16 @@
 """This checkout's lookahead kernels against another revision's, in one process: times and bits.
 
-    python benchmarks/base_kernels.py HEAD~1 /tmp/mhar_base      # in the git checkout
-    python benchmarks/compare_kernels.py /tmp/mhar_base --out benchmarks/results/kernels_ab.json
+    python tools/perf/base_kernels.py HEAD~1 /tmp/mhar_base      # in the git checkout
+    python tools/perf/compare_kernels.py /tmp/mhar_base --out /tmp/kernels_ab.json
 
-At each model's deepest lookahead group (``bench_routing.deepest_group``: the auto group
-size, random bf16 rows), every entry point of ``mhar_kernels.lookahead`` that a training
+At each model's deepest lookahead group (``tools/perf/groups.py``: the auto group size,
+random bf16 rows), every entry point of ``mhar_kernels.lookahead`` that a training
 step calls runs at its default launch on both trees, the checkout's and the base's in
 turn, ``--rounds`` times each, timed from CUDA graphs; the reported time is each tree's
 fastest round. The two trees' outputs on the same inputs are compared: ``bitwise`` (every
 output tensor ``torch.equal``) and the largest absolute difference. A kernel change that
 is meant to move only time should come out bitwise; one that reorders sums shows its
-rounding here before it reaches a training run (``bench_training.py --base-kernels``, the
+rounding here before it reaches a training run (``tools/perf/ab_training.py``, the
 measure of record).
 
 Kernels (``--kernels``), each as a training step runs it over one group of G sites:
@@ -21,7 +21,7 @@ Kernels (``--kernels``), each as a training step runs it over one group of G sit
                    output gradient and the dL/dw partials into the group's workspaces,
                    the new rows' factors
   new_row_grads    the G - 1 new rows' gradients from those factors (``merge_row_grad``)
-  row_grads        ``add_row_grads`` of ROW_GRADS_ENTRIES groups' deferred factors to the
+  row_grads        ``add_row_grads`` of OWING_GROUPS groups' deferred factors to the
                    group's block of rows (only where the auto pick defers: 1B)
 The inputs every kernel gets (partials, lse, delta, factors) come from the checkout's
 kernels, so both trees see the same bits. A kernel whose signature differs between the
@@ -39,17 +39,13 @@ from typing import Callable, Dict, List, Sequence
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks import base_kernels  # noqa: E402
-from benchmarks.bench_routing import (  # noqa: E402
-    EPS,
-    ROW_GRADS_ENTRIES,
-    STEP_CASES,
-    deepest_group,
-)
+from benchmarks.bench_routing import EPS, STEP_CASES  # noqa: E402
 from benchmarks.json_out import check_out, write_json  # noqa: E402
 from mhar_kernels import lookahead as LA  # noqa: E402
+from tools.perf import base_kernels  # noqa: E402
+from tools.perf.groups import OWING_GROUPS, deepest_group  # noqa: E402
 
 KERNELS = ("group_forward", "group_backward", "merges_forward", "merges_backward", "new_row_grads", "row_grads")
 
@@ -72,7 +68,7 @@ def group_inputs(case, heads: int, device, dtype) -> Dict[str, object]:
         LA.merge_backward(grad_outs[k], outs[k], new[:, :k], qs[k], ws[k], merge_lse[k], heads, EPS, 1.0,
                           (factors[k, :, :k], kv[k, :, :k]))  # fmt: skip
     owed = []
-    for entry in range(ROW_GRADS_ENTRIES):
+    for entry in range(OWING_GROUPS):
         _, _, deferred = LA.group_backward_deferred(
             (1 + entry) * grad_outs, buf, qs, ws, lse, deltas, heads, EPS, 1.0,
             torch.zeros(buf.shape, device=device), tensor_cores=None)  # fmt: skip
@@ -108,7 +104,7 @@ def launches(la, x) -> Dict[str, Callable[[], Sequence[torch.Tensor]]]:
 
     def merges_backward():
         # As the model calls them: delta, a copy of the output gradient and the dL/dw
-        # partials go into the group's workspaces (LookaheadGroup.workspace).
+        # partials go into the group's workspaces (RoutingGroup.workspace).
         t, d = grad_outs.shape[1:]
         factors, kv = torch.zeros_like(x["factors"]), torch.zeros_like(x["kv"])
         deltas, copies = torch.empty((g, t, h), **fp32), torch.empty_like(grad_outs)
@@ -189,12 +185,12 @@ def compare(base, cases, heads_list, kernels, device, dtype, timer, rounds: int 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("base", metavar="DIR", help="the other revision's kernels (benchmarks/base_kernels.py REV DIR)")
+    parser.add_argument("base", metavar="DIR", help="the other revision's kernels (tools/perf/base_kernels.py REV DIR)")
     parser.add_argument("--cases", default="100M,350M,1B", help="comma list of the full-variant cases")
     parser.add_argument("--heads", default="8,1", help="comma list of routing head counts")
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma list of {', '.join(KERNELS)}")
     parser.add_argument("--rounds", type=int, default=2, help="timings per tree, interleaved")
-    parser.add_argument("--out", default="benchmarks/results/kernels_ab.json")
+    parser.add_argument("--out", help="JSON report")
     args = parser.parse_args(argv)
     full = {c.name: c for c in STEP_CASES if c.variant == "full"}
     cases = [full.get(name) for name in args.cases.split(",")]
@@ -217,7 +213,7 @@ def main(argv=None):
     except ValueError as err:
         parser.error(str(err))
     if not torch.cuda.is_available():
-        parser.error("needs a CUDA device (tests/kernels/test_compare_kernels.py runs compare() in the interpreter)")
+        parser.error("needs a CUDA device (tests/benchmarks/test_compare_kernels.py runs compare() in the interpreter)")
     report = {
         "note": "this checkout's lookahead kernels against --base's at each model's deepest group, default launches, "
                 "CUDA graphs; speedup = base ms / checkout ms; bitwise: every output equal",
@@ -226,8 +222,9 @@ def main(argv=None):
         "trees": {"checkout": base_kernels.describe(base_kernels.ROOT), "base": base_kernels.describe(args.base)},
         "rows": compare(base, cases, heads, kernels, "cuda", torch.bfloat16, graph_ms, args.rounds),
     }  # fmt: skip
-    write_json(args.out, report)
-    print(f"wrote {args.out}")
+    if args.out:
+        write_json(args.out, report)
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
 """Another revision's fused kernels beside this checkout's, for timing a kernel change in one run.
 
-    python benchmarks/base_kernels.py REV DIR     # in the git checkout: REV's kernels into DIR
-    python benchmarks/bench_training.py --base-kernels DIR --cuda-graph full_iteration \\
+    python tools/perf/base_kernels.py REV DIR     # in the git checkout: REV's kernels into DIR
+    python tools/perf/ab_training.py --base-kernels DIR --cuda-graph full_iteration \\
         --models baseline,mhar_lookahead,mhar_lookahead@kernels=base ...
+    python tools/perf/compare_kernels.py DIR      # kernel by kernel, times and bits
 
 A kernel change worth a few milliseconds per step is smaller than the spread between runs
-on different H200s (stop 36: the same code at 0.947 and 0.950 of the baseline), so it shows
-only where both kernels train in one run, interleaved, against one baseline. ``export``
-writes the ``mhar_kernels`` package of a revision into ``DIR/mhar_kernels`` and the commit
-into ``DIR/REVISION``. ``load`` imports that package under another name, beside the
-installed one; inside ``active`` an ``import mhar_kernels`` finds it instead.
+on different GPUs of one model, so it shows only where both kernels train in one run,
+interleaved, against one baseline. ``export`` writes the ``mhar_kernels`` package of a
+revision into ``DIR/mhar_kernels`` and the commit into ``DIR/REVISION``. ``load`` imports
+that package (its subpackages too) under another name, beside the installed one; inside
+``active`` an ``import mhar_kernels`` finds it instead.
 ``megatron_mhar.ops`` imports the kernels when a routing history is made (every forward),
 so a model whose forwards and backwards run inside ``active`` routes with the other
 revision's kernels. The benchmark runs each such model's steps inside it. The other
@@ -30,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Dict, Iterator
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "mhar_kernels"
 ALIAS = "mhar_kernels_base"  # the other revision's package, as sys.modules holds it
 
@@ -62,11 +63,27 @@ def describe(directory) -> Dict[str, str]:
     its package's Python files, to record next to the timings."""
     package = Path(directory) / PACKAGE
     digest = hashlib.sha256()
-    for path in sorted(package.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for path in _python_files(package):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
     revision = Path(directory) / "REVISION"
     return {"directory": str(directory), "revision": revision.read_text().strip() if revision.is_file() else None,
             "sha256": digest.hexdigest()}  # fmt: skip
+
+
+def _python_files(package: Path):
+    return sorted(package.rglob("*.py"))
+
+
+def _module_names(package: Path):
+    """Dotted names of the modules and subpackages under ``package``, parents first."""
+    names = []
+    for path in _python_files(package):
+        parts = path.relative_to(package).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:
+            names.append(".".join(parts))
+    return sorted(names, key=lambda name: (name.count("."), name))
 
 
 def load(directory) -> Dict[str, ModuleType]:
@@ -76,20 +93,23 @@ def load(directory) -> Dict[str, ModuleType]:
     init = package_dir / "__init__.py"
     if not init.is_file():
         raise ValueError(f"{directory} holds no {PACKAGE}/__init__.py; write another revision's kernels "
-                         f"there with: python benchmarks/base_kernels.py REV {directory}")
+                         f"there with: python tools/perf/base_kernels.py REV {directory}")
     if ALIAS in sys.modules:
         raise RuntimeError(f"{ALIAS} is already imported: one other kernel tree per process")
-    stems = sorted(path.stem for path in package_dir.glob("*.py") if path.stem != "__init__")
-    for stem in stems:  # the installed modules first, so that ``active`` has them to restore
-        if importlib.util.find_spec(f"{PACKAGE}.{stem}") is not None:
-            importlib.import_module(f"{PACKAGE}.{stem}")
+    names = _module_names(package_dir)
+    # The installed modules first, so that ``active`` has them to restore (those of the
+    # other tree's names that this checkout has).
+    installed = set(_module_names(Path(importlib.import_module(PACKAGE).__file__).parent))
+    for name in names:
+        if name in installed:
+            importlib.import_module(f"{PACKAGE}.{name}")
     spec = importlib.util.spec_from_file_location(ALIAS, init, submodule_search_locations=[str(package_dir)])
     package = importlib.util.module_from_spec(spec)
     sys.modules[ALIAS] = package
     spec.loader.exec_module(package)
     modules = {PACKAGE: package}
-    for stem in stems:  # imported as ALIAS.<name>: its relative imports stay in the tree
-        modules[f"{PACKAGE}.{stem}"] = importlib.import_module(f"{ALIAS}.{stem}")
+    for name in names:  # imported as ALIAS.<name>: its relative imports stay in the tree
+        modules[f"{PACKAGE}.{name}"] = importlib.import_module(f"{ALIAS}.{name}")
     return modules
 
 

@@ -1,14 +1,14 @@
 """Shared memory of the tensor-core phase-1 kernels and the deferred backward's row-gradient
 kernel, compiled for sm_90 on any machine.
 
-    python benchmarks/kernel_resources.py [--out FILE]
+    python tools/perf/kernel_resources.py [--out FILE]
 
 Triton's CUDA backend compiles without a GPU. Each kernel is compiled as its JIT would
 compile a launch with the given sizes: an integer argument of value 1 becomes a constant and
 one divisible by 16 gets that alignment, unless the kernel does not specialise it. A size of
 1 compiled as a constant once gave the rows kernel a variant that needed 319 KB of shared
 memory at the 1B width (the first group's N = 1), and a 1B training run failed on the H200.
-Prints one JSON row per (shape, launch, kernel); tests/kernels/test_kernel_resources.py
+Prints one JSON row per (shape, launch, kernel); tests/benchmarks/test_kernel_resources.py
 checks every row against the H200's limit.
 """
 
@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 if os.environ.get("TRITON_INTERPRET") == "1":
     raise SystemExit("kernel_resources.py compiles kernels: unset TRITON_INTERPRET")
 
@@ -27,11 +27,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from benchmarks.json_out import check_out, write_json  # noqa: E402
-from mhar_kernels import lookahead as fused  # noqa: E402
+from mhar_kernels import launch  # noqa: E402
+from mhar_kernels.lookahead import phase1_dots, row_grads  # noqa: E402
 
 H200_SHARED_BYTES = 232448  # the most shared memory one program may use on sm_90 (227 KiB)
 # Pointers to tensors in the rows' dtype (W_ptr: the rows kernel's folded queries, bf16 pairs
-# or fp32 as lookahead._folded_operand leaves them).
+# or fp32 as phase1_dots.folded_operand leaves them).
 ROWS = ("V_ptr", "DO_ptr", "Q_ptr", "G_ptr", "W_ptr")
 HALF_ROWS = ("A_ptr",)
 ELEMENT_SIZE = {"bf16": 2, "fp32": 4}  # ... where the rows are bf16 (phase 1's normalised accumulators)
@@ -47,7 +48,7 @@ LAUNCHES = {
 
 
 # The row-gradient kernel's per-entry tuples: (element type, the launch size each element takes);
-# the folded queries W come in the rows' dtype (bf16 pairs, or fp32: lookahead._folded_operand).
+# the folded queries W come in the rows' dtype (bf16 pairs, or fp32: phase1_dots.folded_operand).
 ENTRY_TUPLES = {"Z": ("*fp32", None), "KV": ("*fp32", None), "W": ("rows", None), "DO": ("rows", None),
                 "N": ("i32", "N"), "OWED": ("i32", "N"), "CHUNK_LO": ("i32", "chunk_lo"),
                 "CHUNK_HI": ("i32", "chunk_hi")}  # fmt: skip
@@ -108,25 +109,26 @@ def shared_bytes(kernel, sizes, constexprs, rows_dtype, num_warps, num_stages=No
 
 def shape_rows(d, model_heads, dtype, launch, sizes):
     """One row per tensor-core kernel of a shape and launch, with its launch config."""
-    split, heads, head_dim, padded_heads = fused._dot_heads(d, model_heads)
-    ka, kb = fused._head_chunks(head_dim)
+    split, heads, head_dim, padded_heads = launch.dot_heads(d, model_heads)
+    ka, kb = launch.head_chunks(head_dim)
     chunks = dict(D=d, H=heads, HD=head_dim, BH=padded_heads, KA=ka, KB=kb, BR=16, GH=split)
     head_tile = dict(D=d, H=heads, HD=head_dim, BR=16, BHD=triton.next_power_of_2(head_dim))
-    forward = fused._group_fwd_dots_config(padded_heads, head_dim)
-    rows, per_head = fused._group_bwd_dots_config(padded_heads, head_dim)
+    forward = launch.group_fwd_dots_config(padded_heads, head_dim)
+    rows, per_head = launch.group_bwd_dots_config(padded_heads, head_dim)
     kernels = [
-        (fused._group_fwd_dots_kernel, dict(chunks, STAGES=forward.stages, NORMALISED=dtype != "fp32",
-                                            QUERIES_LEFT=fused._queries_left(padded_heads, head_dim, ELEMENT_SIZE[dtype])),
+        (phase1_dots.group_fwd_dots_kernel, dict(chunks, STAGES=forward.stages, NORMALISED=dtype != "fp32",
+                                                 QUERIES_LEFT=launch.queries_left(padded_heads, head_dim,
+                                                                                  ELEMENT_SIZE[dtype])),
          forward.num_warps),
-        (fused._group_bwd_rows_kernel, dict(chunks, STAGES=rows.stages), rows.num_warps),
-        (fused._group_bwd_heads_kernel, dict(head_tile, STAGES=per_head.stages), per_head.num_warps),
+        (phase1_dots.group_bwd_rows_kernel, dict(chunks, STAGES=rows.stages), rows.num_warps),
+        (phase1_dots.group_bwd_heads_kernel, dict(head_tile, STAGES=per_head.stages), per_head.num_warps),
     ]
     kernels = [(kernel, constexprs, warps, None) for kernel, constexprs, warps in kernels]
     # The row-gradient kernel with a launch's most entries, at add_row_grads' defaults,
     # adding into the gradients (the variant that also loads them).
-    defaults = inspect.signature(fused.add_row_grads).parameters
-    kernels.append((fused._group_bwd_row_grads_kernel,
-                    dict(D=d, H=heads, HD=head_dim, BR=16, KA=ka, KB=kb, J=fused._ROW_GRADS_ENTRIES,
+    defaults = inspect.signature(row_grads.add_row_grads).parameters
+    kernels.append((row_grads.group_bwd_row_grads_kernel,
+                    dict(D=d, H=heads, HD=head_dim, BR=16, KA=ka, KB=kb, J=launch.ROW_GRADS_ENTRIES,
                          ACCUMULATE=True),
                     defaults["num_warps"].default, defaults["stages"].default))  # fmt: skip
     for kernel, constexprs, warps, stages in kernels:

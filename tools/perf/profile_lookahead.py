@@ -3,7 +3,7 @@
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats \
         --section SchedulerStats --section MemoryWorkloadAnalysis -o lookahead \
-        python benchmarks/profile_lookahead.py [--sizes 100M,350M,1B]
+        python tools/perf/profile_lookahead.py [--sizes 100M,350M,1B]
     ncu --import lookahead.ncu-rep --page details
 
 The launches are those of a training step with the default (``auto``) kernels: phase 1
@@ -11,8 +11,7 @@ forward and backward (row loops at 100M, dots at 350M forward and at 1B), the de
 row gradients with five owing groups (as in the middle of the 1B stack), a merge forward
 and backward of half the group's new rows and one new row's gradient. Everything runs
 once before the profiler starts (Triton compiles on first launch), so the profiled range
-holds one launch of each. ``benchmarks/results/ncu_h200_lookahead.json`` holds what the
-H200 showed (mhar_kernels/README.md, "Occupancy of the tensor-core forward").
+holds one launch of each.
 """
 
 import argparse
@@ -21,17 +20,16 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks.bench_routing import EPS, HEADS, STEP_CASES, deepest_group  # noqa: E402
+from benchmarks.bench_routing import EPS, HEADS, STEP_CASES  # noqa: E402
 from mhar_kernels import lookahead as LA  # noqa: E402
-
-OWING_GROUPS = 5  # deferred factors of this many groups added to one block of rows
+from tools.perf.groups import OWING_GROUPS, deepest_group  # noqa: E402
 
 
 def group_launches(case):
     """A function launching each kernel of the case's deepest group once (inputs built here)."""
-    group, n0, buf, gbuf, qs, ws, grad_outs = deepest_group(case)
+    group, n0, buf, gbuf, qs, ws, grad_outs = deepest_group(case, HEADS)
     t = case.t
     m, l, acc = LA.group_forward(buf, qs, ws, HEADS, EPS, 1.0, tensor_cores=None)
     # lse and delta of the whole group for the backward: from the row-loop partials (fp32).

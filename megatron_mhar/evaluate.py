@@ -1,0 +1,113 @@
+"""Evaluate a trained, continued-pretrained or converted model with lm-evaluation-harness.
+
+    python -m megatron_mhar.evaluate runs/cpt_8b_mhar_delta/checkpoints --hf-reference /models/marin-8b \\
+        --tasks gsm8k,gpqa_main_n_shot --device cuda --dtype bfloat16 --output results.json
+
+MODEL is a Megatron checkpoint (a run's ``checkpoints/``, or the output of
+``hf_to_mcore_mhar.py``), which is first exported with ``mcore_to_hf`` (into
+``--export-dir``, else a temporary directory), or a Hugging Face directory (an export,
+or any Llama / Qwen3). The harness runs its ``hf`` model on it: transformers'
+``AutoModelForCausalLM``, which loads MHAR exports through the classes of
+:mod:`megatron_mhar.hf` (registered here, so no remote code is run). The same directory
+evaluates without this package installed:
+
+    lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True --tasks ...
+
+Needs the ``eval`` extra: ``pip install 'megatron_mhar[eval]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron_mhar.evaluate", description=__doc__.split("\n")[0])
+    parser.add_argument("model", type=Path, help="Megatron checkpoint directory or Hugging Face directory")
+    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    parser.add_argument("--num-fewshot", type=int, help="few-shot examples per task (default: the task's)")
+    parser.add_argument("--batch-size", default="1", help="batch size, or 'auto'")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<index>")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="dtype the model runs in (auto: the stored one)")
+    parser.add_argument("--limit", type=float, help="examples per task (a fraction if below 1); for quick checks")
+    parser.add_argument("--include-path", type=Path, help="directory of extra task YAMLs (local tasks)")
+    parser.add_argument("--output", type=Path, help="write the results (and samples) as JSON here")
+    parser.add_argument("--log-samples", action="store_true", help="keep every request and response in --output")
+    parser.add_argument("--export-dir", type=Path,
+                        help="where a Megatron checkpoint's HF export is written and kept (default: a temporary directory)")
+    parser.add_argument("--hf-reference", type=Path,
+                        help="checkpoint export: HF directory whose config.json and tokenizer to use "
+                             "(e.g. the base model of a continued-pretraining run)")
+    parser.add_argument("--tokenizer", type=Path,
+                        help="checkpoint export: directory holding the tokenizer.json the model was trained with")
+    return parser
+
+
+def evaluate(args: argparse.Namespace, hf_dir: Path) -> dict:
+    """Run the harness on ``hf_dir``; returns its results dict."""
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+    except ImportError as err:
+        raise ImportError(f"{err}; the evaluation needs the eval extra: pip install 'megatron_mhar[eval]'") from None
+    import megatron_mhar.hf  # noqa: F401  (registers the MHAR classes with AutoModelForCausalLM)
+
+    batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
+    tasks = [name for name in args.tasks.split(",") if name]
+    manager = TaskManager(include_path=str(args.include_path)) if args.include_path else None
+    return lm_eval.simple_evaluate(
+        model="hf",
+        model_args={"pretrained": str(hf_dir), "dtype": args.dtype},
+        tasks=tasks,
+        num_fewshot=args.num_fewshot,
+        batch_size=batch_size,
+        device=args.device,
+        limit=int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit,
+        log_samples=args.log_samples,
+        task_manager=manager,
+    )
+
+
+def export_checkpoint(args: argparse.Namespace, out: Path) -> Path:
+    """The HF export of the Megatron checkpoint ``args.model`` (written to ``out``)."""
+    from megatron_mhar.conversion.convert import mcore_to_hf
+
+    return mcore_to_hf(args.model, out, hf_reference=args.hf_reference, tokenizer=args.tokenizer)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.model.is_file() or not args.model.exists():
+        parser.exit(2, f"error: {args.model} is not a directory (a Megatron checkpoint or a Hugging Face model)\n")
+    is_hf = (args.model / "config.json").is_file()
+    if is_hf and (args.hf_reference or args.tokenizer or args.export_dir):
+        parser.exit(2, f"error: {args.model} is a Hugging Face directory already; --hf-reference, "
+                       f"--tokenizer and --export-dir apply to Megatron checkpoints\n")
+    if args.export_dir is not None and args.export_dir.exists():
+        parser.exit(2, f"error: --export-dir {args.export_dir} exists; give a new directory\n")
+    with tempfile.TemporaryDirectory(prefix="mhar_eval_") as scratch:
+        try:
+            hf_dir = args.model if is_hf else export_checkpoint(args, args.export_dir or Path(scratch) / "hf")
+            results = evaluate(args, hf_dir)
+        except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:
+            parser.exit(2, f"error: {err}\n")
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    print(make_table(results))
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(results, indent=1, default=handle_non_serializable)
+        args.output.write_text(text + "\n")
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Configurations of the MHAR forms of Llama and Qwen3 (transformers' ``PreTrainedConfig``).
+
+Each is its family's config plus the routing fields (``mhar_*``) that define the
+function an MHAR checkpoint computes; the fields that only choose how Megatron runs the
+routing (kernels, schedules) have no place here. The export (``mcore_to_hf_mhar.py``)
+copies this file beside ``modeling_mhar.py``, so it imports only transformers.
+"""
+
+import math
+
+from transformers import LlamaConfig, PreTrainedConfig, Qwen3Config
+
+ROUTED_VARIANTS = ("full", "block", "delta")
+
+
+class MHARRoutingFields(PreTrainedConfig):
+    """The routing fields shared by every MHAR config (the names of ``MHARConfig``, prefixed)."""
+
+    mhar_variant: str = "full"
+    """``full`` (every sublayer output is a source), ``block`` (sums of blocks of sublayers)
+    or ``delta`` (a gated correction of the kept additive stream)."""
+
+    mhar_num_heads: int = 8
+    """Routing heads H; must divide hidden_size. H = 1 is Attention Residuals."""
+
+    mhar_block_size: int = 8
+    """Block variant: sublayers (not decoder layers) per block."""
+
+    mhar_delta_block_layers: int = 4
+    """Delta variant: decoder layers per block; each completed block adds one source."""
+
+    mhar_eps: float | None = None
+    """RMSNorm epsilon of the routing keys; ``None`` takes ``rms_norm_eps``."""
+
+    mhar_logit_scale: float = 1.0
+    """tau multiplying every routing logit."""
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        check_routing_fields(self)
+
+    @property
+    def routing_eps(self) -> float:
+        return self.rms_norm_eps if self.mhar_eps is None else self.mhar_eps
+
+
+def check_routing_fields(config) -> None:
+    """Raise a ``ValueError`` naming the first routing field the model cannot have."""
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    if config.mhar_variant not in ROUTED_VARIANTS:
+        raise ValueError(
+            f"mhar_variant must be one of {ROUTED_VARIANTS}, got {config.mhar_variant!r} (a model "
+            f"without routing is a plain Llama / Qwen3 checkpoint)"
+        )
+    for name, low in (("mhar_num_heads", 1), ("mhar_block_size", 1), ("mhar_delta_block_layers", 1)):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if hidden % config.mhar_num_heads:
+        raise ValueError(f"mhar_num_heads={config.mhar_num_heads} does not divide hidden_size={hidden}")
+    if config.mhar_variant == "block" and config.mhar_block_size > 2 * layers:
+        raise ValueError(
+            f"mhar_block_size={config.mhar_block_size} sublayers exceeds the model's {2 * layers} "
+            f"({layers} decoder layers x 2)"
+        )
+    if config.mhar_variant == "delta" and config.mhar_delta_block_layers > layers:
+        raise ValueError(
+            f"mhar_delta_block_layers={config.mhar_delta_block_layers} exceeds num_hidden_layers={layers}"
+        )
+    for name in ("mhar_eps", "mhar_logit_scale"):
+        value = getattr(config, name)
+        if value is None and name == "mhar_eps":
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+class MHARLlamaConfig(LlamaConfig, MHARRoutingFields):
+    """A Llama whose residual stream is replaced (or corrected) by routing over depth."""
+
+    model_type = "mhar_llama"
+
+
+class MHARQwen3Config(Qwen3Config, MHARRoutingFields):
+    """A Qwen3 whose residual stream is replaced (or corrected) by routing over depth."""
+
+    model_type = "mhar_qwen3"
+
+
+__all__ = ["MHARLlamaConfig", "MHARQwen3Config"]

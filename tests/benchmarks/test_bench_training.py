@@ -1,0 +1,114 @@
+"""``benchmarks/bench_training.py`` on CPU: the report a GPU run fills, at the tiny size."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_throughput_bench_reports_every_model(tmp_path):
+    out = tmp_path / "training.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--sizes", "tiny",
+         "--models", "baseline,attnres,mhar,attnres_lookahead,mhar_lookahead", "--steps", "2", "--warmup", "1",
+         "--out", str(out)],
+        check=True, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    models = json.loads(out.read_text())["sizes"]["tiny"]["models"]
+    assert set(models) == {"baseline", "attnres", "mhar", "attnres_lookahead", "mhar_lookahead"}
+    assert models["baseline"]["throughput_ratio"] == 1.0
+    for name, entry in models.items():
+        assert entry["tokens_per_s"] > 0 and len(entry["step_s_all"]) == 2
+        assert len(entry["losses"]) == 3  # one warmup step and two timed ones
+        split = entry["micro_batch_host_split"]
+        # Completed is never earlier than issued, and both phases took time.
+        assert split["forward_ms"] >= split["forward_issued_ms"] > 0
+        assert split["backward_ms"] >= split["backward_issued_ms"] > 0
+    # AttnRes and MHAR are other models than the baseline: their parameters and losses differ.
+    assert models["mhar"]["params"] > models["baseline"]["params"]
+    assert models["mhar"]["losses"] != models["baseline"]["losses"]
+    # Each AttnRes is compared with MHAR on its own schedule.
+    assert 0 < models["attnres"]["throughput_vs_mhar"]
+    assert 0 < models["attnres_lookahead"]["throughput_vs_mhar"]
+    assert "throughput_vs_mhar" not in models["mhar_lookahead"]
+
+
+def _bench_losses(tmp_path, name, *extra):
+    out = tmp_path / f"{name}.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--sizes", "tiny",
+         "--models", "baseline,mhar,mhar_lookahead", "--steps", "2", "--warmup", "3",
+         "--no-profile", "--out", str(out), *extra],
+        check=True, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    models = json.loads(out.read_text())["sizes"]["tiny"]["models"]
+    return {name: entry["losses"] for name, entry in models.items()}
+
+
+@pytest.mark.gpu
+def test_full_iteration_graph_replays_the_eager_steps(tmp_path):
+    """Under Megatron's full-iteration CUDA graph (captured on the second step, replayed
+    after) every model trains as it does eagerly: the same losses, step for step, from
+    the same initialisation and batches."""
+    eager = _bench_losses(tmp_path, "eager")
+    graphed = _bench_losses(tmp_path, "graphed", "--cuda-graph", "full_iteration")
+    for name, losses in eager.items():
+        assert len(graphed[name]) == len(losses) == 5
+        assert graphed[name][0] == losses[0]  # the first step runs eagerly in both
+        torch.testing.assert_close(graphed[name], losses, rtol=2e-3, atol=0, msg=name)
+    # The steps changed the model: a replay that did nothing would repeat one loss.
+    assert len(set(graphed["mhar"])) == 5
+
+
+def test_model_overrides_name_their_errors():
+    from benchmarks.bench_training import MODELS, parse_model
+
+    assert parse_model("mhar_lookahead") == MODELS["mhar_lookahead"]
+    g8 = parse_model("mhar_lookahead@lookahead_group=8@lookahead_kernels=tensor_cores")
+    assert (g8.lookahead_group, g8.lookahead_kernels) == (8, "tensor_cores")
+    with pytest.raises(ValueError, match="unknown model 'mhr'"):
+        parse_model("mhr@lookahead_group=8")
+    with pytest.raises(ValueError, match="'group=8' is not field=value"):
+        parse_model("mhar_lookahead@group=8")
+    with pytest.raises(ValueError, match="lookahead_group takes an integer, got 'eight'"):
+        parse_model("mhar_lookahead@lookahead_group=eight")
+    with pytest.raises(ValueError, match="lookahead_kernels"):  # MHARConfig's own check
+        parse_model("mhar_lookahead@lookahead_kernels=dots")
+
+
+def _bench(*args, env=None):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--sizes", "tiny",
+                           "--steps", "2", "--warmup", "1", "--no-profile", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+
+
+@pytest.mark.parametrize("args, message", [
+    # timed rounds: none would leave no step time to take a median of (after every warmup)
+    (("--steps", "0"), "--steps must be >= 1"),
+    (("--steps", "-1"), "--steps must be >= 1"),
+    # one size twice would be trained twice and its first report replaced
+    (("--sizes", "tiny,tiny"), "names a size twice"),
+    # --out paths that no report can be written to: refused before the run, not after it
+    (("--out", "{tmp}"), "is a directory"),
+    (("--out", "{tmp}/file/training.json"), "is a file, not a directory"),
+])  # fmt: skip
+def test_arguments_name_their_errors(args, message, tmp_path):
+    (tmp_path / "file").write_text("")
+    run = _bench(*[a.format(tmp=tmp_path) for a in args])
+    assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
+
+
+
+
+def test_default_report_is_the_file_of_record():
+    """Without --out the report goes to benchmarks/results/training/<device>.json."""
+    from benchmarks.bench_training import build_parser
+
+    out = Path(build_parser().parse_args([]).out)
+    device = "cpu" if not torch.cuda.is_available() else out.stem
+    assert out == ROOT / "benchmarks" / "results" / "training" / f"{device}.json"

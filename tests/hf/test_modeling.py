@@ -1,0 +1,100 @@
+"""The transformers MHAR models against Megatron's: layouts over depth, gradients, config checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import ROUTED_CASES, export_token_batch
+
+
+@pytest.mark.parametrize("variant,layers,size", [
+    pytest.param("full", 3, 1, id="full"),  # every sublayer output is a row
+    pytest.param("block", 3, 4, id="block-4-over-6"),  # a block spans layers, the final site reads a partial
+    pytest.param("block", 4, 3, id="block-3-over-8"),  # odd block size, several partials
+    pytest.param("block", 2, 4, id="block-one-whole"),  # one block of all sublayers
+    pytest.param("delta", 5, 2, id="delta-2-of-5"),  # the last block is incomplete
+    pytest.param("delta", 4, 1, id="delta-1"),  # a source per layer
+    pytest.param("delta", 4, 4, id="delta-one-block"),  # no completed block is ever read
+])
+def test_layouts_read_what_megatrons_read(variant, layers, size):
+    """The rows each site reads and each sublayer completes are those of models/routing.py."""
+    from megatron_mhar.models.mhar_config import MHARConfig
+    from megatron_mhar.hf.modeling_mhar import depth_layout
+    from megatron_mhar.models.routing import make_layout
+    from transformers import PretrainedConfig
+
+    megatron = make_layout(MHARConfig(variant=variant, block_size=size, delta_block_layers=size), layers)
+    hf = depth_layout(PretrainedConfig(num_hidden_layers=layers, mhar_variant=variant, mhar_block_size=size,
+                                       mhar_delta_block_layers=size))
+    assert hf.has_final_site == megatron.has_final_site
+    sites = range(1, 2 * layers + 1 + int(hf.has_final_site))
+    if variant == "delta":
+        assert [hf.rows_read(j) for j in sites] == [megatron.rows_read(j) for j in sites]
+        assert [hf.completes_block(j) for j in sites] == [megatron.completes_block(j) for j in sites]
+        assert hf.capacity == megatron.capacity + 1  # and the site's null source
+    else:
+        assert [hf.rows_read(j) for j in sites] == [
+            megatron.rows_read(j) + megatron.reads_partial(j) for j in sites]
+        assert [hf.position(j) for j in sites] == [megatron.position(j) for j in sites]
+        assert hf.capacity == max(hf.rows_read(j) for j in sites)
+
+
+@pytest.mark.parametrize("case", ROUTED_CASES)
+def test_gradients_equal_megatrons(megatron_world1, checkpoints, exports, case):
+    """With autograd on (sources stacked, not buffered), the loss and every routing
+    parameter's gradient equal the Megatron model's; without it the logits are the same."""
+    import megatron_mhar
+    import megatron_mhar.hf  # noqa: F401  (registers the classes)
+    from megatron_mhar.conversion import mapping
+    from transformers import AutoModelForCausalLM
+
+    tokens = export_token_batch(1)
+    megatron = megatron_mhar.load_model(checkpoints[case])
+    hf = AutoModelForCausalLM.from_pretrained(exports[case], dtype=torch.float32).eval()
+    losses = []
+    for logits in (megatron(tokens), hf(tokens).logits):
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss)
+    assert losses[0].item() == pytest.approx(losses[1].item(), abs=1e-6)
+    with torch.no_grad():
+        assert torch.equal(hf(tokens).logits, hf(tokens).logits)
+        assert (hf(tokens).logits - megatron(tokens)).abs().max() <= 1e-5
+    hf_params = dict(hf.named_parameters())
+    checked = 0
+    for name, param in megatron.gpt.named_parameters():
+        if not mapping.is_mhar_param(name):
+            continue
+        rule, layer = mapping.rule_for_megatron(name)
+        grad = hf_params[rule.hf[0].format(layer)].grad
+        assert (grad - param.grad).abs().max() <= 1e-5 * max(1.0, param.grad.abs().max().item()), name
+        checked += 1
+    assert checked >= 12
+
+
+@pytest.mark.parametrize("fields,message", [
+    pytest.param(dict(mhar_variant="none"), "mhar_variant must be one of", id="variant-none"),
+    pytest.param(dict(mhar_num_heads=5), "mhar_num_heads=5 does not divide hidden_size=32", id="heads"),
+    pytest.param(dict(mhar_variant="block", mhar_block_size=7), "mhar_block_size=7 sublayers exceeds",
+                 id="block-size"),
+    pytest.param(dict(mhar_variant="delta", mhar_delta_block_layers=4),
+                 "mhar_delta_block_layers=4 exceeds num_hidden_layers=3", id="delta-block"),
+    pytest.param(dict(mhar_logit_scale=0.0), "mhar_logit_scale must be a positive finite number",
+                 id="logit-scale"),
+    pytest.param(dict(mhar_eps=-1.0), "mhar_eps must be a positive finite number", id="eps"),
+])
+def test_config_names_the_bad_field(fields, message):
+    from megatron_mhar.hf import MHARLlamaConfig
+
+    with pytest.raises(ValueError, match=message):
+        MHARLlamaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, **fields)
+
+
+def test_hidden_states_are_refused_not_faked(exports):
+    import megatron_mhar.hf  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(exports["qwen3-full-h8"], dtype=torch.float32)
+    with pytest.raises(ValueError, match="output_hidden_states=True is not supported by MHAR models"):
+        model(export_token_batch(), output_hidden_states=True)
