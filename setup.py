@@ -22,7 +22,7 @@ setup(
         "safetensors",
         "psutil",  # Megatron's checkpoint writer needs it (without it a save hangs)
         "xxhash",  # checksums of the checkpoint manifests
-        "pillow",  # routing heatmap of the training driver
+        "pillow",  # routing maps (training driver, megatron_mhar.analyze)
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],

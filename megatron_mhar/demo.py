@@ -13,7 +13,7 @@ later runs). Then it prints a side-by-side validation-loss table and writes::
     runs/demo/baseline/, runs/demo/mhar/     run directories (metrics.jsonl, tensorboard/, ...)
     runs/demo/results.md                     the table
     runs/demo/loss_curves.png                training and validation loss of both runs
-    runs/demo/routing_heatmap.png            MHAR's per-site per-head routing entropy
+    runs/demo/routing_maps.png               where MHAR's heads route: site x source weights, per head
 
 ``tensorboard --logdir runs/demo`` shows both runs side by side. Extra overrides
 apply to both runs (e.g. ``training.train_iters=100``).
@@ -243,12 +243,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     delta = rows[1]["val_loss"] - rows[0]["val_loss"]
     print(f"\nMHAR - baseline final validation loss: {delta:+.4f}")
     print(f"loss curves: {curves}")
-    heatmap = out / "mhar" / "routing_heatmap.png"
+    heatmap = out / "mhar" / "routing_maps.png"
     if heatmap.is_file():
-        shutil.copyfile(heatmap, out / "routing_heatmap.png")
-        print(f"routing heatmap: {out / 'routing_heatmap.png'}")
+        shutil.copyfile(heatmap, out / "routing_maps.png")
+        print(f"routing maps: {out / 'routing_maps.png'}")
     else:
-        print("routing heatmap: not written (this model version exposes no routing entropy)")
+        print("routing maps: not written (logging.routing_entropy=false)")
     print(f"TensorBoard: tensorboard --logdir {out}")
     print(f"demo took {format_duration(time.perf_counter() - start)}")
     return 0

@@ -2,6 +2,7 @@
 
 import os
 from pathlib import Path
+from typing import Union
 
 TMP_PREFIX = ".tmp."
 """Names a file or directory being written beside its final name, renamed into place once whole."""
@@ -16,15 +17,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file beside it, flushed to disk and
-    renamed over it: ``path`` holds a whole file at every moment, the previous or this one,
-    and a failed write leaves no temporary file."""
+def write_atomic(path, content: Union[str, bytes]) -> None:
+    """Write ``content`` (text or bytes) to ``path`` through a temporary file beside it,
+    flushed to disk and renamed over it: ``path`` holds a whole file at every moment, the
+    previous or this one, and a failed write leaves no temporary file."""
     path = Path(path)
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb" if isinstance(content, bytes) else "w") as f:
+            f.write(content)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
 import torch
@@ -29,40 +29,52 @@ _IDX_HEAD = struct.Struct("<9sQBQQ")
 """Megatron's ``.idx`` header: magic, version, dtype code, sequences, documents."""
 
 
+Blend = Tuple[List[str], Optional[List[float]]]
+"""Megatron's blend: dataset prefixes and their weights (``None``: proportional to size)."""
+
+_EVALUATED = {1: ("validation", "data.valid_paths"), 2: ("test", "data.test_paths")}
+"""Split index -> (name, key of its held-out paths)."""
+
+
 def build_gpt_datasets(
     paths: Sequence[str],
     weights: Optional[Sequence[float]],
-    split: str,
+    split: Optional[str],
     seq_length: int,
     num_samples: Sequence[Optional[int]],
     tokenizer: Tokenizer,
     seed: int,
     cache_dir: Optional[str] = None,
     eod_mask_loss: bool = False,
+    heldout: Optional[Sequence[Optional[Blend]]] = None,
 ) -> List:
     """``[train, valid, test]`` datasets (``None`` where ``num_samples`` is 0/None).
 
-    Call on every rank after the process group exists.
+    ``split`` carves the three out of the documents of ``paths``; ``heldout``, the
+    ``[valid, test]`` blends of held-out data (``test`` may be ``None``), instead gives
+    each split its own data and trains on all of ``paths`` (Megatron's per-split blends;
+    ``split`` must then be ``None``). Call on every rank after the process group exists.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    paths = list(paths)
-    if weights is not None:
-        if len(weights) != len(paths) or min(weights) < 0 or sum(weights) <= 0:
-            raise ValueError(
-                f"data.weights={list(weights)} for {len(paths)} data.paths: give one non-negative "
-                f"weight per path (positive sum), or data.weights=null"
-            )
-        # Megatron's blend takes positive weights only: a path weighted 0 is left out.
-        paths, weights = [p for p, w in zip(paths, weights) if w > 0], [w for w in weights if w > 0]
+    train = _positive_blend(paths, weights, "data.paths", "data.weights")
+    if heldout is None:
+        blends = dict(blend=train, split=split)
+    elif split is not None:
+        raise ValueError(f"data.split={split!r} and held-out data paths exclude each other; set data.split=null")
+    else:
+        valid, test = heldout
+        blends = dict(blend_per_split=[
+            train,
+            _positive_blend(*valid, "data.valid_paths", "data.valid_weights"),
+            _positive_blend(*test, "data.test_paths", "data.test_weights") if test else None,
+        ])
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=(paths, weights),
-        split=split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
         reset_position_ids=False,
@@ -70,12 +82,45 @@ def build_gpt_datasets(
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=False,
         mid_level_dataset_surplus=0.005,
+        **blends,
     )
     # 0, not None, for an unused split: with blend weights Megatron needs a size for every split.
     sizes = [n or 0 for n in num_samples]
-    _check_splits(paths, config.split_matrix, sizes)
+    if heldout is None:
+        _check_splits(train[0], config.split_matrix, sizes)
     datasets = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    _check_evaluation_sizes(datasets, sizes, seq_length, heldout is not None)
     return [dataset if n else None for dataset, n in zip(datasets, sizes)]
+
+
+def _positive_blend(paths: Sequence[str], weights: Optional[Sequence[float]], paths_key: str,
+                    weights_key: str) -> Blend:
+    """``(paths, weights)`` with the paths weighted 0 left out (Megatron's blend takes
+    positive weights only)."""
+    paths = list(paths)
+    if weights is None:
+        return paths, None
+    if len(weights) != len(paths) or min(weights) < 0 or sum(weights) <= 0:
+        raise ValueError(
+            f"{weights_key}={list(weights)} for {len(paths)} {paths_key}: give one non-negative "
+            f"weight per path (positive sum), or {weights_key}=null"
+        )
+    return [p for p, w in zip(paths, weights) if w > 0], [w for w in weights if w > 0]
+
+
+def _check_evaluation_sizes(datasets, sizes, seq_length: int, heldout: bool) -> None:
+    """The validation and test datasets hold the samples an evaluation reads (a blend
+    without weights holds one pass over its data, and would run dry inside a step)."""
+    for index, (name, key) in _EVALUATED.items():
+        dataset, needed = datasets[index], sizes[index]
+        if not needed or len(dataset) >= needed:
+            continue
+        source = key if heldout else "data.split"
+        raise ValueError(
+            f"the {name} data ({source}) holds {len(dataset)} samples of {seq_length} "
+            f"tokens, and an evaluation reads eval.iters x training.global_batch_size = {needed}: "
+            f"lower eval.iters, give more data, or give blend weights (a weighted blend repeats its data)"
+        )
 
 
 def _check_splits(paths: Sequence[str], split_matrix, sizes) -> None:

@@ -47,9 +47,9 @@ class MHARTransformerBlock(TransformerBlock):
         # Global 1-based sublayer indices entering and leaving this chunk of layers.
         self.first_site = 2 * offset + 1
         self.next_site = self.first_site + 2 * len(self.layers)
-        self.record_routing_entropy = False
-        """When True, each forward records per-site per-head routing entropy (a diagnostic)."""
-        self._last_entropy = None
+        self.routing_recorder = None
+        """A :class:`~megatron_mhar.models.routing.RoutingRecorder` to which each forward adds
+        its per-site routing weights and entropy (a diagnostic; ``None``: nothing recorded)."""
         has_final_site = self.post_process and self.layout.has_final_site
         self.final_router = self.layout.new_router(config) if has_final_site else None
         if config.recompute_granularity == "full" and config.distribute_saved_activations:
@@ -98,8 +98,7 @@ class MHARTransformerBlock(TransformerBlock):
         stream = self.layout.new_stream(
             self.mhar, self.routing_eps, hidden_states[..., :hidden], routers=self.site_routers()
         )
-        if self.record_routing_entropy:
-            stream.entropy = {}
+        stream.routing = self.routing_recorder
         if self.pre_process:
             stream.write_embedding(hidden_states)
         else:
@@ -129,29 +128,13 @@ class MHARTransformerBlock(TransformerBlock):
 
         if not self.post_process:
             packed = stream.pack(self.next_site)
-            self._finish(stream)
+            stream.history.release()
             return packed
         output = stream.output(self.final_router)
-        self._finish(stream)
+        stream.history.release()
         if self.final_layernorm is not None:
             output = self.final_layernorm(output)
         return make_viewless_tensor(inp=output, requires_grad=True, keep_graph=True)
-
-    def _finish(self, stream) -> None:
-        stream.history.release()
-        if stream.entropy is not None:
-            self._last_entropy = stream.entropy
-
-    def routing_entropy(self):
-        """{``site<j>``: [H] mean routing entropy in nats} of the last recorded forward.
-
-        Recording is off by default (it costs extra kernels per site); set
-        ``record_routing_entropy = True`` for the forward passes to inspect. ``None`` if
-        nothing was recorded. Sites are the global 1-based routing sites of this chunk.
-        """
-        if self._last_entropy is None:
-            return None
-        return {f"site{site:03d}": value for site, value in sorted(self._last_entropy.items())}
 
     def _checkpointed_layers(self, stream, layer_kwargs: dict) -> None:
         """Run the layers under Megatron's activation checkpointing (full recompute)."""

@@ -22,13 +22,13 @@ depend on their order).
 """
 
 import dataclasses
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from megatron_mhar.models.main_grad import accumulate_into_main_grad
 from megatron_mhar.models.mhar_config import MHARConfig
-from megatron_mhar.ops.depth_route import routing_entropy
+from megatron_mhar.ops.depth_route import routing_weights
 from megatron_mhar.ops.history import SourceHistory, get_backend
 from megatron_mhar.ops.lookahead import (
     GroupSite,
@@ -97,6 +97,14 @@ class DepthLayout:
         rows, partial = self.boundary(site)
         return rows + int(partial)
 
+    def source_names(self, site: int) -> List[str]:
+        """Names of the sources ``site`` routes over, in the routing op's order: ``emb``,
+        then ``s<j>`` (sublayer j's output, full variant) or ``b<n>`` (block n), then
+        ``partial`` (the running sum of the site's own block)."""
+        row = "s" if self.block_size == 1 else "b"
+        names = ["emb"] + [f"{row}{k}" for k in range(1, self.rows_read(site))]
+        return names + ["partial"] if self.reads_partial(site) else names
+
 
 class DepthRouter(torch.nn.Module):
     """One routing site: pseudo-query ``w_j`` (zero init) and key RMSNorm weight ``g_j`` (ones).
@@ -140,7 +148,7 @@ class DepthStream:
     ):
         self.layout = layout
         self.partial: Optional[torch.Tensor] = None
-        self.entropy: Optional[Dict[int, torch.Tensor]] = None
+        self.routing: Optional[RoutingRecorder] = None
         self.routers = None
         if mhar.routing_schedule == "lookahead":
             if not routers:
@@ -175,7 +183,8 @@ class DepthStream:
         """The routed input ``x_site`` [s, b, h]."""
         extra = self.partial if self.layout.reads_partial(site) else None
         rows = self.layout.rows_read(site)
-        _record_entropy(self, site, router, rows, extra)
+        if self.routing is not None:
+            self.routing.record(site, self.history, router, rows, extra)
         if self.routers is not None and extra is None:
             if self.routers.get(site) is not router:
                 raise ValueError(f"site {site} is routed by a router the stream was not given")
@@ -232,23 +241,54 @@ class DepthStream:
         return self.read(self.layout.final_site, final_router)
 
 
-ENTROPY_SAMPLE_TOKENS = 256
-"""Tokens per micro-batch whose routing entropy is recorded (a diagnostic sample)."""
+ROUTING_SAMPLE_TOKENS = 256
+"""Tokens per micro-batch whose routing the training driver records (a diagnostic sample)."""
 
 
-def _record_entropy(stream, site: int, router, rows: int, extra: Optional[torch.Tensor]) -> None:
-    """Store the site's per-head routing entropy over a token sample, when recording is on."""
-    if stream.entropy is None:
-        return
-    history = stream.history
-    sources = history.rows(rows)[:ENTROPY_SAMPLE_TOKENS].transpose(0, 1)  # [N, t, h]
-    if extra is not None:
-        sample = extra.reshape(-1, history.shape[-1])[:ENTROPY_SAMPLE_TOKENS]
-        sources = torch.cat([sources, sample.unsqueeze(0)])
-    stream.entropy[site] = routing_entropy(
-        sources, router.query, router.norm_weight, history.num_heads, history.eps,
-        history.logit_scale,
-    )
+@dataclasses.dataclass
+class SiteRouting:
+    """Routing of one site summed over recorded tokens; divide by ``tokens`` for means."""
+
+    weights: torch.Tensor
+    """[N, H] fp32: the sum over tokens of each source's softmax weight, per head."""
+
+    entropy: torch.Tensor
+    """[H] fp32: the sum over tokens of each head's routing entropy in nats."""
+
+    tokens: int
+    """Tokens summed."""
+
+    def add(self, other: "SiteRouting") -> "SiteRouting":
+        return SiteRouting(self.weights + other.weights, self.entropy + other.entropy,
+                           self.tokens + other.tokens)
+
+
+class RoutingRecorder:
+    """Per-site routing weights and entropy of the forwards it is attached to (a diagnostic).
+
+    ``sample_tokens`` caps the tokens recorded per forward and site (the first tokens of
+    the micro-batch); ``None`` records them all. Sums accumulate over forwards.
+    """
+
+    def __init__(self, sample_tokens: Optional[int] = ROUTING_SAMPLE_TOKENS):
+        self.sample_tokens = sample_tokens
+        self.sites: Dict[int, SiteRouting] = {}
+
+    @torch.no_grad()
+    def record(self, site: int, history, router, rows: int, extra: Optional[torch.Tensor]) -> None:
+        """Add ``site``'s routing over history rows ``[0, rows)`` (then ``extra``) to the sums."""
+        limit = self.sample_tokens
+        sources = history.rows(rows)[:limit].transpose(0, 1)  # [N, t, h]
+        if extra is not None:
+            sample = extra.reshape(-1, history.shape[-1])[:limit]
+            sources = torch.cat([sources, sample.unsqueeze(0)])
+        weights = routing_weights(
+            sources, router.query, router.norm_weight, history.num_heads, history.eps,
+            history.logit_scale,
+        )  # [N, t, H]
+        entropy = -(weights * weights.clamp_min(1e-30).log()).sum(0)  # [t, H]
+        found = SiteRouting(weights.sum(1), entropy.sum(0), weights.shape[1])
+        self.sites[site] = self.sites[site].add(found) if site in self.sites else found
 
 
 def make_layout(mhar: MHARConfig, num_layers: int):
@@ -307,6 +347,10 @@ class DeltaLayout:
         """Stream ``h``, the block's start ``h_start`` (unless it is ``h``) and the rows."""
         return 1 + int(not self.starts_block(site)) + self.rows_read(site)
 
+    def source_names(self, site: int) -> List[str]:
+        """``emb``, ``d<k>`` (the delta of block k), then ``null`` (the site's null source)."""
+        return ["emb"] + [f"d{k}" for k in range(1, self.rows_read(site))] + ["null"]
+
     def new_stream(self, mhar: MHARConfig, eps: float, like: torch.Tensor, routers=None) -> "DeltaStream":
         return DeltaStream(self, mhar, eps, like)
 
@@ -333,13 +377,14 @@ class DeltaStream:
         self.history = _history(layout.capacity, mhar, eps, like)
         self.hidden: Optional[torch.Tensor] = None
         self.block_start: Optional[torch.Tensor] = None
-        self.entropy: Optional[Dict[int, torch.Tensor]] = None
+        self.routing: Optional[RoutingRecorder] = None
 
     def read(self, site: int, router: DeltaRouter) -> torch.Tensor:
         """``x = h + gate * route([null] + rows)`` [s, b, h]."""
         null = router.null_source.to(self.hidden.dtype).expand_as(self.hidden)
         rows = self.layout.rows_read(site)
-        _record_entropy(self, site, router, rows, null)
+        if self.routing is not None:
+            self.routing.record(site, self.history, router, rows, null)
         routed = self.history.route(rows, router.query, router.norm_weight, extra=null)
         return self.hidden + router.gate.to(routed.dtype) * routed
 

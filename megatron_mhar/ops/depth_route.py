@@ -89,6 +89,23 @@ def _routing_weights(sources, query, norm_weight, num_heads, eps, logit_scale):
 
 
 @torch.no_grad()
+def routing_weights(
+    sources: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    num_heads: int,
+    eps: float = 1e-6,
+    logit_scale: float = 1.0,
+) -> torch.Tensor:
+    """The softmax weight of each source per token and head, [N, ..., H] fp32 (a diagnostic).
+
+    ``sources`` is [N, ..., D]; the weights are those :func:`depth_route_reference` mixes with.
+    """
+    weights, _ = _routing_weights(sources, query, norm_weight, num_heads, eps, logit_scale)
+    return weights.float()
+
+
+@torch.no_grad()
 def routing_entropy(
     sources: torch.Tensor,
     query: torch.Tensor,

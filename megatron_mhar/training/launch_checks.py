@@ -77,19 +77,8 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
         )
 
     data = cfg.data
-    from megatron_mhar.data.datasets import open_indexed
-
-    for i, prefix in enumerate(data.paths):
-        path = expand_path(prefix, f"data.paths[{i}]")
-        try:  # both files there, and one intact pair: before any process group starts
-            open_indexed(path)
-        except ValueError as err:
-            raise ValueError(f"data.paths[{i}]={prefix!r}: {err}") from None
-        # Ids past the vocabulary would train the padded embedding rows or fail deep in a
-        # step (a device-side assert on GPUs): data written with another tokenizer. Read on
-        # rank 0 only: a blend of many prefixes on every rank would be a storm of reads.
-        if int(os.environ.get("RANK", "0")) == 0:
-            _check_token_ids(path, f"data.paths[{i}]={prefix!r}", cfg.model.vocab_size)
+    check_data_prefixes(data.paths, "data.paths", cfg.model.vocab_size)
+    check_heldout_data(cfg)
     if data.tokenizer != "builtin":
         tok_dir = expand_path(data.tokenizer, "data.tokenizer")
         if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
@@ -117,6 +106,43 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
         load = expand_path(cfg.checkpoint.load, "checkpoint.load")
         if not os.path.isdir(load):
             raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r}: no such directory")
+
+
+def check_data_prefixes(prefixes, key: str, vocab_size: int) -> None:
+    """Each prefix of the list ``key`` names one intact ``.bin/.idx`` pair whose token ids
+    fit ``vocab_size``."""
+    from megatron_mhar.data.datasets import open_indexed
+
+    for i, prefix in enumerate(prefixes):
+        path = expand_path(prefix, f"{key}[{i}]")
+        try:  # both files there, and one intact pair: before any process group starts
+            open_indexed(path)
+        except ValueError as err:
+            raise ValueError(f"{key}[{i}]={prefix!r}: {err}") from None
+        # Ids past the vocabulary would train the padded embedding rows or fail deep in a
+        # step (a device-side assert on GPUs): data written with another tokenizer. Read on
+        # rank 0 only: a blend of many prefixes on every rank would be a storm of reads.
+        if int(os.environ.get("RANK", "0")) == 0:
+            _check_token_ids(path, f"{key}[{i}]={prefix!r}", vocab_size)
+
+
+def check_heldout_data(cfg: TrainConfig) -> None:
+    """``data.valid_paths`` and ``data.test_paths``: the training data's checks, and no
+    prefix in two of the training, validation and test sets."""
+    data = cfg.data
+    check_data_prefixes(data.valid_paths, "data.valid_paths", cfg.model.vocab_size)
+    check_data_prefixes(data.test_paths, "data.test_paths", cfg.model.vocab_size)
+    first_use = {}  # real path -> (list key, index)
+    for key in ("data.paths", "data.valid_paths", "data.test_paths"):
+        for i, prefix in enumerate(getattr(data, key[len("data."):])):
+            other_key, j = first_use.setdefault(
+                os.path.realpath(expand_path(prefix, f"{key}[{i}]")), (key, i)
+            )
+            if other_key != key:
+                raise ValueError(
+                    f"{key}[{i}]={prefix!r} is also {other_key}[{j}]: held-out data must be neither "
+                    f"trained on nor shared by validation and test; give disjoint data sets"
+                )
 
 
 def _check_token_ids(path: str, what: str, vocab_size: int) -> None:

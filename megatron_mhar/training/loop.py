@@ -38,6 +38,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mhar.data.datasets import MicroBatches, build_gpt_datasets
 from megatron_mhar.files import write_atomic
+from megatron_mhar.models.routing import RoutingRecorder, SiteRouting, make_layout
 from megatron_mhar.parallel import pipeline
 from megatron_mhar.runtime.distributed import DistributedContext, destroy, initialize_model_parallel_from_env
 from megatron_mhar.training import checkpointing, cuda_graphs
@@ -64,6 +65,8 @@ class TrainResult:
     """``[step, validation loss]`` of every evaluation, including those before a resume."""
     val_loss_tail: Optional[float]
     """Mean of the last ``eval.tail`` validation losses."""
+    test_loss: Optional[float] = None
+    """Loss on the test data after the last step, when the run has test data."""
     stopped_by: Optional[str] = None
     """Name of the signal that stopped the run early, if any."""
     checkpoint: Optional[Path] = None
@@ -187,6 +190,8 @@ class Trainer:
         # Training losses since the last logged step; saved with a checkpoint, so that the
         # first loss logged after a resume averages the same steps as an uninterrupted run.
         self.loss_window: List[float] = []
+        self.test_loss: Optional[List[float]] = None  # [step, loss] after the last step
+        self.routing: Dict[int, SiteRouting] = {}  # routing of the last recorded step, by site
         self.checkpoint: Optional[Path] = None
         self.failed_checkpoints: Set[Path] = set()
         self._resume()
@@ -196,20 +201,21 @@ class Trainer:
         if self.is_logger and not self.finished:
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
 
-        train_ds, valid_ds, _ = build_gpt_datasets(
+        eval_samples = cfg.eval.iters * tr.global_batch_size
+        self.train_ds, self.valid_ds, self.test_ds = build_gpt_datasets(
             data_paths,
             cfg.data.weights,
-            cfg.data.split,
+            None if cfg.data.heldout else cfg.data.train_split,
             cfg.model.seq_length,
             [self.consumed_samples + max(tr.train_iters - self.iteration, 0) * tr.global_batch_size,
-             cfg.eval.iters * tr.global_batch_size, 0],
+             eval_samples, eval_samples if cfg.data.has_test_data else 0],
             self.tokenizer,
             cfg.run.seed,
             cache_dir=expand_path(cfg.data.cache_dir, "data.cache_dir") if cfg.data.cache_dir else None,
             eod_mask_loss=cfg.data.eod_mask_loss,
+            heldout=self._heldout_blends(),
         )
-        self.train_ds, self.valid_ds = train_ds, valid_ds
-        self.train_iterators = self._iterators(train_ds, self.consumed_samples)
+        self.train_iterators = self._iterators(self.train_ds, self.consumed_samples)
         self.metrics = MetricsWriter(
             self.run_dir, self.is_logger, cfg.logging.tensorboard, self.iteration, write_files=not self.finished
         )
@@ -238,6 +244,18 @@ class Trainer:
         else:
             paths = [expand_path(p, f"data.paths[{i}]") for i, p in enumerate(data.paths)]
         return tokenizer, paths
+
+    def _heldout_blends(self):
+        """``[valid, test]`` blends of ``data.valid_paths`` / ``data.test_paths`` (test
+        ``None`` without test paths), or ``None`` when ``data.split`` carves them out."""
+        data = self.cfg.data
+        if not data.heldout:
+            return None
+        valid = ([expand_path(p, f"data.valid_paths[{i}]") for i, p in enumerate(data.valid_paths)],
+                 data.valid_weights)
+        test = ([expand_path(p, f"data.test_paths[{i}]") for i, p in enumerate(data.test_paths)],
+                data.test_weights) if data.test_paths else None
+        return [valid, test]
 
     def _optimizer_config(self) -> MegatronOptimizerConfig:
         opt, bf16 = self.cfg.optimizer, self.cfg.training.precision == "bf16"
@@ -323,6 +341,7 @@ class Trainer:
         train_state = loaded["train_state"]
         self.val_losses = [list(v) for v in train_state.get("val_losses", [])]
         self.loss_window = list(train_state.get("loss_window", []))
+        self.test_loss = train_state.get("test_loss")
         # Checkpoints from before consumed_samples was saved ran one batch size throughout.
         self.consumed_samples = train_state.get(
             "consumed_samples", self.iteration * cfg.training.global_batch_size
@@ -382,11 +401,12 @@ class Trainer:
         return loss_sum / tokens, grad_norm, lr
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean token loss over ``eval.iters`` global batches of the validation split."""
+    def evaluate(self, dataset=None) -> float:
+        """Mean token loss over the first ``eval.iters`` global batches of ``dataset``
+        (default: the validation data)."""
         for chunk in self.model:
             chunk.eval()
-        iterators = self._iterators(self.valid_ds, 0)
+        iterators = self._iterators(self.valid_ds if dataset is None else dataset, 0)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for _ in range(self.cfg.eval.iters):
             total += self._global_loss(self.forward_backward(iterators, forward_only=True))
@@ -397,32 +417,48 @@ class Trainer:
 
     # ---------------------------------------------------------------- outputs
 
-    def _record_routing_entropy(self, enabled: bool) -> None:
-        """Have the MHAR decoders record routing entropy on the steps that get logged."""
-        enabled = enabled and self.cfg.mhar.enabled and self.cfg.logging.routing_entropy
+    def _records_routing(self, step: int) -> bool:
+        """Whether training step ``step`` records the routing diagnostics (same on every rank)."""
+        log = self.cfg.logging
+        logged = step % log.interval == 0 or step == self.cfg.training.train_iters
+        return self.cfg.mhar.enabled and ((log.routing_entropy and logged) or self._maps_step(step))
+
+    def _maps_step(self, step: int) -> bool:
+        """Whether step ``step`` logs the routing maps to TensorBoard (``logging.routing_interval``)."""
+        interval = self.cfg.logging.routing_interval
+        return bool(interval) and step % interval == 0
+
+    def _attach_routing_recorder(self, recorder: Optional[RoutingRecorder]) -> None:
+        """Have the MHAR decoders of this rank add their routing to ``recorder`` (``None``: stop)."""
         for chunk in self.model:
             decoder = getattr(unwrap(chunk), "decoder", None)
-            if hasattr(decoder, "record_routing_entropy"):
-                decoder.record_routing_entropy = enabled
+            if hasattr(decoder, "routing_recorder"):
+                decoder.routing_recorder = recorder
 
-    def routing_entropy(self) -> Dict[str, List[float]]:
-        """Per-site per-head routing entropy of the last forward, from every rank's chunks."""
-        local: Dict[str, List[float]] = {}
+    def _gather_routing(self, recorder: RoutingRecorder) -> Dict[int, SiteRouting]:
+        """Every rank's recorded sites (one copy per site: DP and TP rank 0), on every rank."""
+        local = {}
         if self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
-            for chunk in self.model:
-                decoder = getattr(unwrap(chunk), "decoder", None)
-                if hasattr(decoder, "routing_entropy"):
-                    entropy = decoder.routing_entropy()
-                    if entropy:
-                        local.update({k: v.float().tolist() for k, v in entropy.items()})
-        if torch.distributed.get_world_size() == 1:
-            return local
-        gathered: List[Dict[str, List[float]]] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, local)
-        merged: Dict[str, List[float]] = {}
-        for part in gathered:
-            merged.update(part)
-        return merged
+            local = {site: (r.weights.cpu(), r.entropy.cpu(), r.tokens) for site, r in recorder.sites.items()}
+        gathered = [local]
+        if torch.distributed.get_world_size() > 1:
+            gathered = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, local)
+        return {site: SiteRouting(*record) for part in gathered for site, record in part.items()}
+
+    def _routing_maps(self):
+        from megatron_mhar.training.heatmap import RoutingMaps
+
+        return RoutingMaps.from_records(self.routing, make_layout(self.cfg.mhar, self.cfg.model.num_layers))
+
+    def _log_routing_maps(self) -> None:
+        """The routing maps of the step just run into TensorBoard (rank 0)."""
+        if not self.is_logger:
+            return
+        from megatron_mhar.training.heatmap import render
+
+        title = f"{self.cfg.run.name}: routing maps, step {self.iteration}"
+        self.metrics.add_image("routing/maps", render(self._routing_maps(), title), self.iteration)
 
     def _memory_gb(self) -> float:
         """Peak memory of the busiest rank (pipeline stages and ranks differ); every rank calls."""
@@ -449,6 +485,16 @@ class Trainer:
             f"{tail:.4f} | ppl {math.exp(min(loss, 50)):.2f} | {time.perf_counter() - start:.1f}s"
         )
 
+    def _run_test(self) -> None:
+        start = time.perf_counter()
+        loss = self.evaluate(self.test_ds)
+        self.test_loss = [self.iteration, loss]
+        self.metrics.log("test", self.iteration, {"test_loss": loss})
+        self.metrics.console(
+            f"test step {self.iteration:>6} | test loss {loss:.4f} | ppl {math.exp(min(loss, 50)):.2f} | "
+            f"{time.perf_counter() - start:.1f}s"
+        )
+
     def save(self) -> None:
         self.checkpoint = checkpointing.save_checkpoint(
             self.cfg.checkpoint_dir,
@@ -460,6 +506,7 @@ class Trainer:
                 "val_losses": self.val_losses,
                 "consumed_samples": self.consumed_samples,
                 "loss_window": self.loss_window,
+                "test_loss": self.test_loss,
             },
             self.cfg.to_dict(),
             keep_last=self.cfg.checkpoint.keep_last,
@@ -500,12 +547,17 @@ class Trainer:
             last_saved = 0
         with contextlib.nullcontext(stop) if stop is not None else StopSignal() as stop:
             while self.iteration < tr.train_iters:
-                logs_next = (self.iteration + 1) % cfg.logging.interval == 0
-                self._record_routing_entropy(logs_next or self.iteration + 1 == tr.train_iters)
+                recorder = RoutingRecorder() if self._records_routing(self.iteration + 1) else None
+                self._attach_routing_recorder(recorder)
                 timer.start()
                 loss, grad_norm, lr = self.train_step()
                 timer.stop()
+                self._attach_routing_recorder(None)
                 self.iteration += 1
+                if recorder is not None:
+                    self.routing = self._gather_routing(recorder)
+                    if self._maps_step(self.iteration):
+                        self._log_routing_maps()
                 self.consumed_samples += tr.global_batch_size
                 losses[self.iteration] = loss
                 self.loss_window.append(loss)
@@ -526,6 +578,8 @@ class Trainer:
                 done = self.iteration == tr.train_iters
                 if done or (cfg.eval.interval and self.iteration % cfg.eval.interval == 0):
                     self._run_eval()
+                if done and self.test_ds is not None:
+                    self._run_test()
                 signalled = stop.requested(self.device)
                 if signalled or (cfg.checkpoint.interval and self.iteration % cfg.checkpoint.interval == 0):
                     self.save()
@@ -545,10 +599,11 @@ class Trainer:
             losses=losses,
             val_losses=self.val_losses,
             val_loss_tail=self.val_loss_tail(),
+            test_loss=self.test_loss[1] if self.test_loss else None,
             stopped_by=stop.name,
             checkpoint=self.checkpoint,
         )
-        self._write_heatmap()
+        self._write_routing_maps()
         self._write_summary(result)
         self.metrics.close()
         return result
@@ -565,6 +620,7 @@ class Trainer:
                 "val_loss": self.val_losses[-1][1] if self.val_losses else None,
                 "val_loss_tail": result.val_loss_tail,
                 "val_losses": self.val_losses,
+                "test_loss": result.test_loss,
                 "stopped_by": result.stopped_by,
                 "checkpoint": str(self.checkpoint) if self.checkpoint else None,
             }
@@ -577,18 +633,17 @@ class Trainer:
         torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
         return int(total.item())
 
-    def _write_heatmap(self) -> None:
-        """``routing_heatmap.png`` (and a TensorBoard image) from the last forward's routing."""
-        if not (self.cfg.mhar.enabled and self.cfg.logging.routing_entropy):
+    def _write_routing_maps(self) -> None:
+        """``routing_maps.png`` / ``.json`` (and a TensorBoard image) of the last recorded step."""
+        if not (self.cfg.logging.routing_entropy and self.routing and self.is_logger):
             return
-        entropy = self.routing_entropy()
-        if not entropy or not self.is_logger:
-            return
-        from megatron_mhar.training.heatmap import save_heatmap
+        from megatron_mhar.training.heatmap import save_routing_maps
 
-        title = f"{self.cfg.run.name}: routing entropy per site and head, step {self.iteration}"
-        image = save_heatmap(entropy, self.run_dir / "routing_heatmap.png", title)
-        self.metrics.add_image("routing/entropy_heatmap", image, self.iteration)
+        title = f"{self.cfg.run.name}: routing maps, step {self.iteration}"
+        image = save_routing_maps(self._routing_maps(), self.run_dir, title, step=self.iteration,
+                                  variant=self.cfg.mhar.variant)
+        if not self._maps_step(self.iteration):  # else already in TensorBoard
+            self.metrics.add_image("routing/maps", image, self.iteration)
 
     def _log_train(self, window: List[float], grad_norm: float, lr: float, timer: StepTimer) -> None:
         cfg = self.cfg
@@ -604,11 +659,11 @@ class Trainer:
             "consumed_samples": self.consumed_samples,
         }
         extra = {}
-        if cfg.logging.routing_entropy and cfg.mhar.enabled:
-            entropy = self.routing_entropy()
-            if entropy:
-                extra["routing_entropy"] = entropy
-                self.metrics.log_routing_entropy(self.iteration, entropy)
+        if cfg.logging.routing_entropy and self.routing:
+            entropy = {f"site{site:03d}": (record.entropy / record.tokens).tolist()
+                       for site, record in sorted(self.routing.items())}
+            extra["routing_entropy"] = entropy
+            self.metrics.log_routing_entropy(self.iteration, entropy)
         self.metrics.log("train", self.iteration, scalars, extra)
         eta = (cfg.training.train_iters - self.iteration) * timer.seconds_per_step
         self.metrics.console(

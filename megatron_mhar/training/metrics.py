@@ -3,7 +3,8 @@
 ``metrics.jsonl`` holds one JSON object per logged step: ``{"kind": "train",
 "step": ..., "loss": ..., "lr": ..., "grad_norm": ..., "tokens_per_s": ...,
 "memory_gb": ..., "routing_entropy": {site: [per-head nats]}}`` and ``{"kind":
-"eval", "step": ..., "val_loss": ..., "val_loss_tail": ...}``. Floats are written
+"eval", "step": ..., "val_loss": ..., "val_loss_tail": ...}`` (and ``{"kind": "test", "step":
+..., "test_loss": ...}`` after the last step, with test data). Floats are written
 with ``repr`` precision, so two runs can be compared bitwise from the files.
 ``memory_gb`` is the peak memory (CUDA allocated, or resident on CPU) of the busiest rank.
 

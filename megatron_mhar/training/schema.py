@@ -26,6 +26,9 @@ from megatron_mhar.manifest import VERIFY_LEVELS
 from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.mhar_config import MHARConfig
 
+DEFAULT_SPLIT = "98,2,0"
+"""``data.split`` when none is given and no held-out paths are."""
+
 CUDA_GRAPH_MODES = ("none", "full_iteration")
 """Values of ``training.cuda_graph`` (see :mod:`megatron_mhar.training.cuda_graphs`)."""
 
@@ -231,10 +234,12 @@ class OptimizerConfig:
 
 @dataclasses.dataclass
 class EvalConfig:
-    """Periodic validation on a fixed set of held-out batches."""
+    """Periodic validation on a fixed set of held-out batches (and a test after the last step)."""
 
     interval: int = 50
-    """Evaluate every this many steps (and always after the last step); 0: only at the end."""
+    """Evaluate every this many steps (and always after the last step); 0: only at the end.
+    Test data (``data.test_paths`` or a test share of ``data.split``) is evaluated once,
+    after the last step, on ``iters`` global batches too."""
 
     iters: int = 4
     """Global batches per evaluation; every evaluation reads the same batches."""
@@ -261,8 +266,23 @@ class DataConfig:
     weights: Optional[List[float]] = None
     """Blend weights, one per path; ``None``: proportional to dataset size."""
 
-    split: str = "98,2,0"
-    """Train, validation, test split over documents (Megatron's ``--split``)."""
+    split: Optional[str] = None
+    """Train, validation, test shares of the documents of ``paths`` (Megatron's ``--split``);
+    ``None``: ``98,2,0``, or, with ``valid_paths``, all of ``paths`` trains."""
+
+    valid_paths: List[str] = dataclasses.field(default_factory=list)
+    """Held-out validation prefixes (Megatron's ``--valid-data-path``), read by every
+    evaluation; ``paths`` then trains whole. Empty: the validation share of ``split``."""
+
+    valid_weights: Optional[List[float]] = None
+    """Blend weights, one per ``valid_paths`` entry; ``None``: proportional to size."""
+
+    test_paths: List[str] = dataclasses.field(default_factory=list)
+    """Held-out test prefixes (Megatron's ``--test-data-path``), evaluated once after the
+    last step; needs ``valid_paths``. Empty: the test share of ``split``, if any."""
+
+    test_weights: Optional[List[float]] = None
+    """Blend weights, one per ``test_paths`` entry; ``None``: proportional to size."""
 
     tokenizer: str = "builtin"
     """``builtin`` (byte-level BPE trained on the embedded corpus) or a local Hugging Face
@@ -291,15 +311,20 @@ class DataConfig:
     """Do not train on predicting the token after an end-of-document token."""
 
     def __post_init__(self):
-        if self.weights is not None and len(self.weights) != len(self.paths):
+        for prefix in ("", "valid_", "test_"):
+            _check_blend_weights(getattr(self, f"{prefix}paths"), getattr(self, f"{prefix}weights"), prefix)
+        if self.test_paths and not self.valid_paths:
             raise ValueError(
-                f"data.weights has {len(self.weights)} entries for {len(self.paths)} data.paths; "
-                f"give one weight per path or set data.weights=null"
+                "data.test_paths needs data.valid_paths (held-out sets replace data.split for "
+                "validation and test together); give data.valid_paths too"
             )
-        if self.weights is not None and (any(w < 0 for w in self.weights) or sum(self.weights) <= 0):
-            raise ValueError(f"data.weights must be non-negative with a positive sum: {self.weights}")
+        if self.valid_paths and self.split is not None:
+            raise ValueError(
+                f"data.split={self.split!r} carves validation data out of data.paths, but "
+                f"data.valid_paths is set: set data.split=null to train on all of data.paths"
+            )
         try:
-            parts = [float(p) for p in self.split.replace("/", ",").split(",")]
+            parts = [float(p) for p in self.train_split.replace("/", ",").split(",")]
         except ValueError:
             parts = []
         if len(parts) != 3 or min(parts) < 0 or parts[0] <= 0 or parts[1] <= 0:
@@ -317,6 +342,36 @@ class DataConfig:
     def embedded(self) -> bool:
         """Whether the run trains on the embedded corpus."""
         return not self.paths
+
+    @property
+    def heldout(self) -> bool:
+        """Whether validation (and test) data come from their own paths, not from ``split``."""
+        return bool(self.valid_paths)
+
+    @property
+    def train_split(self) -> str:
+        """The ``split`` in force when held-out data is carved out of ``paths``."""
+        return DEFAULT_SPLIT if self.split is None else self.split
+
+    @property
+    def has_test_data(self) -> bool:
+        """Whether a test evaluation follows the last step (``test_paths`` or a test share)."""
+        if self.heldout:
+            return bool(self.test_paths)
+        return float(self.train_split.replace("/", ",").split(",")[2]) > 0
+
+
+def _check_blend_weights(paths: List[str], weights: Optional[List[float]], prefix: str) -> None:
+    """One non-negative weight per path with a positive sum, or no weights."""
+    if weights is None:
+        return
+    if len(weights) != len(paths):
+        raise ValueError(
+            f"data.{prefix}weights has {len(weights)} entries for {len(paths)} data.{prefix}paths; "
+            f"give one weight per path or set data.{prefix}weights=null"
+        )
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"data.{prefix}weights must be non-negative with a positive sum: {weights}")
 
 
 @dataclasses.dataclass
@@ -374,11 +429,19 @@ class LoggingConfig:
     """Write TensorBoard event files into ``{run dir}/tensorboard``."""
 
     routing_entropy: bool = True
-    """Log per-site per-head routing entropy of MHAR models."""
+    """Log per-site per-head routing entropy of MHAR models at every log step, and write
+    the routing maps of the last step (``routing_maps.png`` / ``.json`` in the run
+    directory, see :mod:`megatron_mhar.training.heatmap`)."""
+
+    routing_interval: int = 0
+    """Log the routing maps of MHAR models (mean weight of each site over each source, per
+    head, and normalised entropy) to TensorBoard every this many steps; 0: never."""
 
     def __post_init__(self):
         if self.interval < 1:
             raise ValueError(f"logging.interval must be >= 1, got {self.interval}")
+        if self.routing_interval < 0:
+            raise ValueError(f"logging.routing_interval must be >= 0, got {self.routing_interval}")
 
 
 @dataclasses.dataclass
@@ -462,11 +525,11 @@ class TrainConfig:
                 f"reduction or parameter gathering; set parallel.overlap_grad_reduce=false and "
                 f"parallel.overlap_param_gather=false {fix}"
             )
-        if self.mhar.enabled and self.logging.routing_entropy:
+        if self.mhar.enabled and (self.logging.routing_entropy or self.logging.routing_interval):
             raise ValueError(
-                f"training.cuda_graph={tr.cuda_graph}: the routing-entropy diagnostic is recorded "
-                f"by Python on logged steps, which a replayed graph does not run; set "
-                f"logging.routing_entropy=false {fix}"
+                f"training.cuda_graph={tr.cuda_graph}: the routing diagnostics are recorded by "
+                f"Python on the steps they log, which a replayed graph does not run; set "
+                f"logging.routing_entropy=false and logging.routing_interval=0 {fix}"
             )
 
     @property

@@ -356,25 +356,33 @@ def test_graph_and_history_are_freed_after_backward(megatron_world1, monkeypatch
     "mhar_fields,sources_read",
     [
         pytest.param(dict(variant="full"), lambda site: site, id="full"),
+        # blocks of 2 sublayers: the completed blocks, plus the partial at a block's second site
+        pytest.param(dict(variant="block", block_size=2), lambda site: (site + 1) // 2 + (site + 1) % 2,
+                     id="block"),
         # delta, 1-layer blocks: null + embedding + completed layers before the site's layer
         pytest.param(dict(variant="delta", delta_block_layers=1), lambda site: 1 + (site + 1) // 2,
                      id="delta"),
     ],
 )
-def test_routing_entropy_is_recorded_on_request(megatron_world1, mhar_fields, sources_read):
-    """Zero queries route uniformly: every head's entropy is ln(sources read)."""
+def test_routing_is_recorded_on_request(megatron_world1, mhar_fields, sources_read):
+    """Zero queries route uniformly: every source weighs 1/N, every head's entropy is ln N."""
     import math
+
+    from megatron_mhar.models.routing import RoutingRecorder
 
     model = build_gpt(tiny_gpt_config(), MHARConfig(num_heads=4, **mhar_fields))
     tokens, positions = gpt_batch()
-    model(tokens, positions, None)
-    assert model.decoder.routing_entropy() is None  # off by default
-    model.decoder.record_routing_entropy = True
+    assert model.decoder.routing_recorder is None  # off by default
+    recorder = RoutingRecorder()
+    model.decoder.routing_recorder = recorder
     with torch.no_grad():
         model(tokens, positions, None)
-    entropy = model.decoder.routing_entropy()
-    sites = 2 * 3 + (1 if mhar_fields["variant"] == "full" else 0)
-    assert list(entropy) == [f"site{j:03d}" for j in range(1, sites + 1)]
-    for j in range(1, sites + 1):
-        expected = torch.full((4,), math.log(sources_read(j)))
-        torch.testing.assert_close(entropy[f"site{j:03d}"], expected, rtol=1e-5, atol=1e-5)
+    sites = 2 * 3 + (0 if mhar_fields["variant"] == "delta" else 1)
+    assert sorted(recorder.sites) == list(range(1, sites + 1))
+    for j, record in recorder.sites.items():
+        n = sources_read(j)
+        assert record.tokens == tokens.numel() and record.weights.shape == (n, 4)
+        torch.testing.assert_close(record.entropy / record.tokens, torch.full((4,), math.log(n)),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(record.weights / record.tokens, torch.full((n, 4), 1 / n),
+                                   rtol=1e-6, atol=1e-6)

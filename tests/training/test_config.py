@@ -70,7 +70,11 @@ def test_defaults_are_the_smoke_recipe():
         pytest.param("training.cuda_graph=partial", "training.cuda_graph must be one of ['none', 'full_iteration']", id="graph-mode"),
         pytest.param("checkpoint.verify=sha", "checkpoint.verify must be one of full, size, off, got 'sha'", id="verify-level"),
         # what the full-iteration graph does not cover, each with its fix
-        pytest.param("training.cuda_graph=full_iteration", "set logging.routing_entropy=false or set training.cuda_graph=none", id="graph-entropy"),
+        pytest.param("training.cuda_graph=full_iteration",
+                     "set logging.routing_entropy=false and logging.routing_interval=0 or set training.cuda_graph=none", id="graph-entropy"),
+        pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "logging.routing_interval=10"],
+                     "the routing diagnostics are recorded by Python on the steps they log", id="graph-routing-maps"),
+        pytest.param("logging.routing_interval=-1", "logging.routing_interval must be >= 0, got -1", id="routing-interval"),
         pytest.param(["training.cuda_graph=full_iteration", "parallel.pipeline_model_parallel_size=2"],
                      "not supported with pipeline parallelism (pipeline_model_parallel_size=2)", id="graph-pp"),
         pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "training.recompute_granularity=selective"],

@@ -1,4 +1,4 @@
-"""Signals in a real process, the heatmap, the routing-entropy logging, where caches go."""
+"""Signals in a real process, the demo, the routing-entropy logging, where caches go."""
 
 from __future__ import annotations
 
@@ -45,23 +45,8 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, embedded_dir, single_process)
     assert summary["stopped_by"] == "SIGTERM" and summary["iteration"] == last
 
 
-def test_heatmap_renders_sites_in_depth_order(tmp_path):
-    from PIL import Image
-
-    from megatron_mhar.training.heatmap import entropy_matrix, save_heatmap
-
-    entropy = {"site10": [0.1, 0.2], "site2": [1.0, 0.5], "site1": [0.0, 0.0]}
-    sites, matrix = entropy_matrix(entropy)
-    assert sites == ["site1", "site2", "site10"]
-    assert matrix.tolist() == [[0.0, 0.0], [1.0, 0.5], [0.1, 0.2]]
-    image = save_heatmap(entropy, tmp_path / "h.png", "title")
-    loaded = numpy.asarray(Image.open(tmp_path / "h.png"))
-    assert loaded.shape == image.shape and loaded.ndim == 3
-    assert len({tuple(p) for p in loaded.reshape(-1, 3)}) > 10  # coloured cells, not blank
-
-
 def test_routing_entropy_is_logged(tiny):
-    """Per-site per-head entropy in metrics.jsonl, TensorBoard and the heatmap."""
+    """Per-site per-head entropy in metrics.jsonl and TensorBoard; the routing maps at the end."""
     from megatron_mhar.training.loop import run
 
     cfg = tiny("training.train_iters=3", "eval.interval=0")
@@ -71,7 +56,7 @@ def test_routing_entropy_is_logged(tiny):
     assert len(entropy) == 2 * cfg.model.num_layers + 1  # every site of the full variant
     for heads in entropy.values():
         assert len(heads) == cfg.mhar.num_heads and all(0 <= h <= numpy.log(5) + 1e-6 for h in heads)
-    assert (cfg.run.dir / "routing_heatmap.png").is_file()
+    assert (cfg.run.dir / "routing_maps.png").is_file() and (cfg.run.dir / "routing_maps.json").is_file()
 
 
 def test_the_embedded_corpus_goes_to_data_cache_dir(tiny, tmp_path, monkeypatch):
