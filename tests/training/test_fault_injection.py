@@ -187,7 +187,6 @@ def test_sigkill_during_a_save_loses_nothing(tmp_path, embedded_dir, reference, 
 
 @pytest.mark.parametrize("name", [
     "__0_0.distcp",  # a shard of weights and optimizer state
-    "__0_1.distcp",
     ".metadata",  # torch's index of the shards
     "common.pt",  # iteration, train state, run config
     "metadata.json",  # Megatron's checkpoint format marker
