@@ -70,8 +70,9 @@ def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", type=Path,
                         help="directory holding the tokenizer.json to ship with the model (e.g. the "
                              "builtin tokenizer a run trained with); default: --hf-reference's")
-    parser.add_argument("--max-shard-size", default="5GiB",
-                        help="largest safetensors shard, in bytes or as 5GB / 500MiB (default 5GiB)")
+    parser.add_argument("--max-shard-size", default="2GiB",
+                        help="largest safetensors shard, in bytes or as 5GB / 500MiB (default 2GiB; the "
+                             "export holds one shard's tensors in memory)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
 

@@ -134,8 +134,9 @@ class SafetensorsReader:
             return handle.get_tensor(name)
 
 
-DEFAULT_SHARD_BYTES = 5 * 2**30
-"""Largest shard the export writes (``save_pretrained``'s default, 5 GiB)."""
+DEFAULT_SHARD_BYTES = 2 * 2**30
+"""Largest shard the export writes: an export holds at most one shard's tensors (and the
+stored tensor being converted), so smaller shards keep its memory small."""
 
 
 class ShardWriter:
