@@ -91,6 +91,14 @@ def test_hand_set_queries_route_where_the_maps_say(megatron_world1):
     assert (numpy.nanargmax(head1[1:], axis=1) == numpy.arange(1, 2 * LAYERS + 1)).all()  # the diagonal
 
 
+def test_a_plain_gpt_has_no_routing_to_map(megatron_world1):
+    from megatron_mhar.analyze import routing_maps
+
+    model = build_gpt(tiny_gpt_config(), MHARConfig(variant="none"))
+    with pytest.raises(ValueError, match=r"plain GPT \(mhar.variant=none\): it routes nothing to map"):
+        routing_maps(model, [torch.zeros(1, 8, dtype=torch.long)])
+
+
 def _maps(variant_sources):
     """Uniform maps over the given per-site source lists (2 heads)."""
     sites = [SiteMap(site=j + 1, sources=names, weights=[[1 / len(names)] * 2 for _ in names],

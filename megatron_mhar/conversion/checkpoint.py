@@ -25,11 +25,12 @@ Reading a checkpoint (:func:`find_checkpoint`) verifies it against its manifest.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -135,7 +136,9 @@ def build_model(
     """This rank's GPT chunk (no VPP), uninitialised: every tensor is loaded afterwards.
 
     Routing parameters are exceptions: they are created with their identity values
-    (the paper's initialisation) regardless of ``perform_initialization``.
+    (the paper's initialisation) regardless of ``perform_initialization``. On
+    ``device="meta"`` every other weight is a meta tensor, which holds no memory: the
+    structure that :func:`save_streamed` and :func:`read_streamed` fill one tensor at a time.
     """
     from megatron.core import parallel_state
 
@@ -151,7 +154,7 @@ def build_model(
         mhar,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        use_cpu_initialization=device == "cpu",
+        use_cpu_initialization=device in ("cpu", "meta"),
         perform_initialization=False,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -160,8 +163,10 @@ def build_model(
     )
     first = parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process
     last = parallel_state.is_pipeline_last_stage() if post_process is None else post_process
-    chunk = build_gpt_model(local, mhar, config, pre_process=first, post_process=last)
-    return chunk.to(device)
+    # The routers place their parameters on the CPU themselves (use_cpu_initialization).
+    with torch.device("meta") if device == "meta" else contextlib.nullcontext():
+        chunk = build_gpt_model(local, mhar, config, pre_process=first, post_process=last)
+    return chunk if device == "meta" else chunk.to(device)
 
 
 def check_layout(model: GPTModelConfig, tp: int, pp: int) -> None:
@@ -216,15 +221,6 @@ def tp_slice(name: str, full: torch.Tensor, param: torch.nn.Parameter, tp_rank: 
     return full.chunk(tp_size, dim=dim)[tp_rank]
 
 
-def full_state_dict(chunk) -> Dict[str, torch.Tensor]:
-    """Tensors of a TP=1/PP=1 model by name (extra states and tied copies left out)."""
-    return {
-        name: tensor
-        for name, tensor in chunk.state_dict().items()
-        if torch.is_tensor(tensor) and not name.endswith("_extra_state")
-    }
-
-
 def sharded_state(chunk) -> Dict[str, Any]:
     """What ``dist_checkpointing`` saves and loads for one chunk: the driver's ``model`` key."""
     return {"model": chunk.sharded_state_dict()}
@@ -239,17 +235,117 @@ def save(chunk, checkpoint_dir: Path, common: Dict[str, Any]) -> None:
     dist_checkpointing.save(state, str(checkpoint_dir))
 
 
-def load_into(chunk, checkpoint: Path) -> None:
-    """Collective: load the weights of ``checkpoint`` into ``chunk`` (any layout, strict)."""
-    from megatron.core import dist_checkpointing
+def save_streamed(
+    chunk, checkpoint_dir: Path, common: Dict[str, Any], value_of: Callable[[str, torch.Tensor], torch.Tensor]
+) -> None:
+    """Collective: write ``chunk``'s checkpoint with each tensor computed, one at a time, by
+    ``value_of(name, param)`` (``name`` the TP=1/PP=1 name, ``param`` the chunk's
+    parameter, a meta tensor on a meta chunk; it returns this rank's part).
 
+    The checkpoint holds the tensors and nothing else: every tensor gets storage of its
+    own, since Megatron's writer copies each tensor that is a view of a larger one (the
+    two halves of a SwiGLU ``linear_fc1``), all of them at once.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
+
+    sharded = chunk.sharded_state_dict()
+    for local, entry in sharded.items():
+        if isinstance(entry, ShardedObject):
+            continue
+        name = global_name(chunk, local)
+        value = value_of(name, entry.data)
+        if tuple(value.shape) != tuple(entry.data.shape):
+            raise ValueError(f"{name}: converted shape {tuple(value.shape)}, the model's {tuple(entry.data.shape)}")
+        entry.data = _owned(value.to(entry.data.dtype))
+        if isinstance(entry, ShardedTensorFactory):
+            sharded[local] = entry.build()
+            for part in _leaves(sharded[local]):
+                part.data = _owned(part.data)
+    state = {"model": sharded}
+    state.update(common)
+    dist_checkpointing.save(state, str(checkpoint_dir))
+
+
+def _leaves(entry) -> list:
+    """The tensors (or sharded tensors) of a state-dict entry: itself, or those it nests."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return list(nested_values(entry)) if isinstance(entry, (dict, list)) else [entry]
+
+
+def _owned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy of it where it is a view of a larger storage."""
+    whole = tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if whole else tensor.clone()
+
+
+def read_streamed(
+    chunk, checkpoint: Path, before_load: Optional[Callable[[int], None]] = None
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Collective: ``(TP=1/PP=1 name, tensor)`` for each of ``chunk``'s tensors in ``checkpoint``.
+
+    One stored tensor (all its layers) is loaded at a time, in place: into fresh tensors
+    where ``chunk`` is a meta chunk (:func:`build_model`), else into the chunk's own
+    parameters; ``before_load(nbytes)`` is told its size first. Megatron's own load of a
+    whole model holds a second copy of each SwiGLU ``linear_fc1`` (the two halves it
+    loads, then their concatenation); here the halves are loaded as views of the tensor
+    they form.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
+
+    sharded = chunk.sharded_state_dict()
+    groups: Dict[str, list] = {}  # stored key -> local names
+    for local, entry in sharded.items():
+        if not isinstance(entry, ShardedObject):
+            groups.setdefault(entry.key, []).append(local)
     with reading(checkpoint):
-        loaded = dist_checkpointing.load(sharded_state(chunk), str(checkpoint))
-    missing, unexpected = chunk.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ValueError(f"{checkpoint}: missing tensors {missing}, unexpected tensors {unexpected}")
+        stored = dist_checkpointing.load_tensors_metadata(str(checkpoint))
+    missing = sorted(set(groups) - set(stored))
+    if missing:
+        raise ValueError(
+            f"checkpoint {checkpoint} has no {', '.join(missing[:4])}"
+            f"{f' (and {len(missing) - 4} more)' if len(missing) > 4 else ''}: it was written for "
+            f"another model than its config describes"
+        )
+    for key in _keys_of_all_ranks(groups):
+        names = groups.get(key, [])
+        if before_load is not None:
+            before_load(sum(sharded[local].data.numel() * sharded[local].data.element_size() for local in names))
+        targets, request = {}, {}
+        for local in names:
+            entry = sharded[local]
+            targets[local] = torch.empty_like(entry.data, device="cpu") if entry.data.is_meta else entry.data
+            entry.data = targets[local]
+            request[local] = entry.build() if isinstance(entry, ShardedTensorFactory) else entry
+        views = {local: [part.data for part in _leaves(request[local])] for local in names}
+        with reading(checkpoint):
+            loaded = dist_checkpointing.load({"model": request}, str(checkpoint)).get("model", {})
+        for local in names:
+            for view, value in zip(views[local], _leaves(loaded[local]), strict=True):
+                if value.data_ptr() != view.data_ptr():  # not loaded in place
+                    view.copy_(value.view_as(view))
+        del request, views, loaded
+        for local in names:
+            yield global_name(chunk, local), targets.pop(local)
+
+
+def _keys_of_all_ranks(groups: Dict[str, list]) -> list:
+    """The stored keys of every rank's chunk, in one order on every rank (each load is a
+    collective: every rank takes part, with its part of the key or none)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return list(groups)
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, list(groups))
+    return list(dict.fromkeys(key for keys in gathered for key in keys))
+
+
+def load_into(chunk, checkpoint: Path) -> None:
+    """Collective: load the weights of ``checkpoint`` into ``chunk`` (any layout, strict),
+    in place, one stored tensor at a time (:func:`read_streamed`)."""
+    for _ in read_streamed(chunk, checkpoint):
+        pass
 
 
 def config_dicts(model: GPTModelConfig, mhar: MHARConfig) -> Dict[str, Any]:

@@ -78,6 +78,9 @@ def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", type=Path,
                         help="directory holding the tokenizer.json to ship with the model (e.g. the "
                              "builtin tokenizer a run trained with); default: --hf-reference's")
+    parser.add_argument("--max-shard-size", default="2GiB",
+                        help="largest safetensors shard, in bytes or as 5GB / 500MiB (default 2GiB; the "
+                             "export holds one shard's tensors in memory)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--allow-nonfinite", action="store_true", help=NONFINITE_HELP)
 
@@ -109,12 +112,19 @@ def run_hf_to_mcore(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 def run_mcore_to_hf(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the export; a bad input exits with code 2."""
+    from transformers.utils.hub import convert_file_size_to_int
+
     from megatron_mhar.conversion.convert import INPUT_ERRORS, mcore_to_hf
 
+    size = args.max_shard_size
+    try:
+        max_shard_bytes = int(size) if size.isdigit() else convert_file_size_to_int(size)
+    except ValueError:
+        parser.error(f"--max-shard-size {size!r}: give a number of bytes or a size such as 5GB or 500MiB")
     try:
         out = mcore_to_hf(args.ckpt, args.out, overwrite=args.overwrite, dtype=args.dtype,
                           hf_reference=args.hf_reference, tokenizer=args.tokenizer,
-                          allow_nonfinite=args.allow_nonfinite)
+                          allow_nonfinite=args.allow_nonfinite, max_shard_bytes=max_shard_bytes)
     except INPUT_ERRORS as err:
         parser.exit(2, f"error: {err}\n")
     print(f"wrote {out}")

@@ -203,8 +203,8 @@ def _import_rank(plan: ImportPlan) -> None:
             checkpoint.prepare_output(out, plan.overwrite, inputs=(Path(plan.hf_dir),))
         torch.distributed.barrier()
 
-        chunk = checkpoint.build_model(plan.model, plan.mhar, DTYPES[plan.dtype])
-        _fill_from_hf(chunk, plan)
+        chunk = checkpoint.build_model(plan.model, plan.mhar, DTYPES[plan.dtype], device="meta")
+        value_of = _hf_values(chunk, plan)
         iteration_dir = tmp / checkpoint.ITERATION_DIR
         if rank == 0:
             iteration_dir.mkdir()
@@ -217,7 +217,8 @@ def _import_rank(plan: ImportPlan) -> None:
             "routing_source": plan.routing_source,
             "ignored_hf_tensors": list(plan.hf_ignored),
         }
-        checkpoint.save(chunk, iteration_dir, checkpoint.common_state(plan.model, plan.mhar, conversion))
+        common = checkpoint.common_state(plan.model, plan.mhar, conversion)
+        checkpoint.save_streamed(chunk, iteration_dir, common, value_of)
         if rank == 0:
             checkpoint.write_train_config(iteration_dir, plan.model, plan.mhar)
             (iteration_dir / checkpoint.CONVERSION_FILE).write_text(json.dumps(conversion, indent=2) + "\n")
@@ -256,8 +257,9 @@ def _ensure_parallel_state(tp: int, pp: int) -> bool:
     return False
 
 
-def _fill_from_hf(chunk, plan: ImportPlan) -> None:
-    """Copy every tensor of this rank's chunk from the HF checkpoint (or the side file)."""
+def _hf_values(chunk, plan: ImportPlan):
+    """``value_of(name, param)`` for :func:`checkpoint.save_streamed`: this rank's part of
+    each tensor of ``chunk``, read from the HF checkpoint (or the side file) when asked for."""
     from megatron.core import parallel_state
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -268,27 +270,26 @@ def _fill_from_hf(chunk, plan: ImportPlan) -> None:
     routing = hf_io.read_mhar_side_file(Path(plan.hf_dir))[1] if side_file else None
     if plan.model.tie_embeddings and "lm_head.weight" in reader:
         _check_tied_copy(reader)
-    used_routing = set()
-    for name, param in chunk.named_parameters():
-        key = checkpoint.global_name(chunk, name)
+    if routing is not None and parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        names = {checkpoint.global_name(chunk, name) for name, _ in chunk.named_parameters()}
+        extra = sorted(set(routing) - names)
+        if extra:
+            raise ValueError(f"{hf_io.MHAR_PARAMS_FILE} has tensors the model does not: {extra[:8]}")
+
+    def value_of(key: str, param: torch.Tensor) -> torch.Tensor:
         if mapping.is_mhar_param(key) and plan.routing_source == "initial":
-            continue  # identity values from the model's construction
+            return param  # the identity values of the model's construction
         if mapping.is_mhar_param(key) and side_file:
             if key not in routing:
                 raise ValueError(f"{hf_io.MHAR_PARAMS_FILE} has no {key!r}")
             full = routing[key]
-            used_routing.add(key)
         elif key == "output_layer.weight" and plan.model.tie_embeddings:
             full = mapping.megatron_tensor("embedding.word_embeddings.weight", reader, shapes)
         else:
             full = mapping.megatron_tensor(key, reader, shapes)
-        value = checkpoint.tp_slice(key, full, param, tp_rank, tp_size)
-        with torch.no_grad():
-            param.copy_(value)
-    if routing is not None and parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        extra = sorted(set(routing) - used_routing)
-        if extra:
-            raise ValueError(f"{hf_io.MHAR_PARAMS_FILE} has tensors the model does not: {extra[:8]}")
+        return checkpoint.tp_slice(key, full, param, tp_rank, tp_size)
+
+    return value_of
 
 
 def _check_tied_copy(reader) -> None:
@@ -310,6 +311,7 @@ def mcore_to_hf(
     hf_reference: Optional[Path] = None,
     tokenizer: Optional[Path] = None,
     allow_nonfinite: bool = False,
+    max_shard_bytes: int = hf_io.DEFAULT_SHARD_BYTES,
 ) -> Path:
     """Write an HF directory from a checkpoint: a plain Llama / Qwen3 for ``variant: none``,
     else its MHAR form, which ``AutoModelForCausalLM`` loads (``trust_remote_code=True``, or
@@ -320,10 +322,12 @@ def mcore_to_hf(
     (trained from scratch) gets a config derived from its model config. ``tokenizer``
     (a directory holding ``tokenizer.json``, such as the one a run trained on) supplies
     the tokenizer files instead, and a derived config its end-of-document token as EOS;
-    by default a trained checkpoint's own tokenizer (its ``tokenizer/``) does.
+    by default a trained checkpoint's own tokenizer (its ``tokenizer/``) does. The tensors
+    stream from the checkpoint into safetensors shards of at most ``max_shard_bytes`` (with
+    an index when there are several), each checked for NaN/Inf unless ``allow_nonfinite``.
     """
-    from megatron_mhar.runtime import destroy
-
+    if max_shard_bytes < 1:
+        raise ValueError(f"--max-shard-size must be positive, got {max_shard_bytes} bytes")
     found = checkpoint.find_checkpoint(Path(ckpt))
     own_tokenizer = found / checkpoint_format.TOKENIZER_DIR
     if tokenizer is None and not hf_reference and not (found / checkpoint.HF_SUBDIR / "config.json").is_file():
@@ -337,16 +341,6 @@ def mcore_to_hf(
     model_cfg, mhar, _ = checkpoint.read_configs(found)
     stored = checkpoint.stored_dtype(found)
     target = DTYPES[dtype] if dtype else stored
-    started = _ensure_parallel_state(1, 1)
-    try:
-        chunk = checkpoint.build_model(model_cfg, mhar, stored)
-        checkpoint.load_into(chunk, found)
-        state = {k: v.to(target) for k, v in checkpoint.full_state_dict(chunk).items()}
-        weight_checks.check_all_finite(state, str(found), allow_nonfinite)
-    finally:
-        if started:
-            destroy()
-    tensors = mapping.hf_tensors(state, model_cfg, mapping.Shapes.of(model_cfg), mhar)
     if (source_hf / "config.json").is_file():
         what = f"--hf-reference {hf_reference}/config.json" if hf_reference else f"{source_hf}/config.json"
         config = hf_config.plain_hf_config(hf_io.read_config(source_hf))
@@ -369,13 +363,41 @@ def mcore_to_hf(
         if tokenizer_files is not None:
             hf_io.write_tokenizer(tokenizer_files, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        hf_io.write_safetensors(tensors, tmp)
+        _write_hf_tensors(found, model_cfg, mhar, stored, target, tmp, max_shard_bytes, allow_nonfinite)
         if mhar.enabled:
             hf_io.copy_remote_code(tmp)
         return checkpoint.publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written directory behind
         raise
+
+
+def _write_hf_tensors(found: Path, model_cfg: GPTModelConfig, mhar: MHARConfig, stored: torch.dtype,
+                      target: torch.dtype, out_dir: Path, max_shard_bytes: int, allow_nonfinite: bool) -> None:
+    """The checkpoint's tensors as HF safetensors shards in ``out_dir``, streamed: one stored
+    tensor is read, converted and queued for its shard at a time, never the whole model."""
+    from megatron_mhar.runtime import destroy
+
+    started = _ensure_parallel_state(1, 1)
+    try:
+        chunk = checkpoint.build_model(model_cfg, mhar, stored, device="meta")
+        writer = hf_io.ShardWriter(out_dir, max_shard_bytes)
+        scale = target.itemsize / stored.itemsize
+        # A new shard where the next stored tensor would overflow this one: at most one
+        # shard's worth of tensors, or one stored tensor's, is held at a time.
+        tensors = checkpoint.read_streamed(chunk, found, before_load=lambda n: writer.make_room(int(n * scale)))
+        megatron = ((name, _finite(name, tensor.to(target), found, allow_nonfinite)) for name, tensor in tensors)
+        for name, tensor in mapping.hf_tensors_streamed(megatron, model_cfg, mapping.Shapes.of(model_cfg), mhar):
+            writer.add(name, tensor)
+        writer.close()
+    finally:
+        if started:
+            destroy()
+
+
+def _finite(name: str, tensor: torch.Tensor, found: Path, allow: bool) -> torch.Tensor:
+    weight_checks.check_finite(name, tensor, str(found), allow)
+    return tensor
 
 
 # ---------------------------------------------------------------- local ranks

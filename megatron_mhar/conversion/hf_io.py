@@ -32,6 +32,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional
 
 import torch
 
+from megatron_mhar.files import TMP_PREFIX
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MHAR_CONFIG_FILE = "mhar_config.json"
@@ -79,7 +81,12 @@ def read_json_object(path: Path) -> Dict[str, Any]:
 
 
 class SafetensorsReader:
-    """Lazy access to the tensors of an HF directory (one file or an index of shards)."""
+    """Lazy access to the tensors of an HF directory (one file or an index of shards).
+
+    Each read maps its file only for as long as the returned tensor lives (safetensors
+    maps rather than copies): a converter that drops each tensor once used holds a few
+    tensors of the checkpoint in memory at any time, never whole shards.
+    """
 
     def __init__(self, hf_dir: Path):
         from safetensors import safe_open
@@ -96,18 +103,16 @@ class SafetensorsReader:
             found = sorted(p.name for p in hf_dir.glob("*.bin")) + sorted(p.name for p in hf_dir.glob("*.pt"))
             hint = f" (found {', '.join(found)}: re-save with safe_serialization=True)" if found else ""
             raise FileNotFoundError(f"{hf_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
-        self._files: Dict[str, Any] = {}
+        self._dir = hf_dir
         self._where: Dict[str, str] = {}
         files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
         for name in files:
             path = hf_dir / name
             if not path.is_file():
                 raise FileNotFoundError(f"{index} names {name}, which does not exist")
-            with _safetensors_read(path):
-                handle = safe_open(str(path), framework="pt")
-            self._files[name] = handle
-            for key in handle.keys():
-                self._where[key] = name
+            with _safetensors_read(path), safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    self._where[key] = name
         if weight_map is not None:
             missing = sorted(k for k, f in weight_map.items() if self._where.get(k) != f)
             if missing:
@@ -120,40 +125,94 @@ class SafetensorsReader:
         return name in self._where
 
     def __call__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
         if name not in self._where:
             raise KeyError(f"HF checkpoint has no tensor {name!r}")
-        return self._files[self._where[name]].get_tensor(name)
+        path = self._dir / self._where[name]
+        with _safetensors_read(path), safe_open(str(path), framework="pt") as handle:
+            return handle.get_tensor(name)
+
+
+DEFAULT_SHARD_BYTES = 2 * 2**30
+"""Largest shard the export writes: an export holds at most one shard's tensors (and the
+stored tensor being converted), so smaller shards keep its memory small."""
+
+
+class ShardWriter:
+    """Writes tensors as they come into safetensors shards of at most ``max_shard_bytes``
+    (a tensor larger than that gets a shard of its own), as ``save_pretrained`` lays them
+    out: ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` and an index.
+
+    At most one shard's tensors are held: a shard is written once the next tensor would
+    not fit, under a temporary name (the count of shards is known only at the end), and
+    :meth:`close` gives the shards their final names and writes the index.
+    """
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES):
+        if max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        self.out_dir = Path(out_dir)
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: Dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._written: List[List[str]] = []  # tensor names of each written shard
+        self._names = set()
+        self._total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._names:
+            raise ValueError(f"tensor {name!r} is written twice")
+        self._names.add(name)
+        tensor = tensor.contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.make_room(nbytes)
+        self._pending[name] = tensor
+        self._pending_bytes += nbytes
+        self._total_bytes += nbytes
+
+    def make_room(self, nbytes: int) -> None:
+        """Start a new shard unless ``nbytes`` more fit in the current one: a caller about to
+        load that many bytes keeps the pending shard and those bytes within one shard's size."""
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self._pending, str(self._shard_path(len(self._written))), metadata={"format": "pt"})
+        self._written.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def _shard_path(self, index: int) -> Path:
+        return self.out_dir / f"{TMP_PREFIX}shard-{index:05d}.safetensors"
+
+    def close(self) -> List[str]:
+        """Write what is pending, name the shards, write the index; returns the file names."""
+        if self._pending or not self._written:
+            self._flush()
+        count = len(self._written)
+        if count == 1:
+            os.replace(self._shard_path(0), self.out_dir / SINGLE_FILE)
+            return [SINGLE_FILE]
+        names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        weight_map = {}
+        for i, (name, tensors) in enumerate(zip(names, self._written)):
+            os.replace(self._shard_path(i), self.out_dir / name)
+            weight_map.update({key: name for key in tensors})
+        index = {"metadata": {"total_size": self._total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return names
 
 
 def write_safetensors(
-    tensors: Mapping[str, torch.Tensor], out_dir: Path, max_shard_bytes: int = 5 * 2**30
+    tensors: Mapping[str, torch.Tensor], out_dir: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES
 ) -> List[str]:
-    """Write ``tensors`` like ``save_pretrained``: one file, or shards plus an index."""
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir)
-    shards: List[Dict[str, torch.Tensor]] = [{}]
-    size = 0
+    """Write ``tensors`` (in name order) like ``save_pretrained``: one file, or shards plus an index."""
+    writer = ShardWriter(out_dir, max_shard_bytes)
     for name in sorted(tensors):
-        tensor = tensors[name].contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
-        return [SINGLE_FILE]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for name, shard in zip(names, shards):
-        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
-        weight_map.update({key: name for key in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return names
+        writer.add(name, tensors[name])
+    return writer.close()
 
 
 def copy_remote_code(out_dir: Path) -> List[str]:

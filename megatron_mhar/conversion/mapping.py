@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -335,20 +335,30 @@ def hf_tensors(
     Raises on any Megatron tensor without a rule of the model, and on any tensor the
     model config requires but the state dict lacks.
     """
-    hf: Dict[str, torch.Tensor] = {}
-    used = set()
-    for rule in rules(mhar):
-        if not _applies(rule, model, mhar):
-            continue
-        for layer in _instances(rule, model):
-            name = _expand(rule.megatron, layer)
-            if name not in megatron:
-                raise ValueError(f"Megatron checkpoint has no {name!r} (required by the model config)")
-            used.add(name)
-            outputs = rule.to_hf(megatron[name], shapes)
-            for pattern, tensor in zip(rule.hf, outputs, strict=True):
-                hf[_expand(pattern, layer)] = tensor
-    unknown = sorted(set(megatron) - used)
-    if unknown:
-        raise ValueError(f"Megatron tensors without a conversion rule: {_head(unknown)}")
-    return hf
+    return dict(hf_tensors_streamed(megatron.items(), model, shapes, mhar))
+
+
+def hf_tensors_streamed(
+    megatron: Iterable[Tuple[str, torch.Tensor]], model: GPTModelConfig, shapes: Shapes, mhar=None
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """:func:`hf_tensors` of ``(name, tensor)`` pairs as they come: each Megatron tensor is
+    converted when it arrives, so the caller can drop it (and write its HF tensors) before
+    the next is read. A tensor without a rule raises when it arrives, a missing one at the end.
+    """
+    required: Dict[str, Tuple[Rule, Optional[int]]] = {
+        _expand(rule.megatron, layer): (rule, layer)
+        for rule in rules(mhar) if _applies(rule, model, mhar)
+        for layer in _instances(rule, model)
+    }
+    seen = set()
+    for name, tensor in megatron:
+        if name not in required or name in seen:
+            why = "given twice" if name in seen else "without a conversion rule"
+            raise ValueError(f"Megatron tensors {why}: {name}")
+        seen.add(name)
+        rule, layer = required[name]
+        for pattern, hf_tensor in zip(rule.hf, rule.to_hf(tensor, shapes), strict=True):
+            yield _expand(pattern, layer), hf_tensor
+    missing = [name for name in required if name not in seen]
+    if missing:
+        raise ValueError(f"Megatron checkpoint has no {missing[0]!r} (required by the model config)")
