@@ -12,6 +12,7 @@ VOCAB, SEQ = 100, 8  # VOCAB pads to 128 rows: ids 100..127 index padding rows
 @pytest.fixture
 def checkpoint_dir(megatron_world1, tmp_path):
     """A tiny full-variant model saved in the driver's layout (``latest`` -> ``iter_0000000``)."""
+    from megatron_mhar import manifest
     from megatron_mhar.conversion import checkpoint
     from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
     from megatron_mhar.models.gpt_config import GPTModelConfig
@@ -23,6 +24,7 @@ def checkpoint_dir(megatron_world1, tmp_path):
     iteration = tmp_path / checkpoint.ITERATION_DIR
     iteration.mkdir()
     checkpoint.save(gpt, iteration, checkpoint.common_state(model, mhar, {}))
+    manifest.write_manifest(iteration)  # as a conversion publishes it
     (tmp_path / checkpoint.LATEST).write_text(checkpoint.ITERATION_DIR)
     return tmp_path
 
