@@ -23,7 +23,7 @@ and checksums; ``size`` compares the set of files and their sizes (no file is re
 ``off`` checks nothing. The training driver and the conversion tools write and check the
 same manifest (:mod:`megatron_mhar.checkpoint_format`).
 
-Imports no Megatron and no torch.
+Imports no Megatron and no torch; xxhash is imported where a checksum is taken.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ import json
 import os
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
-
-import xxhash
 
 from megatron_mhar.files import write_atomic
 
@@ -55,9 +53,15 @@ class ManifestError(ValueError):
         """The file at fault (the manifest itself when it is missing or damaged)."""
 
 
+def _new_digest():
+    import xxhash
+
+    return xxhash.xxh3_64()
+
+
 def file_checksum(path: Path) -> str:
     """The hex XXH3-64 checksum of a file's bytes."""
-    digest = xxhash.xxh3_64()
+    digest = _new_digest()
     buffer = bytearray(READ_BYTES)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
@@ -84,7 +88,7 @@ class ChecksummingFile:
     def __init__(self, path):
         self.path = os.fspath(path)
         self._file = open(self.path, "wb")
-        self._digest = xxhash.xxh3_64()
+        self._digest = _new_digest()
 
     def write(self, data) -> int:
         self._digest.update(data)
@@ -147,7 +151,9 @@ def describe(directory: Path, names: Iterable[str]) -> Dict[str, Dict[str, objec
 
 
 def _entries_digest(files: Dict[str, Dict[str, object]]) -> str:
-    return xxhash.xxh3_64(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    digest = _new_digest()
+    digest.update(json.dumps(files, sort_keys=True).encode())
+    return digest.hexdigest()
 
 
 def write_manifest(directory: Path, files: Optional[Dict[str, Dict[str, object]]] = None) -> None:

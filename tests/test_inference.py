@@ -18,6 +18,7 @@ VOCAB, SEQ = 100, 8  # VOCAB pads to 128 rows: ids 100..127 index padding rows
 
 def _save_model(directory, mhar: MHARConfig, **model_fields):
     """A tiny model at its initialisation, saved in the driver's layout (``latest`` -> ``iter_0000000``)."""
+    from megatron_mhar import manifest
     from megatron_mhar.conversion import checkpoint
     from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
     from megatron_mhar.models.gpt_config import GPTModelConfig
@@ -28,6 +29,7 @@ def _save_model(directory, mhar: MHARConfig, **model_fields):
     iteration = directory / checkpoint.ITERATION_DIR
     iteration.mkdir(parents=True)
     checkpoint.save(gpt, iteration, checkpoint.common_state(model, mhar, {}))
+    manifest.write_manifest(iteration)  # as a conversion publishes it
     (directory / checkpoint.LATEST).write_text(checkpoint.ITERATION_DIR)
     return directory
 
