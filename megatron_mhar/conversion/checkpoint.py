@@ -315,10 +315,11 @@ def read_streamed(
             before_load(sum(sharded[local].data.numel() * sharded[local].data.element_size() for local in names))
         targets, request = {}, {}
         for local in names:
-            entry = sharded[local]
+            entry = sharded.pop(local)  # the only reference to its tensor is then the caller's
             targets[local] = torch.empty_like(entry.data, device="cpu") if entry.data.is_meta else entry.data
             entry.data = targets[local]
             request[local] = entry.build() if isinstance(entry, ShardedTensorFactory) else entry
+            del entry
         views = {local: [part.data for part in _leaves(request[local])] for local in names}
         with reading(checkpoint):
             loaded = dist_checkpointing.load({"model": request}, str(checkpoint)).get("model", {})
