@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import megatron_mhar
+from megatron_mhar import manifest
 from megatron_mhar.models.mhar_config import MHARConfig
 from tests.helpers import EMBEDDED_BYTES, EMBEDDED_VOCAB, LAUNCHER_ENV, TINY
 
@@ -18,7 +19,6 @@ VOCAB, SEQ = 100, 8  # VOCAB pads to 128 rows: ids 100..127 index padding rows
 
 def _save_model(directory, mhar: MHARConfig, **model_fields):
     """A tiny model at its initialisation, saved in the driver's layout (``latest`` -> ``iter_0000000``)."""
-    from megatron_mhar import manifest
     from megatron_mhar.conversion import checkpoint
     from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
     from megatron_mhar.models.gpt_config import GPTModelConfig
@@ -230,6 +230,7 @@ def test_generate_errors(trained_run, megatron_world1, checkpoint_dir):
     damaged = checkpoint_dir / "iter_0000000" / "tokenizer"
     damaged.mkdir()
     (damaged / "tokenizer.json").write_text("{truncated")
+    manifest.write_manifest(checkpoint_dir / "iter_0000000")  # saved so: the manifest lists it
     with pytest.warns(UserWarning, match="the checkpoint's tokenizer is not used: .*tokenizer=DIR"):
         model = megatron_mhar.load_model(checkpoint_dir)
     assert model.tokenizer is None and model(torch.zeros(1, 2, dtype=torch.long)).shape == (1, 2, VOCAB)

@@ -221,6 +221,15 @@ def tp_slice(name: str, full: torch.Tensor, param: torch.nn.Parameter, tp_rank: 
     return full.chunk(tp_size, dim=dim)[tp_rank]
 
 
+def full_state_dict(chunk) -> Dict[str, torch.Tensor]:
+    """Tensors of a TP=1/PP=1 model in memory by name (extra states and tied copies left out)."""
+    return {
+        name: tensor
+        for name, tensor in chunk.state_dict().items()
+        if torch.is_tensor(tensor) and not name.endswith("_extra_state")
+    }
+
+
 def sharded_state(chunk) -> Dict[str, Any]:
     """What ``dist_checkpointing`` saves and loads for one chunk: the driver's ``model`` key."""
     return {"model": chunk.sharded_state_dict()}
