@@ -94,5 +94,5 @@ def test_preprocess_prints_its_result_and_nothing_else(tmp_path, embedded_dir):
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr
-    assert re.fullmatch(r"wrote .*doc.bin/.idx: 1 documents, \d+ tokens .*\n", done.stdout)
+    assert re.fullmatch(r"wrote .*doc.bin/.idx/.meta.json: 1 documents, \d+ tokens, largest id \d+ .*\n", done.stdout)
     assert done.stderr == ""
