@@ -44,7 +44,7 @@ def test_demo_compares_baseline_and_mhar(tmp_path, embedded_dir, single_process,
     assert curves.shape == (500, 800, 3)
     colours = {tuple(p) for p in curves.reshape(-1, 3)}
     assert (31, 119, 180) in colours and (255, 127, 14) in colours  # both runs drawn
-    assert (out / "routing_heatmap.png").is_file()
+    assert (out / "routing_maps.png").is_file()
 
 
 def _party(me: int, steps: int, turns: Turns, log, length) -> None:
