@@ -22,7 +22,6 @@ import json
 import os
 import queue
 import shutil
-import socket
 import traceback
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -403,12 +402,6 @@ def _finite(name: str, tensor: torch.Tensor, found: Path, allow: bool) -> torch.
 # ---------------------------------------------------------------- local ranks
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # What a rank raises for bad input; the parent re-raises it as the same type.
 INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
 
@@ -440,7 +433,9 @@ def spawn(fn, world: int, *args, timeout: float = 24 * 3600.0, grace: float = 10
 
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    port = _free_port()
+    from megatron_mhar.runtime import free_port
+
+    port = free_port()
     procs = [
         ctx.Process(target=_rank_main, args=(r, world, port, fn, args, errors), daemon=False)
         for r in range(world)
