@@ -23,7 +23,8 @@ that share the parent's pages, which a sum of RSS would count twice), and the la
 peak RSS of a single process of the tree (``getrusage`` of the reaped step). The target
 of both conversions is at most 1.3x the bf16 weights for both figures: tensors stream,
 no whole copy is made.
-Results of several ``--num-layers`` go into one report, one entry per layer count.
+Results of several ``--num-layers`` go into one report, one entry per layer count (each
+with its commit and command; the top level names the latest).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from benchmarks.json_out import check_out, write_json  # noqa: E402
 
@@ -244,6 +246,13 @@ class TreeMemory(threading.Thread):
         self.join()
 
 
+def _shown(part: str) -> str:
+    """A command's word as the report shows it: ``python``, and the script relative to the repository."""
+    if part == sys.executable:
+        return "python"
+    return os.path.relpath(part, ROOT) if part.startswith(ROOT + os.sep) else part
+
+
 def measure(command: List[str], log: Path) -> Dict:
     """Run ``command`` (output to ``log``); its wall time and peak memory (the process tree's
     summed PSS, sampled, and the largest RSS of one of its processes), or an error."""
@@ -256,7 +265,7 @@ def measure(command: List[str], log: Path) -> Dict:
         proc.returncode = os.waitstatus_to_exitcode(status)
         sampler.stop()
     result = {
-        "command": " ".join(command),
+        "command": " ".join(_shown(part) for part in command),
         "wall_s": round(time.perf_counter() - start, 2),
         "peak_tree_pss_gib": round(sampler.peak_kib / 2**20, 3),
         "peak_rss_gib": round(usage.ru_maxrss / 2**20, 3),
@@ -368,7 +377,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-layers", type=int, default=32, help="decoder layers (default 32, Llama-3.1-8B's)")
     parser.add_argument("--work-dir", type=Path, required=True,
-                        help="where the checkpoints are written (2-3x the weights on disk)")
+                        help="where the checkpoints are written (three times the bf16 weights on disk)")
     parser.add_argument("--out", help="JSON report to write or add this run to")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints in --work-dir")
     parser.add_argument("--phase", choices=("write", "verify", "first-step"), help=argparse.SUPPRESS)
@@ -379,12 +388,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         run_phase(args.phase, args)
         return 0
     check_out(parser, args.out)
-    entry = run(args)
+    entry = {"commit": commit(), "command": " ".join(["python", *sys.argv]), **run(args)}
     if args.out:
         report = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {}
         runs = [r for r in report.get("runs", []) if r.get("num_layers") != args.num_layers]
         report.update({
-            "benchmark": "conversion", "commit": commit(), "command": " ".join(["python", *sys.argv]),
+            "benchmark": "conversion", "commit": entry["commit"], "command": entry["command"],
             "machine": machine(), "versions": versions(), "target_peak_over_weights": TARGET_RATIO,
             "runs": sorted(runs + [entry], key=lambda r: r["num_layers"]),
         })
