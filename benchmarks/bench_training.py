@@ -7,8 +7,12 @@ One process, one run, one GPU: every model of a size is built with the same buil
 trained with the same Megatron components (bf16 params, Megatron DDP with fp32 grad
 buffers, Megatron's optimizer with fp32 main weights, Adam (0.9, 0.95), clip 1.0, the
 non-pipelined forward/backward schedule) at the paper's per-GPU micro-batch and
-gradient-accumulation counts (the paper's configurations), on random tokens. Attention is torch SDPA
-(flash backend) for every model.
+gradient-accumulation counts (the paper's configurations), on random tokens. ``--spec``
+picks the layers of every model: ``transformer_engine`` (the default where TE imports on a
+GPU: TE's fused norm+linear layers and attention, with gradient-accumulation fusion, fused
+cross-entropy, RoPE and SwiGLU, as Megatron-LM runs them) or ``local`` (Megatron's torch
+layers, attention through torch SDPA's flash backend). ``--precision fp8`` runs TE's FP8
+linear layers; the routing and its history stay bf16.
 
 Timing is interleaved, because the steps are host-bound and the host's speed drifts
 (~10% over a run on the H200): timing the models one after another would fold that
@@ -98,7 +102,41 @@ MODELS = {
     "mhar_lookahead_tensor_cores": MHARConfig(variant="full", num_heads=8, routing_schedule="lookahead",
                                               lookahead_kernels="tensor_cores"),
     "attnres_lookahead": MHARConfig(variant="full", num_heads=1, routing_schedule="lookahead"),
+    # Blocks of 8 sublayers (4 decoder layers): the variant the Attention Residuals paper
+    # reports under 4% overhead for.
+    "mhar_block": MHARConfig(variant="block", num_heads=8, block_size=8),
 }
+
+SPECS = ("local", "transformer_engine")
+PRECISIONS = ("bf16", "fp8")
+
+
+def default_spec() -> str:
+    """``transformer_engine`` where it imports on a GPU (what a Megatron user trains
+    with), ``local`` otherwise."""
+    if not torch.cuda.is_available():
+        return "local"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        return "local"
+    return "transformer_engine"
+
+
+def speed_overrides(spec: str, fusions: bool, precision: str) -> dict:
+    """TransformerConfig fields of the baseline a Megatron-LM user runs: with Transformer
+    Engine, weight-gradient accumulation into ``main_grad`` inside TE's GEMM, TE's fused
+    cross-entropy, fused RoPE and the fused SwiGLU; with ``fp8``, TE's FP8 GEMMs (E4M3
+    forward, E5M2 gradients) with delayed scaling, Megatron's default recipe."""
+    overrides = {}
+    if spec == "transformer_engine" and fusions:
+        overrides.update(gradient_accumulation_fusion=True, cross_entropy_loss_fusion=True,
+                         cross_entropy_fusion_impl="te", apply_rope_fusion=True,
+                         bias_activation_fusion=True)
+    if precision == "fp8":
+        overrides.update(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024,
+                         fp8_amax_compute_algo="max")
+    return overrides
 
 
 def parse_model(spec: str) -> MHARConfig:
@@ -143,14 +181,15 @@ def flops_per_token(model: GPTModelConfig, vocab: int) -> float:
     return 6 * matmul_params + attention
 
 
-def _train_setup(case: SizeCase, mhar: MHARConfig, device: str):
+def _train_setup(case: SizeCase, mhar: MHARConfig, device: str, overrides=None):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     bf16 = device == "cuda"
     dtype = torch.bfloat16 if bf16 else torch.float32
     config = make_transformer_config(case.model, mhar, bf16=bf16, params_dtype=dtype,
-                                     pipeline_dtype=dtype, use_cpu_initialization=not bf16)
+                                     pipeline_dtype=dtype, use_cpu_initialization=not bf16,
+                                     **(overrides or {}))
     model = build_gpt_model(case.model, mhar, config)
     if bf16:
         model = model.cuda()
@@ -346,7 +385,7 @@ def _schedule(cuda_graph: str):
 
 
 def _build_and_warm(case: SizeCase, mhar: MHARConfig, device: str, warmup: int,
-                    cuda_graph: str = "none", context=contextlib.nullcontext):
+                    cuda_graph: str = "none", context=contextlib.nullcontext, overrides=None):
     """Builds one model and runs its warmup steps: (trainer, warmup losses, own peak GiB
     or None on CPU). The models built before stay idle, so the peak over this phase minus
     the bytes allocated before it is this model's own."""
@@ -355,7 +394,7 @@ def _build_and_warm(case: SizeCase, mhar: MHARConfig, device: str, warmup: int,
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
-    trainer = _Trainer(*_train_setup(case, mhar, device),
+    trainer = _Trainer(*_train_setup(case, mhar, device, overrides),
                        _batches(case, device, case.model.padded_vocab_size()),
                        _schedule(cuda_graph), context)
     losses = [_timed_step(trainer, case, device)[1] for _ in range(warmup)]
@@ -406,9 +445,10 @@ def _add_ratios(results: dict, times: dict):
 
 
 def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profile: bool,
-             cuda_graph: str = "none", contexts=None):
+             cuda_graph: str = "none", contexts=None, overrides=None):
     """Trains ``models`` ({name: MHARConfig}) of one size; ``contexts`` ({name: context
-    manager factory}) is entered around everything that runs that model."""
+    manager factory}) is entered around everything that runs that model; ``overrides``
+    are TransformerConfig fields for every model (:func:`speed_overrides`)."""
     contexts = contexts or {}
     vocab = case.model.padded_vocab_size()
     if cuda_graph != "none":
@@ -417,7 +457,7 @@ def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profi
     trainers, warm_losses, peaks = {}, {}, {}
     for name, mhar in models.items():
         trainers[name], warm_losses[name], peaks[name] = _build_and_warm(
-            case, mhar, device, warmup, cuda_graph, contexts.get(name, contextlib.nullcontext))
+            case, mhar, device, warmup, cuda_graph, contexts.get(name, contextlib.nullcontext), overrides)
     times, losses = _timed_rounds(trainers, case, device, steps)
     results = {}
     for name, trainer in trainers.items():
@@ -470,6 +510,12 @@ def environment():
 
         env.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda,
                    triton=triton.__version__, peak_bf16_flops=_peak_flops())
+        try:
+            import transformer_engine
+
+            env["transformer_engine"] = transformer_engine.__version__
+        except ImportError:
+            pass
     return env
 
 
@@ -492,6 +538,15 @@ def build_parser(description=None) -> argparse.ArgumentParser:
                         help="full_iteration: every model's forward/backward schedule (all "
                              "micro-batches) captured once by Megatron's FullCudaGraphWrapper "
                              "and replayed, which removes the host's launch cost (CUDA only)")
+    parser.add_argument("--spec", choices=SPECS, default=None,
+                        help="layer spec of every model (default: transformer_engine where it "
+                             "imports on a GPU, local otherwise)")
+    parser.add_argument("--no-fusions", action="store_true",
+                        help="with the TE spec, leave out gradient-accumulation fusion, fused "
+                             "cross-entropy, RoPE and SwiGLU (to measure what they bring)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                        help="fp8: TE's FP8 linear layers (TE spec, CUDA); the routing and "
+                             "its history stay bf16")
     parser.add_argument("--out", default=default_out("training", device_name()),
                         help="JSON report (default: %(default)s)")
     return parser
@@ -514,6 +569,13 @@ def check_args(parser, args):
                      "which the peak memory (taken over the warmup) must include")
     if args.steps < 1:
         parser.error(f"--steps must be >= 1 (the timed rounds), got {args.steps}")
+    if args.spec is None:
+        args.spec = default_spec()
+    if args.spec == "transformer_engine" and not torch.cuda.is_available():
+        parser.error("--spec transformer_engine needs CUDA (Transformer Engine's layers run on "
+                     "the GPU); use --spec local on CPU")
+    if args.precision == "fp8" and args.spec != "transformer_engine":
+        parser.error("--precision fp8 needs --spec transformer_engine (FP8 GEMMs are TE's)")
     check_out(parser, args.out)
     return sizes
 
@@ -529,14 +591,18 @@ def run(args, sizes, models, contexts=None, annotate=None, extra=None):
                                        cuda_graph_rng=args.cuda_graph != "none")
     models = {m: dataclasses.replace(mhar, kernel_impl=args.kernel_impl) if mhar.enabled else mhar
               for m, mhar in models.items()}
+    overrides = speed_overrides(args.spec, not args.no_fusions, args.precision)
     report = {"environment": environment(), "args": vars(args), **(extra or {}), "sizes": {}}
     try:
         with capture_stream(args.cuda_graph):
             if device == "cuda":  # on the stream the models run on: cuBLAS keys its workspaces by stream
                 _prime_cublas()
             for size in sizes:
-                entry = run_size(SIZES[size], models, args.steps, args.warmup, device,
-                                 profile=not args.no_profile, cuda_graph=args.cuda_graph, contexts=contexts)
+                case = dataclasses.replace(SIZES[size], model=dataclasses.replace(
+                    SIZES[size].model, spec=args.spec))
+                entry = run_size(case, models, args.steps, args.warmup, device,
+                                 profile=not args.no_profile, cuda_graph=args.cuda_graph,
+                                 contexts=contexts, overrides=overrides)
                 if annotate is not None:
                     annotate(entry)
                 report["sizes"][size] = entry

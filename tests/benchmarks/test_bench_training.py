@@ -96,6 +96,8 @@ def _bench(*args, env=None):
     # --out paths that no report can be written to: refused before the run, not after it
     (("--out", "{tmp}"), "is a directory"),
     (("--out", "{tmp}/file/training.json"), "is a file, not a directory"),
+    # FP8 GEMMs are Transformer Engine's: the local spec has none to run
+    (("--precision", "fp8", "--spec", "local"), "--precision fp8 needs --spec transformer_engine"),
 ])  # fmt: skip
 def test_arguments_name_their_errors(args, message, tmp_path):
     (tmp_path / "file").write_text("")
@@ -103,6 +105,29 @@ def test_arguments_name_their_errors(args, message, tmp_path):
     assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
 
 
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_transformer_engine_spec_needs_cuda():
+    run = _bench("--spec", "transformer_engine")
+    assert run.returncode == 2 and "--spec transformer_engine needs CUDA" in run.stderr, run.stderr[-2000:]
+
+
+def test_te_baseline_overrides_are_megatron_fields():
+    """The strong baseline's fusions and FP8 are TransformerConfig fields Megatron accepts,
+    only with the TE spec (the local spec's gradient-accumulation fusion needs apex)."""
+    import dataclasses as dc
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from benchmarks.bench_training import speed_overrides
+
+    fields = {f.name for f in dc.fields(TransformerConfig)}
+    te = speed_overrides("transformer_engine", fusions=True, precision="fp8")
+    assert te["gradient_accumulation_fusion"] and te["cross_entropy_loss_fusion"] and te["apply_rope_fusion"]
+    assert te["fp8"] == "hybrid" and set(te) <= fields
+    assert speed_overrides("transformer_engine", fusions=False, precision="bf16") == {}
+    assert speed_overrides("local", fusions=True, precision="bf16") == {}
 
 
 def test_default_report_is_the_file_of_record():
