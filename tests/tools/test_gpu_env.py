@@ -4,6 +4,7 @@ The real library is checked by build_bundle.py itself (cuobjdump), not here."""
 
 from __future__ import annotations
 
+import sys
 import base64
 import csv
 import hashlib
@@ -436,3 +437,22 @@ def test_unpack_refuses_a_wheel_unlike_the_manifest(tmp_path):
     manifest.wheels[0] = parts.FileRecord(manifest.wheels[0].name, manifest.wheels[0].size, "00" * 32)
     with pytest.raises(install.InstallError, match=f"{manifest.wheels[0].name} in the archive does not match"):
         install.unpack(manifest, store)
+
+
+def test_prebuilt_extension_wheel_must_be_a_build_of_the_sdist(tmp_path):
+    """--extension-wheel skips the build only for a wheel of the bundle's sdist, built for
+    this Python; any other file is refused by name."""
+    sdist = "transformer_engine_torch-2.12.0.tar.gz"
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    good = tmp_path / f"transformer_engine_torch-2.12.0-{tag}-{tag}-linux_x86_64.whl"
+    good.write_bytes(b"")
+    assert install.prebuilt_extension(sdist, good) == good
+    for name in (f"transformer_engine_torch-2.13.0-{tag}-{tag}-linux_x86_64.whl",
+                 "transformer_engine_torch-2.12.0-cp27-cp27-linux_x86_64.whl",
+                 f"transformer_engine-2.12.0-{tag}-{tag}-linux_x86_64.whl"):
+        other = tmp_path / name
+        other.write_bytes(b"")
+        with pytest.raises(install.InstallError, match=f"is not a transformer_engine_torch-2.12.0 wheel for {tag}"):
+            install.prebuilt_extension(sdist, other)
+    with pytest.raises(install.InstallError, match="is not a"):
+        install.prebuilt_extension(sdist, tmp_path / "missing.whl")

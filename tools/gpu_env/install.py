@@ -122,7 +122,18 @@ def check_pruned_library(manifest: Manifest) -> None:
     log(f"installed {installed} is the pruned library (sm {info['keep_arches']}), sha256 matches")
 
 
-def install(manifest: Manifest, wheels_dir: Path, max_jobs: int) -> None:
+def prebuilt_extension(sdist: str, wheel: Path) -> Path:
+    """``wheel`` if it is a build of ``sdist`` (same name and version, this Python's tag);
+    the installer then skips the build (a wheel an earlier install left in ``$OUT``)."""
+    name = sdist.removesuffix(".tar.gz")
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    if not wheel.is_file() or not wheel.name.startswith(f"{name}-") or f"-{tag}-" not in wheel.name:
+        raise InstallError(f"--extension-wheel {wheel} is not a {name} wheel for {tag}: pass the wheel "
+                           f"an earlier install built from {sdist}, or leave the option out to build it")
+    return wheel
+
+
+def install(manifest: Manifest, wheels_dir: Path, max_jobs: int, extension_wheel: Path | None = None) -> None:
     if manifest.unresolved_symbols:
         log("the core library needs symbols that torch's CUDA wheels lack: "
             f"{', '.join(manifest.unresolved_symbols)}; the import fails unless this machine holds newer ones")
@@ -131,6 +142,10 @@ def install(manifest: Manifest, wheels_dir: Path, max_jobs: int) -> None:
         # Build tools first (wheel, setuptools, the crt/ and CCCL headers), then the extension.
         pip_install(wheels_dir, ["wheel", "setuptools", "nvidia-cuda-crt", "nvidia-cuda-cccl"], no_deps=True)
         for sdist in manifest.build_sdists:
+            if extension_wheel is not None:
+                shutil.copy2(prebuilt_extension(sdist, extension_wheel), wheels_dir)
+                log(f"using the prebuilt {extension_wheel.name}")
+                continue
             built = build_extension_wheel(Path(sys.executable), wheels_dir / sdist, wheels_dir, max_jobs, wheels_dir)
             log(f"built {built.name}")
     pip_install(wheels_dir, manifest.install, no_deps=False)
@@ -146,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage-only", action="store_true", help="check and store the parts, install nothing")
     ap.add_argument("--max-jobs", type=int, default=16, help="compile jobs when the extension is built here")
     ap.add_argument("--gpu-smoke", action="store_true", help="then run a TE LayerNorm on the GPU against torch")
+    ap.add_argument("--extension-wheel", type=Path,
+                    help="a transformer_engine_torch wheel an earlier install built here: installed "
+                         "instead of building the sdist again")
     args = ap.parse_args(argv)
     if not args.bundle.is_dir():
         ap.error(f"--bundle {args.bundle} is not a folder: pass the folder holding {MANIFEST_NAME} and the parts")
@@ -159,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage_only:
             log(f"all {len(manifest.parts)} parts are in {args.store}")
             return 0
-        install(manifest, unpack(manifest, args.store), args.max_jobs)
+        install(manifest, unpack(manifest, args.store), args.max_jobs, args.extension_wheel)
         if args.gpu_smoke:
             subprocess.run([sys.executable, "-c", GPU_SMOKE], check=True)
     except (ManifestError, parts.PartError, InstallError) as e:
