@@ -86,6 +86,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             run(cfg, stop=stop)
         except ConfigError as err:  # found once the run started (a checkpoint of another model)
             parser.exit(2, f"config error: {err}\n" if _is_rank0() else None)
+        except KeyboardInterrupt:  # the second Ctrl-C: no traceback, the way back instead
+            parser.exit(130, f"stopped at once; `{parser.prog} {' '.join(argv if argv is not None else sys.argv[1:])}` "
+                             f"resumes from the last checkpoint in {cfg.run.dir / 'checkpoints'}\n"
+                        if _is_rank0() else None)
     return 0
 
 

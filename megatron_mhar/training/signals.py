@@ -1,20 +1,24 @@
-"""SIGTERM / SIGUSR1: finish the current step, save a checkpoint, exit cleanly.
+"""SIGTERM / SIGUSR1 / Ctrl-C: finish the current step, save a checkpoint, exit cleanly.
 
 Slurm sends SIGTERM before killing a job (and SIGUSR1 ``--signal=USR1@90`` ahead
-of the time limit); torchrun forwards SIGTERM to its workers. The handler only
-records the signal; the loop checks :meth:`StopSignal.requested` between steps,
-where every rank agrees through one all-reduce, so all ranks save together.
+of the time limit); torchrun forwards SIGTERM to its workers; a user at a terminal
+presses Ctrl-C (SIGINT). The handler only records the signal; the loop checks
+:meth:`StopSignal.requested` between steps, where every rank agrees through one
+all-reduce, so all ranks save together. A second Ctrl-C stops at once
+(``KeyboardInterrupt``), losing the steps since the last checkpoint.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from typing import Dict, Optional
 
 import torch
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopSignal:
@@ -36,6 +40,13 @@ class StopSignal:
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            if self.received == signal.SIGINT:
+                raise KeyboardInterrupt
+            if os.environ.get("RANK", "0") == "0":
+                print("\nCtrl-C: finishing this step, then saving a checkpoint and exiting "
+                      "(Ctrl-C again stops at once, losing the steps since the last checkpoint)",
+                      file=sys.stderr, flush=True)
         self.received = signum
 
     @property

@@ -16,8 +16,9 @@ from megatron_mhar.training.metrics import read_metrics
 from tests.helpers import TINY
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path, embedded_dir, single_process):
-    """A real SIGTERM to ``python -m megatron_mhar.train``: checkpoint at the current step, exit 0."""
+def _signalled_run(tmp_path, embedded_dir, *signals):
+    """Starts ``python -m megatron_mhar.train``, sends ``signals`` once two steps are
+    logged (50 ms apart: the tiny model's step and save take longer); (return code, output)."""
     run_dir = tmp_path / "sig"
     cmd = [sys.executable, "-m", "megatron_mhar.train", "smoke_cpu", *TINY,
            "training.train_iters=100000", "optimizer.lr_warmup_iters=2", "eval.interval=0",
@@ -30,19 +31,37 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, embedded_dir, single_process)
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "training did not start"
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
+        for sig in signals:
+            proc.send_signal(sig)
+            time.sleep(0.05)
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, output
-    assert "received SIGTERM" in output
+    return proc.returncode, output
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_saves_and_exits_cleanly(tmp_path, embedded_dir, single_process, sig):
+    """A real SIGTERM (Slurm) or Ctrl-C to ``python -m megatron_mhar.train``: checkpoint at
+    the current step, exit 0."""
+    run_dir = tmp_path / "sig"
+    returncode, output = _signalled_run(tmp_path, embedded_dir, sig)
+    assert returncode == 0, output
+    assert f"received {sig.name}" in output and "Traceback" not in output, output
     # megatron_mhar.quiet: no library warnings, no rerun-machine log lines
     assert "Warning:" not in output and "Rerun" not in output, output
     last = read_metrics(run_dir, "train")[-1]["step"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"iter_{last:07d}"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stopped_by"] == "SIGTERM" and summary["iteration"] == last
+    assert summary["stopped_by"] == sig.name and summary["iteration"] == last
+
+
+def test_second_ctrl_c_stops_at_once_without_traceback(tmp_path, embedded_dir, single_process):
+    returncode, output = _signalled_run(tmp_path, embedded_dir, signal.SIGINT, signal.SIGINT)
+    assert returncode == 130, output
+    assert "Traceback" not in output, output
+    assert "stopped at once" in output and "resumes from the last checkpoint" in output, output
 
 
 def test_routing_entropy_is_logged(tiny):
