@@ -26,7 +26,6 @@ setup(
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],
-        "dali": ["nvidia-dali-cuda120"],
         # setuptools: tests/test_install.py builds the wheel without build isolation (offline),
         # which needs a setuptools that writes wheels by itself (70.1 and later).
         # lm-eval: lm-evaluation-harness; transformers >= 5.25 for the cache API megatron_mhar.hf uses.
