@@ -18,7 +18,7 @@ from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.models.block import MHARTransformerBlock
 from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.norms import SequenceParallelTorchNorm
-from megatron_mhar.models.specs import get_mhar_layer_spec
+from megatron_mhar.models.specs import get_mhar_layer_spec, resolve_spec
 
 # Megatron features the MHAR decoder does not implement, as (TransformerConfig field,
 # value that is fine, what to do instead).
@@ -135,7 +135,7 @@ def build_gpt_model(
     """A GPTModel for one pipeline chunk; ``variant: none`` is Megatron's GPT unchanged.
 
     Args:
-        model: architecture.
+        model: architecture; ``spec: auto`` is resolved here (:func:`resolve_spec`).
         mhar: routing; must match ``config.mhar`` when routing is on.
         config: from :func:`make_transformer_config` (parallel sizes already set).
         pre_process / post_process: whether this chunk holds the embedding / output layer.
@@ -150,6 +150,7 @@ def build_gpt_model(
             "make_transformer_config(model, mhar, ...)"
         )
     _check_model_matches_config(model, config)
+    model = dataclasses.replace(model, spec=resolve_spec(model.spec).spec)
     model_class = MHARGPTModel if mhar.enabled else GPTModel
     if layer_norm is None and config.sequence_parallel and model.spec == "local":
         layer_norm = SequenceParallelTorchNorm
