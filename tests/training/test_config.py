@@ -6,6 +6,7 @@ what to change.
 
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import pytest
@@ -81,6 +82,7 @@ def test_defaults_are_the_smoke_recipe():
                      "set training.recompute_granularity=null or set training.cuda_graph=none", id="graph-recompute"),
         pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "parallel.overlap_grad_reduce=true"],
                      "set parallel.overlap_grad_reduce=false", id="graph-overlap"),
+        pytest.param("model.spec=te", "model.spec must be one of ('local', 'transformer_engine', 'auto')", id="spec"),
     ],
 )
 def test_bad_values_fail_at_load(override, message):
@@ -214,6 +216,9 @@ def test_apply_overrides_does_not_mutate():
         pytest.param(["checkpoint.load=/nonexistent/ckpt"], 1, "checkpoint.load='/nonexistent/ckpt': no such directory", id="load"),
         pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "run.device=cpu"], 1,
                      "needs a GPU; on CPU set training.cuda_graph=none", id="graph-cpu"),
+        pytest.param(["model.spec=transformer_engine"], 1,
+                     "model.spec=transformer_engine runs Transformer Engine's layers, which need a GPU; on CPU set "
+                     "model.spec=local (or auto)", id="te-cpu"),
     ],
 )
 def test_launch_checks(overrides, world, message, monkeypatch):
@@ -223,6 +228,77 @@ def test_launch_checks(overrides, world, message, monkeypatch):
     with pytest.raises(ValueError) as err:
         validate_launch(cfg, world)
     assert message in str(err.value)
+
+
+@pytest.fixture
+def gpu_without_transformer_engine(monkeypatch):
+    """validate_launch on a machine that says it has a GPU (nothing runs on it) and where
+    ``import transformer_engine`` fails."""
+    from megatron_mhar.training import launch_checks
+
+    monkeypatch.setattr(launch_checks, "_cuda_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        pytest.param(["model.spec=transformer_engine"],
+                     "model.spec=transformer_engine: Transformer Engine not importable: ", id="te-missing"),
+        pytest.param(["model.spec=transformer_engine"],
+                     "install it (pip install 'megatron_mhar[te]') or set model.spec=local (or auto)", id="te-missing-fix"),
+    ],
+)
+def test_transformer_engine_spec_needs_transformer_engine(gpu_without_transformer_engine, overrides, message):
+    cfg = load_config("smoke_cpu", ["run.device=auto", *overrides])
+    with pytest.raises(ValueError) as err:
+        validate_launch(cfg, 1)
+    assert message in str(err.value)
+
+
+def test_distributed_optimizer_checkpoints_need_a_fused_adam(monkeypatch):
+    """megatron-core checkpoints the distributed optimizer over a fused Adam only (TE's, which
+    it picks where TE imports, or apex's): refused before any process group without one,
+    with the fixes; with one, or when nothing is saved, the run goes ahead."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    distributed = ["parallel.use_distributed_optimizer=true"]
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    with pytest.raises(ValueError) as err:
+        validate_launch(load_config("smoke_cpu", distributed), 1)
+    for text in ("megatron-core cannot save and resume this optimizer's state",
+                 "Install Transformer Engine (pip install 'megatron_mhar[te]'; model.spec=auto then also runs "
+                 "its layers)", "parallel.use_distributed_optimizer=false",
+                 "checkpoint.interval=0 checkpoint.save_at_end=false"):
+        assert text in str(err.value)
+    validate_launch(load_config("smoke_cpu", [*distributed, "checkpoint.save_at_end=false"]), 1)
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    validate_launch(load_config("smoke_cpu", distributed), 1)
+
+
+def test_spec_auto_is_resolved_and_said(monkeypatch, capsys):
+    """``with_resolved_spec``: one line on rank 0 saying which spec and why; the config then
+    names the spec that runs. A named spec is left as it is, silently."""
+    from megatron_mhar.models import specs
+    from megatron_mhar.training.launch_checks import with_resolved_spec
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # nothing runs on it
+    monkeypatch.setattr(specs, "transformer_engine_version", lambda: "2.12.0")
+    resolved = with_resolved_spec(load_config("smoke_cpu", ["run.device=auto", "model.spec=auto"]))
+    assert resolved.model.spec == "transformer_engine"
+    assert capsys.readouterr().out == "model.spec auto -> transformer_engine (Transformer Engine 2.12.0)\n"
+
+    resolved = with_resolved_spec(load_config("smoke_cpu", ["model.spec=auto"]))  # run.device=cpu
+    assert resolved.model.spec == "local"
+    assert capsys.readouterr().out == (
+        "model.spec auto -> local (the model runs on CPU; Transformer Engine layers run on GPUs)\n"
+    )
+    monkeypatch.setenv("RANK", "1")
+    with_resolved_spec(load_config("smoke_cpu", ["model.spec=auto"]))
+    named = load_config("smoke_cpu", ["model.spec=transformer_engine"])
+    assert with_resolved_spec(named) is named
+    assert capsys.readouterr().out == ""  # other ranks, and named specs, say nothing
 
 
 def test_a_damaged_data_pair_fails_at_launch(tmp_path):
