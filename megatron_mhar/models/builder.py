@@ -50,6 +50,12 @@ class MHARTransformerConfig(TransformerConfig):
             value = getattr(self, field, supported)
             if value != supported:
                 raise ValueError(f"{field}={value!r} is not supported with MHAR decoders: {fix}")
+        if self.fp8 and self.recompute_granularity == "full":
+            raise ValueError(
+                "fp8 with recompute_granularity='full' is not supported with MHAR decoders (their "
+                "recomputed chunks do not go through Transformer Engine's FP8-aware checkpoint); "
+                "use recompute_granularity='selective' or None"
+            )
         if self.pipeline_model_parallel_size > 1 and self.variable_seq_lengths:
             raise ValueError(
                 "variable_seq_lengths=True is not supported with MHAR pipeline parallelism (the "

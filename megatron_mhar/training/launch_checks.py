@@ -71,7 +71,7 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
     if cfg.run.device == "cuda" and not _cuda_available():
         raise ValueError("run.device=cuda but CUDA is not available; set run.device=cpu")
     on_cpu = runs_on_cpu(cfg)
-    _check_spec(cfg, on_cpu)
+    _check_spec_and_precision(cfg, on_cpu)
     _check_distributed_optimizer(cfg)
     if on_cpu and cfg.mhar.kernel_impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError(
@@ -144,9 +144,9 @@ def with_resolved_spec(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, spec=choice.spec))
 
 
-def _check_spec(cfg: TrainConfig, on_cpu: bool) -> None:
-    """Transformer Engine's layers need TE and a GPU."""
-    from megatron_mhar.models.specs import transformer_engine_version
+def _check_spec_and_precision(cfg: TrainConfig, on_cpu: bool) -> None:
+    """Transformer Engine's layers, and FP8 (which only they run), need TE and a GPU."""
+    from megatron_mhar.models.specs import resolve_spec, transformer_engine_version
 
     spec = cfg.model.spec
     if spec == "transformer_engine":
@@ -162,6 +162,21 @@ def _check_spec(cfg: TrainConfig, on_cpu: bool) -> None:
                 f"model.spec=transformer_engine: {err}; install it ({TE_INSTALL}) or set "
                 f"model.spec=local (or auto)"
             ) from None
+    if cfg.training.precision != "fp8":
+        return
+    if on_cpu:
+        raise ValueError(
+            "training.precision=fp8 runs the linear layers in Transformer Engine's FP8 on a GPU; "
+            "on CPU use training.precision=bf16 or fp32"
+        )
+    choice = resolve_spec(spec, cuda=True)  # not on CPU (above)
+    if choice.spec != "transformer_engine":
+        raise ValueError(
+            f"training.precision=fp8 runs the linear layers in Transformer Engine's FP8, but "
+            f"model.spec={spec} resolves to local here ({choice.reason}): install Transformer "
+            f"Engine ({TE_INSTALL}) and set model.spec=auto or transformer_engine, or use "
+            f"training.precision=bf16"
+        )
 
 
 def _check_distributed_optimizer(cfg: TrainConfig) -> None:

@@ -257,7 +257,7 @@ class Trainer:
         return [valid, test]
 
     def _optimizer_config(self) -> MegatronOptimizerConfig:
-        opt, bf16 = self.cfg.optimizer, self.cfg.training.precision == "bf16"
+        opt, bf16 = self.cfg.optimizer, self.cfg.training.bf16_params
         return MegatronOptimizerConfig(
             optimizer="adam",
             lr=opt.lr,

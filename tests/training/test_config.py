@@ -82,7 +82,23 @@ def test_defaults_are_the_smoke_recipe():
                      "set training.recompute_granularity=null or set training.cuda_graph=none", id="graph-recompute"),
         pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "parallel.overlap_grad_reduce=true"],
                      "set parallel.overlap_grad_reduce=false", id="graph-overlap"),
+        pytest.param("training.precision=fp16", "training.precision must be one of fp32, bf16, fp8, got 'fp16'", id="precision"),
         pytest.param("model.spec=te", "model.spec must be one of ('local', 'transformer_engine', 'auto')", id="spec"),
+        # FP8 GEMMs take dimensions that are multiples of 16, named with their fix
+        pytest.param(["training.precision=fp8", "model.hidden_size=120"],
+                     "FP8 GEMMs need every linear layer's widths and the tokens per micro-batch to be multiples of "
+                     "16, and model.hidden_size is 120; change the model or batch shape, or use training.precision=bf16",
+                     id="fp8-width"),
+        pytest.param(["training.precision=fp8", "model.ffn_hidden_size=392"],
+                     "the MLP width per tensor-parallel rank (ffn_hidden_size / TP) is 392", id="fp8-mlp"),
+        pytest.param(["training.precision=fp8", "model.kv_channels=18"],
+                     "the query width per tensor-parallel rank (num_attention_heads x head width / TP) is 72",
+                     id="fp8-query"),
+        pytest.param(["training.precision=fp8", "training.micro_batch_size=1", "model.seq_length=120"],
+                     "the tokens per micro-batch and rank (micro_batch_size x seq_length) is 120", id="fp8-tokens"),
+        pytest.param(["training.precision=fp8", "training.recompute_granularity=full", "training.recompute_method=uniform",
+                      "training.recompute_num_layers=1"],
+                     "use training.recompute_granularity=selective or null", id="fp8-full-recompute"),
     ],
 )
 def test_bad_values_fail_at_load(override, message):
@@ -216,6 +232,9 @@ def test_apply_overrides_does_not_mutate():
         pytest.param(["checkpoint.load=/nonexistent/ckpt"], 1, "checkpoint.load='/nonexistent/ckpt': no such directory", id="load"),
         pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "run.device=cpu"], 1,
                      "needs a GPU; on CPU set training.cuda_graph=none", id="graph-cpu"),
+        pytest.param(["training.precision=fp8"], 1,
+                     "training.precision=fp8 runs the linear layers in Transformer Engine's FP8 on a GPU; on CPU use "
+                     "training.precision=bf16 or fp32", id="fp8-cpu"),
         pytest.param(["model.spec=transformer_engine"], 1,
                      "model.spec=transformer_engine runs Transformer Engine's layers, which need a GPU; on CPU set "
                      "model.spec=local (or auto)", id="te-cpu"),
@@ -243,13 +262,21 @@ def gpu_without_transformer_engine(monkeypatch):
 @pytest.mark.parametrize(
     "overrides, message",
     [
+        # FP8 runs in Transformer Engine's linear layers: the local spec, named or chosen by auto, has none
+        pytest.param(["training.precision=fp8"],
+                     "training.precision=fp8 runs the linear layers in Transformer Engine's FP8, but model.spec=local "
+                     "resolves to local here (set in model.spec): install Transformer Engine (pip install "
+                     "'megatron_mhar[te]') and set model.spec=auto or transformer_engine, or use training.precision=bf16",
+                     id="fp8-local"),
+        pytest.param(["training.precision=fp8", "model.spec=auto"],
+                     "model.spec=auto resolves to local here (Transformer Engine not importable: ", id="fp8-auto"),
         pytest.param(["model.spec=transformer_engine"],
                      "model.spec=transformer_engine: Transformer Engine not importable: ", id="te-missing"),
         pytest.param(["model.spec=transformer_engine"],
                      "install it (pip install 'megatron_mhar[te]') or set model.spec=local (or auto)", id="te-missing-fix"),
     ],
 )
-def test_transformer_engine_spec_needs_transformer_engine(gpu_without_transformer_engine, overrides, message):
+def test_transformer_engine_and_fp8_need_transformer_engine(gpu_without_transformer_engine, overrides, message):
     cfg = load_config("smoke_cpu", ["run.device=auto", *overrides])
     with pytest.raises(ValueError) as err:
         validate_launch(cfg, 1)
