@@ -117,6 +117,34 @@ def test_bf16_runs_megatrons_mixed_precision_path_and_resumes_exactly(tiny):
     assert straight.losses[4] < straight.losses[1]
 
 
+@pytest.mark.gpu
+def test_bf16_local_spec_on_gpu_keeps_one_dtype_and_resumes_exactly(tiny):
+    """The local spec in bf16 on a GPU: torch's norms, built in fp32 whatever params_dtype
+    says, are cast to bf16 with everything else, so Megatron's mixed-precision optimizer
+    numbers one group of bf16 parameters and its checkpoint pairs each state with its
+    parameter: 2 + 2 steps resumed equal 4 straight, bitwise. Megatron's own attention: the
+    flash-attention backward of torch's SDPA sums in a varying order."""
+    from megatron_mhar.training.model import unwrap
+
+    seen = {}
+
+    def inspect(trainer, step):
+        model = unwrap(trainer.model[0])
+        norms = [m for m in model.modules() if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))]
+        seen.update(norms=bool(norms), dtypes={p.dtype for p in model.parameters()},
+                    device=next(model.parameters()).device.type)
+
+    common = ("run.device=cuda", "model.spec=local", "model.attention_backend=megatron",
+              "training.precision=bf16", "eval.interval=0", "optimizer.lr_decay_iters=4")
+    straight = _run(tiny(*common, "training.train_iters=4", name="gpu_bf16"), step_hook=inspect)
+    assert seen == {"norms": True, "dtypes": {torch.bfloat16}, "device": "cuda"}
+    _run(tiny(*common, "training.train_iters=2", name="gpu_bf16_resumed"))
+    resumed = _run(tiny(*common, "training.train_iters=4", name="gpu_bf16_resumed"))
+    assert min(resumed.losses) == 3
+    assert _train_losses(resumed.run_dir) == _train_losses(straight.run_dir)  # bitwise
+    assert straight.losses[4] < straight.losses[1]
+
+
 def test_first_loss_logged_after_a_resume_covers_the_whole_interval(tiny):
     """Stopped between two logged steps, the run saves the losses since the last log with
     the checkpoint: the loss logged after the resume averages the same steps as the
