@@ -261,8 +261,11 @@ GPU_RUN = [
     "optimizer.lr=3.0e-3",
     "optimizer.min_lr=3.0e-4",
     "eval.interval=0",
+    "logging.tensorboard=false",
+    "logging.routing_entropy=false",
 ]
-"""Overrides of the driver tests' tiny recipe (tests.helpers.TINY): the models above, on the GPU."""
+"""Overrides of the driver tests' tiny recipe (tests.helpers.TINY): the models above, on the
+GPU, writing metrics.jsonl only."""
 
 
 @pytest.fixture

@@ -135,7 +135,8 @@ def test_bf16_local_spec_on_gpu_keeps_one_dtype_and_resumes_exactly(tiny):
                     device=next(model.parameters()).device.type)
 
     common = ("run.device=cuda", "model.spec=local", "model.attention_backend=megatron",
-              "training.precision=bf16", "eval.interval=0", "optimizer.lr_decay_iters=4")
+              "training.precision=bf16", "eval.interval=0", "optimizer.lr_decay_iters=4",
+              "logging.tensorboard=false", "logging.routing_entropy=false")
     straight = _run(tiny(*common, "training.train_iters=4", name="gpu_bf16"), step_hook=inspect)
     assert seen == {"norms": True, "dtypes": {torch.bfloat16}, "device": "cuda"}
     _run(tiny(*common, "training.train_iters=2", name="gpu_bf16_resumed"))
