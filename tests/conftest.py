@@ -13,6 +13,7 @@ Fixtures:
     megatron_world1: a single-process Megatron (world size 1, TP=PP=1) on the
         CPU runtime with gloo, torn down after the test; yields the
         ``DistributedContext``.
+    megatron_cuda_world1: the same on one GPU (NCCL), for tests marked ``gpu``.
     embedded_dir: the embedded corpus, builtin tokenizer and dataset the driver
         tests train on, built once per test run.
 
@@ -90,6 +91,18 @@ def megatron_world1(single_process):
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
 
     ctx = initialize_model_parallel_from_env(tp=1, pp=1, seed=1234, device="cpu")
+    try:
+        yield ctx
+    finally:
+        destroy()
+
+
+@pytest.fixture
+def megatron_cuda_world1(single_process):
+    """Single-process Megatron (TP=PP=1) on one GPU; destroyed after the test."""
+    from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
+
+    ctx = initialize_model_parallel_from_env(tp=1, pp=1, seed=1234, device="cuda")
     try:
         yield ctx
     finally:

@@ -43,6 +43,8 @@ NONFINITE_HELP = "convert weights holding NaN or Inf as they are (default: refus
 
 def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``hf-to-mcore``."""
+    from megatron_mhar.models.gpt_config import SPECS
+
     parser.add_argument("--hf-dir", required=True, type=Path, help="HF model directory (config.json + safetensors)")
     parser.add_argument("--out", required=True, type=Path, help="checkpoint directory to create")
     parser.add_argument("--variant", choices=("none", "full", "block", "delta"),
@@ -58,7 +60,7 @@ def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                         help="Megatron pads the vocabulary to a multiple of this times TP")
     parser.add_argument("--attention-backend", choices=("sdpa", "megatron"), help="model.attention_backend")
-    parser.add_argument("--spec", choices=("local", "transformer_engine"), help="model.spec recorded for training")
+    parser.add_argument("--spec", choices=SPECS, help="model.spec recorded for training")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="stored dtype (default: the HF tensors' dtype)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")

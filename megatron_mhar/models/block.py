@@ -5,6 +5,8 @@ from typing import Optional
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.enums import Fp8Recipe
+from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank, make_viewless_tensor
@@ -27,6 +29,12 @@ class MHARTransformerBlock(TransformerBlock):
     checkpoints keep its parameters (parameters set directly on a block are dropped).
     Full activation recomputation (uniform and block methods) checkpoints chunks of
     layers with the stream's state tensors as the chunk inputs and outputs.
+
+    Under FP8 (``config.fp8``, Transformer Engine layers) the layers run in TE's FP8
+    autocast as Megatron's ``TransformerBlock`` runs them. The autocast changes only what TE
+    modules do (their GEMMs); the routing between the layers is plain torch and Triton, so
+    the history, the routed inputs and the routing parameters stay in the parameters' dtype
+    (bf16), as does the final site outside the layers.
     """
 
     def __init__(self, config, spec, post_layer_norm=True, pre_process=True, post_process=True,
@@ -119,12 +127,13 @@ class MHARTransformerBlock(TransformerBlock):
             if self.config.sequence_parallel
             else nullcontext()
         )
-        with rng_context:
+        with rng_context, self._block_fp8_context():
             if self.config.recompute_granularity == "full" and self.training:
                 self._checkpointed_layers(stream, layer_kwargs)
             else:
                 for layer in self.layers:
-                    layer(depth_stream=stream, **layer_kwargs)
+                    with self._layer_fp8_context(layer):
+                        layer(depth_stream=stream, **layer_kwargs)
 
         if not self.post_process:
             packed = stream.pack(self.next_site)
@@ -135,6 +144,21 @@ class MHARTransformerBlock(TransformerBlock):
         if self.final_layernorm is not None:
             output = self.final_layernorm(output)
         return make_viewless_tensor(inp=output, requires_grad=True, keep_graph=True)
+
+    def _block_fp8_context(self):
+        """TE's FP8 autocast around all layers for delayed scaling, whose amax reduction runs
+        once, at the exit (Megatron's TransformerBlock does the same)."""
+        if self.config.fp8 and self.config.fp8_recipe == Fp8Recipe.delayed:
+            return get_fp8_context(self.config)
+        return nullcontext()
+
+    def _layer_fp8_context(self, layer):
+        """TE's FP8 autocast around one layer for the other recipes (current scaling,
+        blockwise), which keep no state between layers (Megatron's TransformerBlock does the
+        same; it is where Megatron keeps chosen layers in bf16)."""
+        if self.config.fp8 and self.config.fp8_recipe != Fp8Recipe.delayed:
+            return get_fp8_context(self.config, layer.layer_number - 1)
+        return nullcontext()
 
     def _checkpointed_layers(self, stream, layer_kwargs: dict) -> None:
         """Run the layers under Megatron's activation checkpointing (full recompute)."""

@@ -18,7 +18,7 @@ from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.models.block import MHARTransformerBlock
 from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.norms import SequenceParallelTorchNorm
-from megatron_mhar.models.specs import get_mhar_layer_spec
+from megatron_mhar.models.specs import get_mhar_layer_spec, resolve_spec
 
 # Megatron features the MHAR decoder does not implement, as (TransformerConfig field,
 # value that is fine, what to do instead).
@@ -50,6 +50,12 @@ class MHARTransformerConfig(TransformerConfig):
             value = getattr(self, field, supported)
             if value != supported:
                 raise ValueError(f"{field}={value!r} is not supported with MHAR decoders: {fix}")
+        if self.fp8 and self.recompute_granularity == "full":
+            raise ValueError(
+                "fp8 with recompute_granularity='full' is not supported with MHAR decoders (their "
+                "recomputed chunks do not go through Transformer Engine's FP8-aware checkpoint); "
+                "use recompute_granularity='selective' or None"
+            )
         if self.pipeline_model_parallel_size > 1 and self.variable_seq_lengths:
             raise ValueError(
                 "variable_seq_lengths=True is not supported with MHAR pipeline parallelism (the "
@@ -135,7 +141,7 @@ def build_gpt_model(
     """A GPTModel for one pipeline chunk; ``variant: none`` is Megatron's GPT unchanged.
 
     Args:
-        model: architecture.
+        model: architecture; ``spec: auto`` is resolved here (:func:`resolve_spec`).
         mhar: routing; must match ``config.mhar`` when routing is on.
         config: from :func:`make_transformer_config` (parallel sizes already set).
         pre_process / post_process: whether this chunk holds the embedding / output layer.
@@ -150,6 +156,7 @@ def build_gpt_model(
             "make_transformer_config(model, mhar, ...)"
         )
     _check_model_matches_config(model, config)
+    model = dataclasses.replace(model, spec=resolve_spec(model.spec).spec)
     model_class = MHARGPTModel if mhar.enabled else GPTModel
     if layer_norm is None and config.sequence_parallel and model.spec == "local":
         layer_norm = SequenceParallelTorchNorm

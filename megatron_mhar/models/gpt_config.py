@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 NORMS = ("RMSNorm", "LayerNorm")
-SPECS = ("local", "transformer_engine")
+SPECS = ("local", "transformer_engine", "auto")
 ATTENTION_BACKENDS = ("sdpa", "megatron")
 
 
@@ -85,7 +85,9 @@ class GPTModelConfig:
     """Dropout on attention probabilities."""
 
     spec: str = "local"
-    """``local`` (Megatron's torch layers) or ``transformer_engine`` (needs the te extra)."""
+    """``local`` (Megatron's torch layers), ``transformer_engine`` (Megatron's TE layers; needs
+    the te extra and a GPU) or ``auto`` (TE where ``transformer_engine.pytorch`` imports and
+    the model runs on a GPU, else local: ``megatron_mhar.models.specs.resolve_spec``)."""
 
     attention_backend: str = "sdpa"
     """Core attention of the local spec: ``sdpa`` (torch SDPA, flash on GPU) or ``megatron``."""

@@ -1,7 +1,17 @@
-"""Layer specs for MHAR decoders, built from Megatron's own GPT layer specs."""
+"""Layer specs for MHAR decoders, built from Megatron's own GPT layer specs.
 
+``model.spec`` names the spec: ``local`` (Megatron's torch layers), ``transformer_engine``
+(Megatron's Transformer Engine layers: fused norm + linear, TE attention, FP8) or ``auto``,
+which :func:`resolve_spec` turns into one of the two on the machine that runs the model.
+The two specs compute the same function from the same parameters, stored under the same
+distributed-checkpoint keys, so the choice is one of execution, not of the model.
+"""
+
+import dataclasses
+import importlib
 from typing import Optional
 
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -48,11 +58,11 @@ def get_mhar_layer_te_spec(model: GPTModelConfig, mhar: MHARConfig) -> ModuleSpe
     )
 
     try:
-        import transformer_engine  # noqa: F401
+        transformer_engine_version()
     except ImportError as err:
         raise ImportError(
-            "model.spec='transformer_engine' needs Transformer Engine: pip install "
-            "'megatron_mhar[te]', or use model.spec='local'"
+            f"model.spec='transformer_engine' needs Transformer Engine ({err}): pip install "
+            f"'megatron_mhar[te]', or use model.spec='local' (or 'auto')"
         ) from err
     spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
     return _with_mhar_layer(spec, mhar)
@@ -61,10 +71,57 @@ def get_mhar_layer_te_spec(model: GPTModelConfig, mhar: MHARConfig) -> ModuleSpe
 def get_mhar_layer_spec(
     model: GPTModelConfig, mhar: MHARConfig, layer_norm: Optional[type] = None
 ) -> ModuleSpec:
-    """The layer spec ``model.spec`` names (``local`` or ``transformer_engine``)."""
-    if model.spec == "transformer_engine":
+    """The layer spec ``model.spec`` names (``auto`` resolved by :func:`resolve_spec`)."""
+    if resolve_spec(model.spec).spec == "transformer_engine":
         return get_mhar_layer_te_spec(model, mhar)
     return get_mhar_layer_local_spec(model, mhar, layer_norm)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecChoice:
+    """The layer spec a model runs with, and why."""
+
+    spec: str
+    """``local`` or ``transformer_engine``."""
+
+    reason: str
+    """Why: the Transformer Engine version, or what rules it out."""
+
+
+def transformer_engine_version() -> str:
+    """The version of the importable ``transformer_engine.pytorch``.
+
+    Raises ImportError saying why it does not import: not installed, or installed but its
+    libraries do not load (a CUDA or cuDNN mismatch raises OSError or RuntimeError inside
+    Transformer Engine's own import).
+    """
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except (ImportError, OSError, RuntimeError) as err:
+        raise ImportError(f"Transformer Engine not importable: {err}") from err
+    return importlib.import_module("transformer_engine").__version__
+
+
+def resolve_spec(spec: str, cuda: Optional[bool] = None) -> SpecChoice:
+    """What ``model.spec`` means here: ``auto`` is ``transformer_engine`` where
+    ``transformer_engine.pytorch`` imports and the model runs on CUDA, else ``local``;
+    ``local`` and ``transformer_engine`` stay as they are.
+
+    Args:
+        spec: ``model.spec``.
+        cuda: whether the model runs on a GPU; ``None``: whether CUDA is available.
+    """
+    if spec != "auto":
+        return SpecChoice(spec, "set in model.spec")
+    if cuda is None and not torch.cuda.is_available():
+        return SpecChoice("local", "no CUDA device; Transformer Engine layers run on GPUs")
+    if cuda is False:
+        return SpecChoice("local", "the model runs on CPU; Transformer Engine layers run on GPUs")
+    try:
+        version = transformer_engine_version()
+    except ImportError as err:
+        return SpecChoice("local", str(err))
+    return SpecChoice("transformer_engine", f"Transformer Engine {version}")
 
 
 def _with_mhar_layer(spec: ModuleSpec, mhar: MHARConfig) -> ModuleSpec:

@@ -33,6 +33,7 @@ import torch
 import yaml
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from megatron_mhar import manifest
 from megatron_mhar.checkpoint_format import (
@@ -411,6 +412,33 @@ def check_optimizer_checkpointable(optimizer) -> None:
         )
 
 
+EXTRA_STATE_SUFFIX = "_extra_state"
+"""State-dict suffix of a module's extra state (Transformer Engine's FP8 metadata)."""
+
+
+def _check_absent_keys(checkpoint: Path, absent: Iterable[str]) -> None:
+    """Raise unless what ``checkpoint`` lacks is Transformer Engine's extra state only.
+
+    TE's norms (the final norm, q/k norms) carry an extra state, empty without FP8, that
+    the local spec's torch norms do not have: a checkpoint of the local spec (a converted
+    one, or a run on a machine without TE) lacks it, and those modules keep their own.
+    """
+    tensors = sorted(key for key in absent if not key.endswith(EXTRA_STATE_SUFFIX))
+    if tensors:
+        raise ConfigError(
+            f"checkpoint {checkpoint} lacks {len(tensors)} tensors of this model, e.g. "
+            f"{', '.join(tensors[:3])}; was it written by another version of the model code?"
+        )
+
+
+def _load_model_state(module: torch.nn.Module, loaded: Dict[str, Any]) -> None:
+    """``module.load_state_dict(loaded, strict=True)``, where an extra state that the
+    checkpoint lacks (:func:`_check_absent_keys`) keeps the module's own."""
+    own = {key: value for key, value in module.state_dict().items()
+           if key.endswith(EXTRA_STATE_SUFFIX) and key not in loaded}
+    module.load_state_dict({**loaded, **own}, strict=True)
+
+
 def load_checkpoint(
     checkpoint: Path,
     model: List[torch.nn.Module],
@@ -451,12 +479,15 @@ def load_checkpoint(
         model, optimizer, is_loading=True, with_optimizer=not model_only, with_rng=not model_only and same_layout
     )
     with reading(checkpoint):
-        state = dist_checkpointing.load(sharded, str(checkpoint))
+        state, _, absent = dist_checkpointing.load(
+            sharded, str(checkpoint), strict=StrictHandling.RETURN_UNEXPECTED
+        )
+    _check_absent_keys(checkpoint, absent)
     if len(model) == 1:
-        unwrap(model[0]).load_state_dict(state["model"], strict=True)
+        _load_model_state(unwrap(model[0]), state["model"])
     else:
         for i, chunk in enumerate(model):
-            unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)
+            _load_model_state(unwrap(chunk), state[f"model{i}"])
     if model_only:
         # Mixed-precision optimizers hold fp32 main copies taken from the parameters at
         # construction (this run's own initialisation); without a refresh the first step

@@ -1,20 +1,26 @@
-"""Launch-time checks: what needs the world size and the file system, before any process group.
+"""Launch-time checks: what needs the world size, the machine and the file system, before any
+process group.
 
 :func:`validate_launch` runs on every rank before the process groups start (all ranks reach
-the same verdict): the parallel layout against the world size, the device against the
-precision and kernels, the data files and tokenizer against the model's vocabulary, and
-the output directories. A recipe's own consistency is checked when it loads
-(:mod:`megatron_mhar.training.schema`).
+the same verdict): the parallel layout against the world size, the device and the installed
+packages against the layer spec, precision, optimizer and kernels, the data files and
+tokenizer against the model's vocabulary, and the output directories. A recipe's own
+consistency is checked when it loads (:mod:`megatron_mhar.training.schema`).
+:func:`with_resolved_spec` turns ``model.spec: auto`` into the spec this machine runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
 
 from megatron_mhar.files import nearest_existing
 from megatron_mhar.training.schema import TrainConfig
+
+TE_INSTALL = "pip install 'megatron_mhar[te]'"
+"""How Transformer Engine is installed (the package's te extra)."""
 
 
 def expand_path(text: str, key: str) -> str:
@@ -62,10 +68,11 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
             f"tensor_model_parallel_size={par.tensor_model_parallel_size} with sequence parallelism"
         )
 
-    cuda = _cuda_available()
-    if cfg.run.device == "cuda" and not cuda:
+    if cfg.run.device == "cuda" and not _cuda_available():
         raise ValueError("run.device=cuda but CUDA is not available; set run.device=cpu")
-    on_cpu = cfg.run.device == "cpu" or (cfg.run.device == "auto" and not cuda)
+    on_cpu = runs_on_cpu(cfg)
+    _check_spec_and_precision(cfg, on_cpu)
+    _check_distributed_optimizer(cfg)
     if on_cpu and cfg.mhar.kernel_impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError(
             "mhar.kernel_impl=triton runs on GPUs (or in Triton's interpreter with TRITON_INTERPRET=1); "
@@ -106,6 +113,94 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
         load = expand_path(cfg.checkpoint.load, "checkpoint.load")
         if not os.path.isdir(load):
             raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r}: no such directory")
+
+
+def runs_on_cpu(cfg: TrainConfig) -> bool:
+    """Whether the run is on CPU: ``run.device=cpu``, or ``auto`` without CUDA."""
+    return cfg.run.device == "cpu" or (cfg.run.device == "auto" and not _cuda_available())
+
+
+def _device_is_cuda(cfg: TrainConfig):
+    """``run.device`` as :func:`~megatron_mhar.models.specs.resolve_spec` takes it: True for
+    cuda, False for cpu, None for auto (CUDA where available)."""
+    return None if cfg.run.device == "auto" else cfg.run.device == "cuda"
+
+
+def with_resolved_spec(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with ``model.spec: auto`` replaced by the spec this machine runs, said in one
+    line on rank 0, e.g. ``model.spec auto -> transformer_engine (Transformer Engine 2.12.0)``.
+
+    The run's ``config.yaml`` and checkpoints then record the spec that ran. A checkpoint
+    does not depend on it: both specs store the same tensors under the same keys, and a
+    resume may change it (:func:`megatron_mhar.checkpoint_format.check_config`).
+    """
+    from megatron_mhar.models.specs import resolve_spec
+
+    if cfg.model.spec != "auto":
+        return cfg
+    choice = resolve_spec("auto", cuda=_device_is_cuda(cfg))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"model.spec auto -> {choice.spec} ({choice.reason})", flush=True)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, spec=choice.spec))
+
+
+def _check_spec_and_precision(cfg: TrainConfig, on_cpu: bool) -> None:
+    """Transformer Engine's layers, and FP8 (which only they run), need TE and a GPU."""
+    from megatron_mhar.models.specs import resolve_spec, transformer_engine_version
+
+    spec = cfg.model.spec
+    if spec == "transformer_engine":
+        if on_cpu:
+            raise ValueError(
+                "model.spec=transformer_engine runs Transformer Engine's layers, which need a GPU; "
+                "on CPU set model.spec=local (or auto)"
+            )
+        try:
+            transformer_engine_version()
+        except ImportError as err:
+            raise ValueError(
+                f"model.spec=transformer_engine: {err}; install it ({TE_INSTALL}) or set "
+                f"model.spec=local (or auto)"
+            ) from None
+    if cfg.training.precision != "fp8":
+        return
+    if on_cpu:
+        raise ValueError(
+            "training.precision=fp8 runs the linear layers in Transformer Engine's FP8 on a GPU; "
+            "on CPU use training.precision=bf16 or fp32"
+        )
+    choice = resolve_spec(spec, cuda=True)  # not on CPU (above)
+    if choice.spec != "transformer_engine":
+        raise ValueError(
+            f"training.precision=fp8 runs the linear layers in Transformer Engine's FP8, but "
+            f"model.spec={spec} resolves to local here ({choice.reason}): install Transformer "
+            f"Engine ({TE_INSTALL}) and set model.spec=auto or transformer_engine, or use "
+            f"training.precision=bf16"
+        )
+
+
+def _check_distributed_optimizer(cfg: TrainConfig) -> None:
+    """Megatron's distributed optimizer saves and resumes over a fused Adam only.
+
+    megatron-core picks Transformer Engine's fused Adam where TE imports (apex's otherwise)
+    for every run, whatever the layer spec; over torch's Adam it reads the Adam step from
+    per-parameter state that a new optimizer lacks (loading asserts) and copies that step as
+    if it were a tensor of the saved state (``KeyError: 'step'``).
+    """
+    if not cfg.parallel.use_distributed_optimizer:
+        return
+    if not (cfg.checkpoint.interval or cfg.checkpoint.save_at_end):
+        return
+    from megatron.core.optimizer import distrib_optimizer
+
+    if not distrib_optimizer.HAVE_APEX_OR_TE:
+        raise ValueError(
+            "parallel.use_distributed_optimizer=true with torch's Adam (neither Transformer Engine "
+            "nor apex is installed): megatron-core cannot save and resume this optimizer's state. "
+            f"Install Transformer Engine ({TE_INSTALL}; model.spec=auto then also runs its "
+            "layers), or set parallel.use_distributed_optimizer=false, or write no checkpoints "
+            "(checkpoint.interval=0 checkpoint.save_at_end=false)"
+        )
 
 
 def check_data_prefixes(prefixes, key: str, vocab_size: int) -> None:

@@ -42,7 +42,7 @@ from megatron_mhar.models.routing import RoutingRecorder, SiteRouting, make_layo
 from megatron_mhar.parallel import pipeline
 from megatron_mhar.runtime.distributed import DistributedContext, destroy, initialize_model_parallel_from_env
 from megatron_mhar.training import checkpointing, cuda_graphs
-from megatron_mhar.training.launch_checks import expand_path, validate_launch
+from megatron_mhar.training.launch_checks import expand_path, runs_on_cpu, validate_launch, with_resolved_spec
 from megatron_mhar.training.metrics import MetricsWriter, StepTimer, format_duration
 from megatron_mhar.training.model import build_model_chunks, transformer_config, unwrap
 from megatron_mhar.training.recipes import to_yaml
@@ -85,8 +85,9 @@ def run(
     handlers are installed for the training loop only.
     """
     validate_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    cfg = with_resolved_spec(cfg)
     par = cfg.parallel
-    on_cpu = cfg.run.device == "cpu" or (cfg.run.device == "auto" and not torch.cuda.is_available())
+    on_cpu = runs_on_cpu(cfg)
     ctx = initialize_model_parallel_from_env(
         tp=par.tensor_model_parallel_size,
         pp=par.pipeline_model_parallel_size,
@@ -176,8 +177,6 @@ class Trainer:
             wd_incr_steps=tr.train_iters,
             wd_incr_style="constant",
         )
-        if cfg.checkpoint.interval or cfg.checkpoint.save_at_end:  # fail now, not at the first save
-            checkpointing.check_optimizer_checkpointable(self.optimizer)
         self._wire_model_config()
         # Training steps through Megatron's full-iteration CUDA graph; evaluation eager.
         self._train_schedule = (
@@ -258,7 +257,7 @@ class Trainer:
         return [valid, test]
 
     def _optimizer_config(self) -> MegatronOptimizerConfig:
-        opt, bf16 = self.cfg.optimizer, self.cfg.training.precision == "bf16"
+        opt, bf16 = self.cfg.optimizer, self.cfg.training.bf16_params
         return MegatronOptimizerConfig(
             optimizer="adam",
             lr=opt.lr,

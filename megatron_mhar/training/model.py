@@ -12,11 +12,24 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
 from megatron_mhar.training.schema import TrainConfig
 
+FP8_FORMAT = "hybrid"
+"""``training.precision: fp8``'s formats: E4M3 for activations and weights in the forward
+pass, E5M2 (more range) for the gradients of the backward pass."""
+
+FP8_RECIPE = "tensorwise"
+"""``training.precision: fp8``'s scaling: per-tensor current scaling (TE's
+``Float8CurrentScaling``, Hopper and Ada), each tensor scaled by its own amax when it is
+cast. Unlike delayed scaling it keeps no amax history: no state to checkpoint (a resume
+continues exactly), no lag behind a sudden change of scale, and the autocast is entered per
+layer. It applies to the linear layers of Transformer Engine's spec only; attention, norms,
+the output layer and the MHAR routing run in bf16."""
+
 
 def transformer_config(cfg: TrainConfig, on_cpu: bool) -> TransformerConfig:
     """The TransformerConfig of this run: architecture + parallel layout + numerics."""
     par, tr = cfg.parallel, cfg.training
-    bf16 = tr.precision == "bf16"
+    bf16 = tr.bf16_params
+    fp8 = dict(fp8=FP8_FORMAT, fp8_recipe=FP8_RECIPE) if tr.precision == "fp8" else {}
     interleaved = par.virtual_pipeline_model_parallel_size is not None
     return make_transformer_config(
         cfg.model,
@@ -39,6 +52,7 @@ def transformer_config(cfg: TrainConfig, on_cpu: bool) -> TransformerConfig:
         recompute_granularity=tr.recompute_granularity,
         recompute_method=tr.recompute_method,
         recompute_num_layers=tr.recompute_num_layers,
+        **fp8,
     )
 
 
@@ -64,7 +78,7 @@ def build_model_chunks(cfg: TrainConfig, config: TransformerConfig, on_cpu: bool
 
     par = cfg.parallel
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=cfg.training.precision == "bf16",
+        grad_reduce_in_fp32=cfg.training.bf16_params,
         overlap_grad_reduce=par.overlap_grad_reduce,
         overlap_param_gather=par.overlap_param_gather,
         use_distributed_optimizer=par.use_distributed_optimizer,

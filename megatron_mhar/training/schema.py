@@ -29,6 +29,9 @@ from megatron_mhar.models.mhar_config import MHARConfig
 DEFAULT_SPLIT = "98,2,0"
 """``data.split`` when none is given and no held-out paths are."""
 
+PRECISIONS = ("fp32", "bf16", "fp8")
+"""Values of ``training.precision``."""
+
 CUDA_GRAPH_MODES = ("none", "full_iteration")
 """Values of ``training.cuda_graph`` (see :mod:`megatron_mhar.training.cuda_graphs`)."""
 
@@ -130,7 +133,10 @@ class TrainingConfig:
 
     precision: str = "fp32"
     """``bf16`` (bf16 parameters, fp32 master weights and gradient reduction: Megatron's
-    mixed-precision optimizer, on GPUs and on CPU alike) or ``fp32``."""
+    mixed-precision optimizer, on GPUs and on CPU alike), ``fp8`` (bf16 as above, and the
+    linear layers' GEMMs in FP8 through Transformer Engine: model.spec transformer_engine or
+    auto, a GPU with FP8, every linear width and the tokens per micro-batch multiples of 16;
+    the recipe is :data:`megatron_mhar.training.model.FP8_RECIPE`) or ``fp32``."""
 
     recompute_granularity: Optional[str] = None
     """Activation recomputation: ``full``, ``selective`` or ``None``."""
@@ -146,6 +152,11 @@ class TrainingConfig:
     of all micro-batches (one eager step, captured on the second, replayed after), which
     removes the host's launch cost (GPU, no pipeline parallelism); ``none``: eager."""
 
+    @property
+    def bf16_params(self) -> bool:
+        """Whether parameters (and activations) are bf16: ``bf16`` and ``fp8`` runs."""
+        return self.precision in ("bf16", "fp8")
+
     def __post_init__(self):
         for name in ("train_iters", "global_batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
@@ -155,8 +166,8 @@ class TrainingConfig:
                 f"training.global_batch_size={self.global_batch_size} is not a multiple of "
                 f"training.micro_batch_size={self.micro_batch_size}"
             )
-        if self.precision not in ("bf16", "fp32"):
-            raise ValueError(f"training.precision must be bf16 or fp32, got {self.precision!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"training.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.cuda_graph not in CUDA_GRAPH_MODES:
             raise ValueError(
                 f"training.cuda_graph must be one of {list(CUDA_GRAPH_MODES)}, got {self.cuda_graph!r}"
@@ -496,6 +507,8 @@ class TrainConfig:
             )
         if self.training.cuda_graph != "none":
             self._check_cuda_graph()
+        if self.training.precision == "fp8":
+            self._check_fp8()
         warmup, decay = self.optimizer.lr_warmup_iters, self.lr_decay_iters
         if warmup >= decay:
             source = "optimizer.lr_decay_iters" if self.optimizer.lr_decay_iters else "training.train_iters"
@@ -530,6 +543,40 @@ class TrainConfig:
                 f"training.cuda_graph={tr.cuda_graph}: the routing diagnostics are recorded by "
                 f"Python on the steps they log, which a replayed graph does not run; set "
                 f"logging.routing_entropy=false and logging.routing_interval=0 {fix}"
+            )
+
+    def _check_fp8(self) -> None:
+        """FP8 GEMMs take operands whose dimensions are multiples of 16 (Transformer Engine
+        asserts it inside the first step), and MHAR decoders do not recompute in FP8."""
+        model, par, tr = self.model, self.parallel, self.training
+        tp = par.tensor_model_parallel_size
+        head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+        groups = model.num_query_groups or model.num_attention_heads
+        tokens = tr.micro_batch_size * model.seq_length // (tp if par.sequence_parallel else 1)
+        dims = [
+            ("model.hidden_size", model.hidden_size),
+            ("the MLP width per tensor-parallel rank (ffn_hidden_size / TP)",
+             (model.ffn_hidden_size or 4 * model.hidden_size) // tp),
+            ("the query width per tensor-parallel rank (num_attention_heads x head width / TP)",
+             model.num_attention_heads * head_dim // tp),
+            ("the QKV width per tensor-parallel rank ((num_attention_heads + 2 x num_query_groups) "
+             "x head width / TP)", (model.num_attention_heads + 2 * groups) * head_dim // tp),
+            ("the tokens per micro-batch and rank (micro_batch_size x seq_length"
+             + (" / TP with sequence parallelism)" if par.sequence_parallel else ")"), tokens),
+        ]
+        for what, value in dims:
+            if value % 16:
+                raise ValueError(
+                    f"training.precision=fp8: Transformer Engine's FP8 GEMMs need every linear "
+                    f"layer's widths and the tokens per micro-batch to be multiples of 16, and "
+                    f"{what} is {value}; change the model or batch shape, or use "
+                    f"training.precision=bf16"
+                )
+        if self.mhar.enabled and tr.recompute_granularity == "full":
+            raise ValueError(
+                "training.precision=fp8 with training.recompute_granularity=full is not supported "
+                "by MHAR decoders (their recomputed chunks do not go through Transformer Engine's "
+                "FP8-aware checkpoint); use training.recompute_granularity=selective or null"
             )
 
     @property

@@ -10,17 +10,6 @@ pytestmark = pytest.mark.gpu
 SEQ, BATCH, VOCAB = 128, 2, 512
 
 
-@pytest.fixture
-def megatron_cuda_world1(single_process):
-    from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
-
-    ctx = initialize_model_parallel_from_env(tp=1, pp=1, seed=1234, device="cuda")
-    try:
-        yield ctx
-    finally:
-        destroy()
-
-
 BF16 = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
 
 

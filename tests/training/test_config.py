@@ -6,6 +6,7 @@ what to change.
 
 from __future__ import annotations
 
+import sys
 import textwrap
 
 import pytest
@@ -81,6 +82,23 @@ def test_defaults_are_the_smoke_recipe():
                      "set training.recompute_granularity=null or set training.cuda_graph=none", id="graph-recompute"),
         pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "parallel.overlap_grad_reduce=true"],
                      "set parallel.overlap_grad_reduce=false", id="graph-overlap"),
+        pytest.param("training.precision=fp16", "training.precision must be one of fp32, bf16, fp8, got 'fp16'", id="precision"),
+        pytest.param("model.spec=te", "model.spec must be one of ('local', 'transformer_engine', 'auto')", id="spec"),
+        # FP8 GEMMs take dimensions that are multiples of 16, named with their fix
+        pytest.param(["training.precision=fp8", "model.hidden_size=120"],
+                     "FP8 GEMMs need every linear layer's widths and the tokens per micro-batch to be multiples of "
+                     "16, and model.hidden_size is 120; change the model or batch shape, or use training.precision=bf16",
+                     id="fp8-width"),
+        pytest.param(["training.precision=fp8", "model.ffn_hidden_size=392"],
+                     "the MLP width per tensor-parallel rank (ffn_hidden_size / TP) is 392", id="fp8-mlp"),
+        pytest.param(["training.precision=fp8", "model.kv_channels=18"],
+                     "the query width per tensor-parallel rank (num_attention_heads x head width / TP) is 72",
+                     id="fp8-query"),
+        pytest.param(["training.precision=fp8", "training.micro_batch_size=1", "model.seq_length=120"],
+                     "the tokens per micro-batch and rank (micro_batch_size x seq_length) is 120", id="fp8-tokens"),
+        pytest.param(["training.precision=fp8", "training.recompute_granularity=full", "training.recompute_method=uniform",
+                      "training.recompute_num_layers=1"],
+                     "use training.recompute_granularity=selective or null", id="fp8-full-recompute"),
     ],
 )
 def test_bad_values_fail_at_load(override, message):
@@ -214,6 +232,12 @@ def test_apply_overrides_does_not_mutate():
         pytest.param(["checkpoint.load=/nonexistent/ckpt"], 1, "checkpoint.load='/nonexistent/ckpt': no such directory", id="load"),
         pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "run.device=cpu"], 1,
                      "needs a GPU; on CPU set training.cuda_graph=none", id="graph-cpu"),
+        pytest.param(["training.precision=fp8"], 1,
+                     "training.precision=fp8 runs the linear layers in Transformer Engine's FP8 on a GPU; on CPU use "
+                     "training.precision=bf16 or fp32", id="fp8-cpu"),
+        pytest.param(["model.spec=transformer_engine"], 1,
+                     "model.spec=transformer_engine runs Transformer Engine's layers, which need a GPU; on CPU set "
+                     "model.spec=local (or auto)", id="te-cpu"),
     ],
 )
 def test_launch_checks(overrides, world, message, monkeypatch):
@@ -223,6 +247,85 @@ def test_launch_checks(overrides, world, message, monkeypatch):
     with pytest.raises(ValueError) as err:
         validate_launch(cfg, world)
     assert message in str(err.value)
+
+
+@pytest.fixture
+def gpu_without_transformer_engine(monkeypatch):
+    """validate_launch on a machine that says it has a GPU (nothing runs on it) and where
+    ``import transformer_engine`` fails."""
+    from megatron_mhar.training import launch_checks
+
+    monkeypatch.setattr(launch_checks, "_cuda_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # FP8 runs in Transformer Engine's linear layers: the local spec, named or chosen by auto, has none
+        pytest.param(["training.precision=fp8"],
+                     "training.precision=fp8 runs the linear layers in Transformer Engine's FP8, but model.spec=local "
+                     "resolves to local here (set in model.spec): install Transformer Engine (pip install "
+                     "'megatron_mhar[te]') and set model.spec=auto or transformer_engine, or use training.precision=bf16",
+                     id="fp8-local"),
+        pytest.param(["training.precision=fp8", "model.spec=auto"],
+                     "model.spec=auto resolves to local here (Transformer Engine not importable: ", id="fp8-auto"),
+        pytest.param(["model.spec=transformer_engine"],
+                     "model.spec=transformer_engine: Transformer Engine not importable: ", id="te-missing"),
+        pytest.param(["model.spec=transformer_engine"],
+                     "install it (pip install 'megatron_mhar[te]') or set model.spec=local (or auto)", id="te-missing-fix"),
+    ],
+)
+def test_transformer_engine_and_fp8_need_transformer_engine(gpu_without_transformer_engine, overrides, message):
+    cfg = load_config("smoke_cpu", ["run.device=auto", *overrides])
+    with pytest.raises(ValueError) as err:
+        validate_launch(cfg, 1)
+    assert message in str(err.value)
+
+
+def test_distributed_optimizer_checkpoints_need_a_fused_adam(monkeypatch):
+    """megatron-core checkpoints the distributed optimizer over a fused Adam only (TE's, which
+    it picks where TE imports, or apex's): refused before any process group without one,
+    with the fixes; with one, or when nothing is saved, the run goes ahead."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    distributed = ["parallel.use_distributed_optimizer=true"]
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    with pytest.raises(ValueError) as err:
+        validate_launch(load_config("smoke_cpu", distributed), 1)
+    for text in ("megatron-core cannot save and resume this optimizer's state",
+                 "Install Transformer Engine (pip install 'megatron_mhar[te]'; model.spec=auto then also runs "
+                 "its layers)", "parallel.use_distributed_optimizer=false",
+                 "checkpoint.interval=0 checkpoint.save_at_end=false"):
+        assert text in str(err.value)
+    validate_launch(load_config("smoke_cpu", [*distributed, "checkpoint.save_at_end=false"]), 1)
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    validate_launch(load_config("smoke_cpu", distributed), 1)
+
+
+def test_spec_auto_is_resolved_and_said(monkeypatch, capsys):
+    """``with_resolved_spec``: one line on rank 0 saying which spec and why; the config then
+    names the spec that runs. A named spec is left as it is, silently."""
+    from megatron_mhar.models import specs
+    from megatron_mhar.training.launch_checks import with_resolved_spec
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # nothing runs on it
+    monkeypatch.setattr(specs, "transformer_engine_version", lambda: "2.12.0")
+    resolved = with_resolved_spec(load_config("smoke_cpu", ["run.device=auto", "model.spec=auto"]))
+    assert resolved.model.spec == "transformer_engine"
+    assert capsys.readouterr().out == "model.spec auto -> transformer_engine (Transformer Engine 2.12.0)\n"
+
+    resolved = with_resolved_spec(load_config("smoke_cpu", ["model.spec=auto"]))  # run.device=cpu
+    assert resolved.model.spec == "local"
+    assert capsys.readouterr().out == (
+        "model.spec auto -> local (the model runs on CPU; Transformer Engine layers run on GPUs)\n"
+    )
+    monkeypatch.setenv("RANK", "1")
+    with_resolved_spec(load_config("smoke_cpu", ["model.spec=auto"]))
+    named = load_config("smoke_cpu", ["model.spec=transformer_engine"])
+    assert with_resolved_spec(named) is named
+    assert capsys.readouterr().out == ""  # other ranks, and named specs, say nothing
 
 
 def test_a_damaged_data_pair_fails_at_launch(tmp_path):

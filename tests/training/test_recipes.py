@@ -47,6 +47,13 @@ def test_pretrain_recipes_match_the_paper(scale, variant):
     assert tr.train_iters == 20000 and tr.precision == "bf16"
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gpu_recipes_choose_the_layer_spec_where_they_run(recipe):
+    """The GPU recipes take Transformer Engine's layers where TE imports (``spec: auto``);
+    the CPU smoke recipe keeps Megatron's local layers."""
+    assert load_config(recipe).model.spec == ("local" if recipe == "smoke_cpu" else "auto")
+
+
 def test_cpt_recipes_differ_only_in_routing():
     delta, plain = load_config("cpt_8b_mhar_delta"), load_config("cpt_8b_plain")
     assert delta.mhar.variant == "delta" and delta.mhar.num_heads == 8
@@ -63,13 +70,14 @@ def test_cpt_recipes_differ_only_in_routing():
 
 
 def _reduced(cfg):
-    """Same architecture family at width ~128, 2 layers, single process, fp32."""
+    """Same architecture family at width ~128, 2 layers, single process, fp32, local layers
+    (the model is built on the CPU runtime, where the driver resolves ``spec: auto`` so)."""
     m = cfg.model
     k = max(1, m.hidden_size // 128)
     model = dataclasses.replace(
         m, num_layers=2 * (cfg.mhar.delta_block_layers if cfg.mhar.variant == "delta" else 1),
         hidden_size=m.hidden_size // k, ffn_hidden_size=(m.ffn_hidden_size or 4 * m.hidden_size) // k,
-        vocab_size=1024, seq_length=32,
+        vocab_size=1024, seq_length=32, spec="local",
     )
     return dataclasses.replace(
         cfg, model=model,

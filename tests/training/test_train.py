@@ -117,6 +117,35 @@ def test_bf16_runs_megatrons_mixed_precision_path_and_resumes_exactly(tiny):
     assert straight.losses[4] < straight.losses[1]
 
 
+@pytest.mark.gpu
+def test_bf16_local_spec_on_gpu_keeps_one_dtype_and_resumes_exactly(tiny):
+    """The local spec in bf16 on a GPU: torch's norms, built in fp32 whatever params_dtype
+    says, are cast to bf16 with everything else, so Megatron's mixed-precision optimizer
+    numbers one group of bf16 parameters and its checkpoint pairs each state with its
+    parameter: 2 + 2 steps resumed equal 4 straight, bitwise. Megatron's own attention: the
+    flash-attention backward of torch's SDPA sums in a varying order."""
+    from megatron_mhar.training.model import unwrap
+
+    seen = {}
+
+    def inspect(trainer, step):
+        model = unwrap(trainer.model[0])
+        norms = [m for m in model.modules() if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))]
+        seen.update(norms=bool(norms), dtypes={p.dtype for p in model.parameters()},
+                    device=next(model.parameters()).device.type)
+
+    common = ("run.device=cuda", "model.spec=local", "model.attention_backend=megatron",
+              "training.precision=bf16", "eval.interval=0", "optimizer.lr_decay_iters=4",
+              "logging.tensorboard=false", "logging.routing_entropy=false")
+    straight = _run(tiny(*common, "training.train_iters=4", name="gpu_bf16"), step_hook=inspect)
+    assert seen == {"norms": True, "dtypes": {torch.bfloat16}, "device": "cuda"}
+    _run(tiny(*common, "training.train_iters=2", name="gpu_bf16_resumed"))
+    resumed = _run(tiny(*common, "training.train_iters=4", name="gpu_bf16_resumed"))
+    assert min(resumed.losses) == 3
+    assert _train_losses(resumed.run_dir) == _train_losses(straight.run_dir)  # bitwise
+    assert straight.losses[4] < straight.losses[1]
+
+
 def test_first_loss_logged_after_a_resume_covers_the_whole_interval(tiny):
     """Stopped between two logged steps, the run saves the losses since the last log with
     the checkpoint: the loss logged after the resume averages the same steps as the
@@ -277,6 +306,57 @@ def test_load_into_different_model_names_fields(tiny):
     assert "model.hidden_size: 32 (checkpoint) vs 64 (config)" in message
     assert "model.num_layers: 2 (checkpoint) vs 4 (config)" in message
     assert "model.num_attention_heads" not in message  # only the differing fields
+
+
+def test_spec_auto_is_said_and_recorded_and_spec_is_not_part_of_the_model(tiny, capsys):
+    """The driver resolves ``model.spec: auto`` at the start, says so in one line and records
+    the spec that ran; a checkpoint matches a config of either spec (both store the same
+    tensors under the same keys), while a change of the model is still refused."""
+    import yaml
+
+    from megatron_mhar.checkpoint_format import check_config
+
+    cfg = tiny("model.spec=auto", "training.train_iters=3", "eval.interval=0", name="auto")
+    result = _run(cfg)
+    out = capsys.readouterr().out
+    assert out.count("model.spec auto -> ") == 1
+    assert "model.spec auto -> local (the model runs on CPU; Transformer Engine layers run on GPUs)" in out
+    assert yaml.safe_load((cfg.run.dir / "config.yaml").read_text())["model"]["spec"] == "local"
+
+    config = cfg.to_dict()
+    for spec in ("local", "transformer_engine", "auto"):
+        check_config(result.checkpoint, {**config, "model": {**config["model"], "spec": spec}})
+    with pytest.raises(ValueError, match="model.hidden_size: 32 .checkpoint. vs 64 .config."):
+        check_config(result.checkpoint, {**config, "model": {**config["model"], "hidden_size": 64}})
+
+
+def test_extra_state_absent_from_a_checkpoint_keeps_the_modules_own():
+    """Transformer Engine's norms carry an extra state (empty without FP8) that the local
+    spec's torch norms lack: a local-spec checkpoint loads into TE layers, each such module
+    keeping its own; any other tensor the checkpoint lacks is named."""
+    from megatron_mhar.errors import ConfigError
+    from megatron_mhar.training.checkpointing import _check_absent_keys, _load_model_state
+
+    class NormWithExtraState(torch.nn.Module):  # as TE's RMSNorm: a weight and an extra state
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(4))
+            self.extra = "own"
+
+        def get_extra_state(self):
+            return self.extra
+
+        def set_extra_state(self, state):
+            self.extra = state
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), NormWithExtraState())
+    saved = {k: torch.ones_like(v) for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    _check_absent_keys("ckpt", ["decoder.final_layernorm._extra_state"])
+    _load_model_state(model, saved)
+    assert model[1].extra == "own" and torch.equal(model[1].weight, torch.ones(4))
+    with pytest.raises(ConfigError, match=r"checkpoint ckpt lacks 1 tensors of this model, e\.g\. "
+                                          r"decoder\.layers\.mlp\.linear_fc1\.weight"):
+        _check_absent_keys("ckpt", ["decoder.layers.mlp.linear_fc1.weight", "a._extra_state"])
 
 
 def test_resume_may_change_how_routing_runs(tiny):
