@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.json_out import check_out, default_out, device_name, write_json  # noqa: E402
 from megatron_mhar.models.mhar_config import MHARConfig  # noqa: E402
-from megatron_mhar.models.builder import build_gpt_model, make_transformer_config  # noqa: E402
+from megatron_mhar.models.builder import build_gpt_model, fused_kernel_fields, make_transformer_config  # noqa: E402
 from megatron_mhar.models.gpt_config import GPTModelConfig  # noqa: E402
 from megatron_mhar.training.cuda_graphs import (  # noqa: E402
     CUDA_GRAPH_MODES,
@@ -124,18 +124,15 @@ def default_spec() -> str:
 
 
 def speed_overrides(spec: str, fusions: bool, precision: str) -> dict:
-    """TransformerConfig fields of the baseline a Megatron-LM user runs: with Transformer
-    Engine, weight-gradient accumulation into ``main_grad`` inside TE's GEMM, TE's fused
-    cross-entropy, fused RoPE and the fused SwiGLU; with ``fp8``, TE's FP8 GEMMs (E4M3
-    forward, E5M2 gradients) with delayed scaling, Megatron's default recipe."""
-    overrides = {}
-    if spec == "transformer_engine" and fusions:
-        overrides.update(gradient_accumulation_fusion=True, cross_entropy_loss_fusion=True,
-                         cross_entropy_fusion_impl="te", apply_rope_fusion=True,
-                         bias_activation_fusion=True)
+    """TransformerConfig fields of the baseline a Megatron-LM user runs, as the training
+    driver builds it: with Transformer Engine, its fused kernels
+    (:func:`~megatron_mhar.models.builder.fused_kernel_fields`); with ``fp8``, the driver's
+    FP8 formats and scaling (``training.precision: fp8``)."""
+    from megatron_mhar.training.model import FP8_FORMAT, FP8_RECIPE
+
+    overrides = fused_kernel_fields(GPTModelConfig(spec=spec)) if fusions else {}
     if precision == "fp8":
-        overrides.update(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024,
-                         fp8_amax_compute_algo="max")
+        overrides.update(fp8=FP8_FORMAT, fp8_recipe=FP8_RECIPE)
     return overrides
 
 

@@ -64,6 +64,18 @@ class MHARTransformerConfig(TransformerConfig):
             )
 
 
+def fused_kernel_fields(model: GPTModelConfig) -> dict:
+    """TransformerConfig fields of the fused kernels Megatron-LM trains with under
+    Transformer Engine: weight-gradient accumulation into ``main_grad`` inside TE's GEMMs
+    (the separate accumulation kernel goes), TE's fused cross-entropy, fused RoPE and the
+    fused SwiGLU. Empty for the local spec, whose gradient-accumulation fusion needs apex.
+    ``model.spec`` must be resolved (:func:`resolve_spec`)."""
+    if model.spec != "transformer_engine":
+        return {}
+    return dict(gradient_accumulation_fusion=True, cross_entropy_loss_fusion=True,
+                cross_entropy_fusion_impl="te", apply_rope_fusion=True, bias_activation_fusion=True)
+
+
 def make_transformer_config(model: GPTModelConfig, mhar: MHARConfig, **overrides) -> TransformerConfig:
     """TransformerConfig for ``model``; an :class:`MHARTransformerConfig` when routing is on.
 

@@ -9,7 +9,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
+from megatron_mhar.models.builder import build_gpt_model, fused_kernel_fields, make_transformer_config
 from megatron_mhar.training.schema import TrainConfig
 
 FP8_FORMAT = "hybrid"
@@ -52,6 +52,7 @@ def transformer_config(cfg: TrainConfig, on_cpu: bool) -> TransformerConfig:
         recompute_granularity=tr.recompute_granularity,
         recompute_method=tr.recompute_method,
         recompute_num_layers=tr.recompute_num_layers,
+        **fused_kernel_fields(cfg.model),
         **fp8,
     )
 
