@@ -10,9 +10,12 @@ shared:
 
 * ``save``: the plain save;
 * ``save_checksummed``: the save as the training driver runs it, its shard files
-  checksummed as they are written (``checkpoint_format.checksummed_writes``), plus the
-  manifest (:func:`megatron_mhar.manifest.write_manifest`); the two saves take turns
-  going first;
+  checksummed as they are written (``checkpoint_format.checksummed_writes``: hashed chunk
+  by chunk while cache-hot, the disk's writeback started early), plus the manifest
+  (:func:`megatron_mhar.manifest.write_manifest`);
+* ``save_unhashed``: the same save with a checksum that does nothing, so that
+  ``save_checksummed / save_unhashed`` is what the checksum itself costs; the three saves
+  take turns going first;
 * each candidate checksum over the saved files' bytes held in memory (the compute a
   checksum adds to a write), in an order rotated round by round;
 * ``read_back``: the chosen checksum over the files read back from the filesystem (what a
@@ -42,6 +45,16 @@ from benchmarks.json_out import check_out, write_json  # noqa: E402
 CHUNK = 1 << 24  # the manifest's read size
 
 
+class NoDigest:
+    """A checksum that reads nothing (``save_unhashed``)."""
+
+    def update(self, data) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return "0"
+
+
 class Crc32:
     """``zlib.crc32`` behind the hashlib interface."""
 
@@ -62,6 +75,23 @@ def _candidates():
         "blake2b": hashlib.blake2b,
         "sha256": hashlib.sha256,
     }
+
+
+@contextlib.contextmanager
+def _driver_writer(name: str, manifest, checksummed_writes):
+    """The writer of save ``name``: Megatron's own, the driver's, or the driver's with
+    :class:`NoDigest`."""
+    if name == "save":
+        yield
+        return
+    previous = manifest._new_digest
+    if name == "save_unhashed":
+        manifest._new_digest = NoDigest
+    try:
+        with checksummed_writes():
+            yield
+    finally:
+        manifest._new_digest = previous
 
 
 def read_files(directory: str) -> list:
@@ -117,22 +147,22 @@ def main(argv=None):
 
     candidates = _candidates()
     initialize_model_parallel_from_env(tp=1, pp=1, device="cpu")
-    times = {"save": [], "save_checksummed": [], "read_back": [], **{name: [] for name in candidates}}
+    times = {"save": [], "save_checksummed": [], "save_unhashed": [], "read_back": [],
+             **{name: [] for name in candidates}}
     try:
         state = sharded_state(args.gib)
         root = tempfile.mkdtemp(prefix="bench_checksum.", dir=args.dir)
         try:
             for round_ in range(args.rounds):
-                plain, checked = os.path.join(root, "plain"), os.path.join(root, "checked")
-                os.makedirs(plain)
-                os.makedirs(checked)
-                saves = [("save", plain), ("save_checksummed", checked)]
-                for name, target in saves if round_ % 2 == 0 else saves[::-1]:  # either goes first
+                saves = [(name, os.path.join(root, name)) for name in ("save", "save_checksummed", "save_unhashed")]
+                plain = saves[0][1]
+                for name, target in saves[round_ % 3:] + saves[:round_ % 3]:  # each goes first in turn
+                    os.makedirs(target)
                     start = time.perf_counter()
-                    with checksummed_writes() if name == "save_checksummed" else contextlib.nullcontext():
+                    with _driver_writer(name, manifest, checksummed_writes):
                         dist_checkpointing.save(dict(state), target)
-                    if name == "save_checksummed":
-                        manifest.write_manifest(target)
+                        if name != "save":
+                            manifest.write_manifest(target)
                     times[name].append(time.perf_counter() - start)
                 size = sum(os.path.getsize(os.path.join(plain, n)) for n in os.listdir(plain))
                 start = time.perf_counter()
@@ -146,8 +176,8 @@ def main(argv=None):
                     checksum_memory(contents, candidates[name])
                     times[name].append(time.perf_counter() - start)
                 del contents
-                shutil.rmtree(plain)
-                shutil.rmtree(checked)
+                for _, target in saves:
+                    shutil.rmtree(target)
                 print(f"round {round_}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items()), flush=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
@@ -166,18 +196,25 @@ def main(argv=None):
         "environment": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                         "device": "cpu", "load_average_1m": os.getloadavg()[0]},
         "note": "Megatron dist_checkpointing.save (fsynced) of bf16 tensors on one process; the same save "
-                "with its files checksummed as written plus the manifest; each checksum over the saved "
-                "bytes in memory; xxh3_64 over the files read back. Rounds interleaved, medians, shares "
-                "of the median plain save.",
+                "through the driver's writer (files checksummed as written, writeback started early) "
+                "plus the manifest; the driver's writer with a checksum that does nothing; each checksum "
+                "over the saved bytes in memory; xxh3_64 over the files read back. Rounds interleaved, "
+                "medians, shares of the median plain save; checksum_cost: save_checksummed over "
+                "save_unhashed, per round and its median.",
         "bytes": size,
         "seconds_median": medians,
         "seconds_all": times,
         "share_of_save": {name: medians[name] / save_s for name in times if name != "save"},
+        "checksum_cost_rounds": [c / u for c, u in zip(times["save_checksummed"], times["save_unhashed"])],
+        "checksum_cost_median": statistics.median(
+            c / u for c, u in zip(times["save_checksummed"], times["save_unhashed"])),
         "gb_per_s": {name: size / medians[name] / 1e9 for name in times},
     }
     for name in times:
         print(f"{name:>16}: {medians[name]:7.3f}s ({size / medians[name] / 1e9:6.2f} GB/s), "
               f"{100 * medians[name] / save_s:6.1f}% of a {save_s:.2f}s save of {size / 2**30:.2f} GiB")
+    print(f"checksum cost: save_checksummed / save_unhashed, median over rounds "
+          f"{report['checksum_cost_median']:.3f}")
     if args.out:
         write_json(args.out, report)
     return 0

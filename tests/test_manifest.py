@@ -37,3 +37,20 @@ def test_failed_write_leaves_no_checksum(tmp_path):
             f.write(bytes(1 << 20))
             raise RuntimeError("disk gone")
     assert path.exists() and not os.path.exists(str(path) + manifest.SIDE_SUFFIX)
+
+
+def test_early_writeback_leaves_the_checksum_and_no_thread(tmp_path, monkeypatch):
+    """The disk writeback started on a thread every WRITEBACK_BYTES changes no byte and is
+    joined before the file closes."""
+    import threading
+
+    monkeypatch.setattr(manifest, "WRITEBACK_BYTES", 1 << 20)
+    path = tmp_path / "shard.distcp"
+    with manifest.ChecksummingFile(path) as f:
+        for _ in range(6):
+            f.write(os.urandom(3 << 19))
+        os.fsync(f.fileno())
+    assert not [t for t in threading.enumerate() if t.name == "writeback"]
+    side = _side(path)
+    assert side["size"] == path.stat().st_size == 6 * (3 << 19)
+    assert side[manifest.CHECKSUM] == manifest.file_checksum(path)
