@@ -313,7 +313,10 @@ def test_cpt_recipe_matches_a_converted_llama31_8b():
 
     recipe = load_config("cpt_8b_mhar_delta")
     converted = hf_config.model_config_from_hf(LLAMA31_8B, seq_length=4096)
-    assert dataclasses.asdict(converted) == dataclasses.asdict(recipe.model)
+    # The layer spec is not part of the match: checkpoints load under either spec, and the
+    # recipe's ``auto`` picks Transformer Engine where it imports.
+    assert converted.spec == "local" and recipe.model.spec == "auto"
+    assert dataclasses.asdict(converted) == dataclasses.asdict(dataclasses.replace(recipe.model, spec="local"))
     assert dataclasses.asdict(MHARConfig(variant="delta")) == dataclasses.asdict(recipe.mhar)
     assert recipe.checkpoint.load_model_only
 
