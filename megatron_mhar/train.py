@@ -82,14 +82,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_mhar.errors import ConfigError
         from megatron_mhar.training.loop import run
 
+        command = " ".join([parser.prog, *(argv if argv is not None else sys.argv[1:])])
+        stop.stop_message = (f"stopped at once; `{command}` resumes from the last checkpoint in "
+                             f"{cfg.run.dir / 'checkpoints'}")
         try:
             run(cfg, stop=stop)
         except ConfigError as err:  # found once the run started (a checkpoint of another model)
             parser.exit(2, f"config error: {err}\n" if _is_rank0() else None)
-        except KeyboardInterrupt:  # the second Ctrl-C: no traceback, the way back instead
-            parser.exit(130, f"stopped at once; `{parser.prog} {' '.join(argv if argv is not None else sys.argv[1:])}` "
-                             f"resumes from the last checkpoint in {cfg.run.dir / 'checkpoints'}\n"
-                        if _is_rank0() else None)
     return 0
 
 

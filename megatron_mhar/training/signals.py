@@ -4,8 +4,9 @@ Slurm sends SIGTERM before killing a job (and SIGUSR1 ``--signal=USR1@90`` ahead
 of the time limit); torchrun forwards SIGTERM to its workers; a user at a terminal
 presses Ctrl-C (SIGINT). The handler only records the signal; the loop checks
 :meth:`StopSignal.requested` between steps, where every rank agrees through one
-all-reduce, so all ranks save together. A second Ctrl-C stops at once
-(``KeyboardInterrupt``), losing the steps since the last checkpoint.
+all-reduce, so all ranks save together. A second Ctrl-C stops the process at once
+(exit 130, as a shell reports SIGINT), losing the steps since the last checkpoint; the
+driver resumes from that checkpoint and clears the unfinished save, as after SIGKILL.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class StopSignal:
     def __init__(self):
         self.received: Optional[int] = None
         self._previous: Dict[int, object] = {}
+        self.stop_message = "stopped at once"
+        """Printed (rank 0) when a second Ctrl-C stops the process: how to resume."""
 
     def __enter__(self) -> "StopSignal":
         if threading.current_thread() is threading.main_thread():
@@ -42,7 +45,18 @@ class StopSignal:
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT:
             if self.received == signal.SIGINT:
-                raise KeyboardInterrupt
+                # Not KeyboardInterrupt: raised from a handler it can land where exceptions
+                # are ignored (a logging lock's release at fork) and the run goes on.
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"\n{self.stop_message}", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                # Megatron's checkpoint-writer helper ignores the stop signals: it goes
+                # with this process instead of outliving it.
+                import multiprocessing
+
+                for child in multiprocessing.active_children():
+                    child.kill()
+                os._exit(130)
             if os.environ.get("RANK", "0") == "0":
                 print("\nCtrl-C: finishing this step, then saving a checkpoint and exiting "
                       "(Ctrl-C again stops at once, losing the steps since the last checkpoint)",
