@@ -6,7 +6,7 @@ Trains the ``smoke_cpu`` recipe twice, as Megatron's plain GPT (``mhar.variant=n
 and as MHAR (full routing, 8 heads), with the same seed, data order and schedule.
 The two runs are separate processes that take turns step by step, so both see the
 same machine (and whatever else it is doing) and their tokens/s compare fairly; the
-whole demo takes as long as the two runs one after the other (about 11 minutes on 2
+whole demo takes as long as the two runs one after the other (about 1.5 minutes on 2
 idle CPU cores; the first run on a machine also builds the embedded corpus, about 20 s,
 cached for later runs). Then it prints a side-by-side validation-loss table and writes::
 
