@@ -58,6 +58,7 @@ from benchmarks.json_out import check_out, default_out, device_name, write_json 
 from megatron_mhar.models.mhar_config import MHARConfig  # noqa: E402
 from megatron_mhar.models.builder import build_gpt_model, fused_kernel_fields, make_transformer_config  # noqa: E402
 from megatron_mhar.models.gpt_config import GPTModelConfig  # noqa: E402
+from megatron_mhar.models.specs import resolve_spec  # noqa: E402
 from megatron_mhar.training.cuda_graphs import (  # noqa: E402
     CUDA_GRAPH_MODES,
     FullIterationGraph,
@@ -107,20 +108,8 @@ MODELS = {
     "mhar_block": MHARConfig(variant="block", num_heads=8, block_size=8),
 }
 
-SPECS = ("local", "transformer_engine")
+SPECS = ("local", "transformer_engine")  # the resolved values of model.spec
 PRECISIONS = ("bf16", "fp8")
-
-
-def default_spec() -> str:
-    """``transformer_engine`` where it imports on a GPU (what a Megatron user trains
-    with), ``local`` otherwise."""
-    if not torch.cuda.is_available():
-        return "local"
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError:
-        return "local"
-    return "transformer_engine"
 
 
 def speed_overrides(spec: str, fusions: bool, precision: str) -> dict:
@@ -567,7 +556,7 @@ def check_args(parser, args):
     if args.steps < 1:
         parser.error(f"--steps must be >= 1 (the timed rounds), got {args.steps}")
     if args.spec is None:
-        args.spec = default_spec()
+        args.spec = resolve_spec("auto").spec
     if args.spec == "transformer_engine" and not torch.cuda.is_available():
         parser.error("--spec transformer_engine needs CUDA (Transformer Engine's layers run on "
                      "the GPU); use --spec local on CPU")
