@@ -30,13 +30,8 @@ from megatron_mhar.models.main_grad import accumulate_into_main_grad
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.ops.depth_route import routing_weights
 from megatron_mhar.ops.history import SourceHistory, get_backend
-from megatron_mhar.ops.lookahead import (
-    GroupSite,
-    LookaheadHistory,
-    auto_group_size,
-    get_lookahead_backend,
-    group_ranges,
-)
+from megatron_mhar.ops.lookahead import GroupSite, LookaheadHistory, get_lookahead_backend
+from megatron_mhar.ops.schedules import auto_group_size, group_ranges
 
 
 @dataclasses.dataclass(frozen=True)
