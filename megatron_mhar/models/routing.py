@@ -55,9 +55,6 @@ class DepthLayout:
     ) -> "DepthStream":
         return DepthStream(self, mhar, eps, like, routers)
 
-    def new_router(self, config) -> "DepthRouter":
-        return DepthRouter(config)
-
     @property
     def final_site(self) -> int:
         return 2 * self.num_layers + 1
@@ -232,8 +229,9 @@ class DepthStream:
         self.partial = partial
 
     def output(self, final_router: DepthRouter) -> torch.Tensor:
-        """The decoder output before the final norm: the final site's routed mixture."""
-        return self.read(self.layout.final_site, final_router)
+        """The decoder output before the final norm: the final site's routed mixture, through
+        the router module (a spec may have wrapped it)."""
+        return final_router(self, self.layout.final_site)
 
 
 ROUTING_SAMPLE_TOKENS = 256
@@ -348,9 +346,6 @@ class DeltaLayout:
 
     def new_stream(self, mhar: MHARConfig, eps: float, like: torch.Tensor, routers=None) -> "DeltaStream":
         return DeltaStream(self, mhar, eps, like)
-
-    def new_router(self, config) -> "DeltaRouter":
-        return DeltaRouter(config)
 
 
 class DeltaRouter(DepthRouter):
