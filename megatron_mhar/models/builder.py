@@ -13,6 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.models.block import MHARTransformerBlock
 from megatron_mhar.models.gpt_config import GPTModelConfig
+from megatron_mhar.models.moe import enable_router_gemm_fallback, te_spec_fields
 from megatron_mhar.models.norms import SequenceParallelTorchNorm
 from megatron_mhar.models.specs import get_mhar_block_spec, resolve_spec
 
@@ -20,7 +21,6 @@ from megatron_mhar.models.specs import get_mhar_block_spec, resolve_spec
 # value that is fine, what to do instead).
 UNSUPPORTED = (
     ("context_parallel_size", 1, "set context_parallel_size=1"),
-    ("num_moe_experts", None, "MoE layers are not supported; use a dense MLP"),
     ("mtp_num_layers", None, "multi-token prediction is not supported"),
     ("cpu_offloading", False, "set cpu_offloading=False"),
     ("fine_grained_activation_offloading", False, "disable activation offloading"),
@@ -168,6 +168,8 @@ def build_gpt_model(
     model_class = MHARGPTModel if mhar.enabled else GPTModel
     if layer_norm is None and config.sequence_parallel and model.spec == "local":
         layer_norm = SequenceParallelTorchNorm
+    if model.is_moe:
+        enable_router_gemm_fallback()
     return model_class(
         config=config,
         transformer_layer_spec=get_mhar_block_spec(model, mhar, config, vp_stage, layer_norm),
