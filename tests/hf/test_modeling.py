@@ -98,15 +98,6 @@ def test_config_names_the_bad_field(fields, message):
         MHARLlamaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, **fields)
 
 
-def test_hidden_states_are_refused_not_faked(exports):
-    import megatron_mhar.hf  # noqa: F401
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(exports["qwen3-full-h8"], dtype=torch.float32)
-    with pytest.raises(ValueError, match="output_hidden_states=True is not supported by MHAR models"):
-        model(export_token_batch(), output_hidden_states=True)
-
-
 def _counting_fused_route(monkeypatch):
     """Count the calls of the fused op that ``depth_route`` imports when it picks the kernels."""
     import mhar_kernels.depth_route as kernels
