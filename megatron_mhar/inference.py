@@ -221,7 +221,7 @@ def load_model(
             f"dtype must be None (the checkpoint's) or one of {DTYPES}, got {dtype!r}; "
             f"pass a torch.dtype such as torch.bfloat16, not a string"
         )
-    found = checkpoint.find_checkpoint(_checkpoints_of(Path(path)))
+    found = checkpoint.find_checkpoint(checkpoints_of(Path(path)))
     model_cfg, mhar, common = read_configs(found)
     if not torch.distributed.is_initialized():
         initialize_model_parallel_from_env(
@@ -243,7 +243,7 @@ def load_model(
     return CausalLM(gpt.to(device), model_cfg, mhar, loaded, grad).eval()
 
 
-def _checkpoints_of(path: Path) -> Path:
+def checkpoints_of(path: Path) -> Path:
     """``path``, or where a run directory keeps its checkpoints (``checkpoint.dir`` of its
     ``config.yaml``, by default ``checkpoints/``)."""
     from megatron_mhar.checkpoint_format import LATEST, is_complete

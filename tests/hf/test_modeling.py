@@ -98,6 +98,19 @@ def test_config_names_the_bad_field(fields, message):
         MHARLlamaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, **fields)
 
 
+@pytest.mark.parametrize("name", ["qwen3-full", "llama-block", "qwen3-delta"])
+def test_forward_compiles_as_one_graph(name):
+    """_can_compile_fullgraph: torch.compile(fullgraph=True) traces the forward without a
+    graph break, with autograd (sources stacked) and without (one buffer); same logits.
+    (Dynamo's eager backend: the tracing, without the CPU code generation.)"""
+    model, tokens = random_model(name), export_token_batch(3, seq=10)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        expected = model(tokens).logits
+        assert torch.equal(compiled(tokens).logits, expected)
+    assert torch.equal(compiled(tokens).logits.detach(), expected)
+
+
 def _counting_fused_route(monkeypatch):
     """Count the calls of the fused op that ``depth_route`` imports when it picks the kernels."""
     import mhar_kernels.depth_route as kernels
