@@ -214,13 +214,36 @@ def test_an_export_routes_with_its_own_code_whatever_package_is_installed(export
         AutoModelForCausalLM.from_pretrained(other)
 
 
-def test_pipeline_parallel_plan_is_absent_tensor_parallel_plan_is_the_familys(exports):
-    """transformers' pipeline plan would hand one hidden state between stages (MHAR layers read
-    every earlier source): none; the tensor-parallel plan is the family's, routers replicated."""
+def _tensor_parallel_logits(directory: str) -> torch.Tensor:
+    """One rank of ``from_pretrained(tp_plan="auto")`` (transformers sets up the process group)."""
+    import megatron_mhar.hf  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto", dtype=torch.float32).eval()
+    assert type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "DTensor"  # sharded
+    with torch.no_grad():
+        logits = model(export_token_batch()).logits
+    torch.distributed.destroy_process_group()
+    return logits
+
+
+def test_tensor_parallel_plan_gives_the_single_process_logits(remote, exports):
+    """tp_plan="auto" on two CPU ranks (gloo): the family's plan shards attention and MLP,
+    the routing stays replicated (as in every variant), and the logits are those of one process."""
+    from tests.helpers import run_distributed
+
+    case = "qwen3-full-h8"
+    ranks = run_distributed(_tensor_parallel_logits, 2, str(exports[case]), timeout=300)
+    for logits in ranks:
+        assert _close(logits, remote[case]["plain"]["logits"])
+
+
+def test_pipeline_parallel_plan_is_absent(exports):
+    """transformers' pipeline plan hands one hidden state between stages; MHAR layers read
+    every earlier source: no plan, where the stock model has one."""
     import megatron_mhar.hf  # noqa: F401
     from transformers import AutoModelForCausalLM
 
     stock = AutoModelForCausalLM.from_pretrained(exports["qwen3-none"])
     model = AutoModelForCausalLM.from_pretrained(exports["qwen3-full-h8"])
     assert stock.supports_pp_plan and not model.supports_pp_plan
-    assert model.tp_plan == stock.tp_plan and not any("router" in key for key in model.tp_plan)
