@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.json_out import check_out, write_json  # noqa: E402
+from megatron_mhar.checkpoint_format import code_provenance  # noqa: E402
 
 ARCHITECTURE = dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,
                     head_dim=64, intermediate_size=1536, vocab_size=151936, rms_norm_eps=1e-6,
@@ -104,12 +105,6 @@ def one_step(name: str, mode: str, seq: int, reentrant: bool, architecture: dict
             "grad_norm": torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()}
 
 
-def _commit() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
-    return result.stdout.strip() or "unknown"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
@@ -139,7 +134,7 @@ def main(argv=None) -> int:
     command = [sys.executable, os.path.abspath(__file__), "--seq", str(args.seq), "--layers", str(args.layers),
                "--hidden", str(args.hidden), "--threads", str(args.threads)] + (["--reentrant"] * args.reentrant)
     report = {
-        "commit": _commit(),
+        "commit": code_provenance()["commit"] or "unknown",
         "command": "python benchmarks/bench_hf_checkpointing.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__, "cpu": platform.processor() or platform.machine(),
