@@ -100,8 +100,8 @@ class CausalLM(torch.nn.Module):
             import megatron_mhar.hf  # noqa: F401  (registers the MHAR classes with the Auto classes)
         except ImportError as err:
             raise ImportError(
-                f"{err}; the transformers form of the model needs transformers >= 5.25: "
-                f"pip install 'transformers>=5.25' (or the eval extra)"
+                f"{err}; the transformers form of the model needs transformers (the eval extra: "
+                f"pip install -e '.[eval]')"
             ) from None
         from megatron_mhar.conversion import checkpoint, hf_config, mapping
 

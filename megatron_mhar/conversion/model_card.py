@@ -14,6 +14,8 @@ from typing import Any, Dict
 from megatron_mhar.checkpoint_format import TRAIN_CONFIG_FILE
 from megatron_mhar.conversion.hf_config import MHAR_FIELDS, architecture
 
+# routing fields only one variant reads
+_OTHER_VARIANTS_FIELDS = {"mhar_block_size": "block", "mhar_delta_block_layers": "delta"}
 _VARIANTS = {
     "full": "every sublayer reads a softmax mixture, per token and per routing head, of the embedding and "
             "all earlier sublayer outputs, which replaces the residual stream",
@@ -49,7 +51,13 @@ def model_card(config: Dict[str, Any], checkpoint: Path, common: Dict[str, Any])
             "| routing field | value |",
             "| --- | --- |",
         ]
-        lines += [f"| `{key}` | {config.get(key)} |" for key in MHAR_FIELDS.values()]
+        for key in MHAR_FIELDS.values():
+            value = config.get(key)
+            if key in _OTHER_VARIANTS_FIELDS and config["mhar_variant"] != _OTHER_VARIANTS_FIELDS[key]:
+                continue  # a field the variant does not read
+            if key == "mhar_eps" and value is None:
+                value = f"the model's rms_norm_eps, {config.get('rms_norm_eps')}"
+            lines.append(f"| `{key}` | {value} |")
     else:
         lines += [f"A plain `{base}` trained with Megatron-Core and megatron_mhar (no routing over depth)."]
     lines += [
@@ -70,7 +78,8 @@ def model_card(config: Dict[str, Any], checkpoint: Path, common: Dict[str, Any])
             "# without megatron_mhar: the modeling code in this directory",
             'model = AutoModelForCausalLM.from_pretrained("DIR", trust_remote_code=True)',
             "",
-            "# with megatron_mhar installed (its classes, the fused routing kernels on CUDA)",
+            "# with megatron_mhar installed (its classes, the fused routing kernels on CUDA; another",
+            "# version than the one that exported it runs this directory's code with trust_remote_code=True)",
             "import megatron_mhar.hf",
             'model = AutoModelForCausalLM.from_pretrained("DIR")',
             "```",

@@ -37,6 +37,7 @@ transformers otherwise.
 import dataclasses
 import inspect
 import json
+import shutil
 from pathlib import Path
 from typing import Optional, Tuple, Union
 
@@ -358,6 +359,15 @@ class MHARPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, RoutingSite):
             module.reset_parameters()
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained`` (and so ``push_to_hub``), with the model code
+        these classes run beside the weights, as an export has it: the directory loads with
+        ``trust_remote_code=True`` where megatron_mhar is not installed."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            for name, source in _running_code().items():
+                shutil.copyfile(source, Path(save_directory) / name)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):

@@ -8,6 +8,7 @@ exports holds for a stock model of the same transformers, and the reverse.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -212,6 +213,24 @@ def test_an_export_routes_with_its_own_code_whatever_package_is_installed(export
     with pytest.raises(ValueError, match=r"ships depth_route\.py unlike the classes running .*Pass "
                                          r"trust_remote_code=True to run the code it ships"):
         AutoModelForCausalLM.from_pretrained(other)
+
+
+def test_save_pretrained_keeps_the_model_code(exports, tmp_path):
+    """A model of the registered classes saved again (fine-tuned, pushed to the Hub) carries
+    the files an export loads with trust_remote_code=True, and computes what it did."""
+    import megatron_mhar.hf  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    export = exports["llama-block-h4"]
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path / "saved")
+    for name in ("configuration_mhar.py", "modeling_mhar.py", "depth_route.py"):
+        assert (tmp_path / "saved" / name).read_bytes() == (export / name).read_bytes(), name
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["auto_map"] == json.loads((export / "config.json").read_text())["auto_map"]
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(again(export_token_batch()).logits, model(export_token_batch()).logits)
 
 
 def _tensor_parallel_logits(directory: str) -> torch.Tensor:
