@@ -111,7 +111,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=1024, help="tokens of the training sequence")
     parser.add_argument("--layers", type=int, default=ARCHITECTURE["num_hidden_layers"], help="decoder layers")
     parser.add_argument("--hidden", type=int, default=ARCHITECTURE["hidden_size"],
-                        help="width (heads, FFN and vocabulary keep the 100M shape's)")
+                        help="width (heads and FFN keep the 100M shape's)")
+    parser.add_argument("--vocab", type=int, default=ARCHITECTURE["vocab_size"], help="vocabulary size")
     parser.add_argument("--reentrant", action="store_true", help="use_reentrant=True (default: False)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--out", help="JSON report path")
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     check_out(parser, args.out)
     architecture = dict(ARCHITECTURE, num_hidden_layers=args.layers, hidden_size=args.hidden,
-                        head_dim=args.hidden // ARCHITECTURE["num_attention_heads"])
+                        head_dim=args.hidden // ARCHITECTURE["num_attention_heads"], vocab_size=args.vocab)
     torch.set_num_threads(args.threads)
     if args.child:  # one model and mode, in a process of its own
         print(json.dumps(one_step(*args.child, args.seq, args.reentrant, architecture)))
@@ -132,7 +133,8 @@ def main(argv=None) -> int:
     import transformers
 
     command = [sys.executable, os.path.abspath(__file__), "--seq", str(args.seq), "--layers", str(args.layers),
-               "--hidden", str(args.hidden), "--threads", str(args.threads)] + (["--reentrant"] * args.reentrant)
+               "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--threads", str(args.threads)]
+    command += ["--reentrant"] * args.reentrant
     report = {
         "commit": code_provenance()["commit"] or "unknown",
         "command": "python benchmarks/bench_hf_checkpointing.py " + " ".join(argv if argv is not None else sys.argv[1:]),

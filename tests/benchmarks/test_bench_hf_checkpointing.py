@@ -12,7 +12,7 @@ def test_hf_checkpointing_bench_reports_both_modes(tmp_path):
     out = tmp_path / "hf_checkpointing.json"
     subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_hf_checkpointing.py"), "--models", "mhar_full",
-         "--seq", "32", "--layers", "2", "--hidden", "64", "--out", str(out)],
+         "--seq", "32", "--layers", "2", "--hidden", "64", "--vocab", "512", "--out", str(out)],
         check=True, cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     report = json.loads(out.read_text())
