@@ -355,6 +355,7 @@ class MHARPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _can_compile_fullgraph = True
     _supports_attention_backend = True
+
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, RoutingSite):
