@@ -14,7 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.models.block import MHARTransformerBlock
 from megatron_mhar.models.gpt_config import GPTModelConfig
-from megatron_mhar.models.moe import enable_router_gemm_fallback, te_spec_fields
+from megatron_mhar.models.moe import enable_router_gemm_fallback, reset_router_loss_tracker, te_spec_fields
 from megatron_mhar.models.norms import SequenceParallelTorchNorm
 from megatron_mhar.models.specs import get_mhar_block_spec, resolve_spec
 
@@ -178,6 +178,7 @@ def build_gpt_model(
         layer_norm = SequenceParallelTorchNorm
     if model.is_moe:
         enable_router_gemm_fallback()
+        reset_router_loss_tracker()
     return model_class(
         config=config,
         transformer_layer_spec=get_mhar_block_spec(model, mhar, config, vp_stage, layer_norm),

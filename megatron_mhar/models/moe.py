@@ -15,7 +15,9 @@ step as in Megatron; the routing over depth adds none.
   distributed-checkpoint key, as Transformer Engine's MoE spec stores it;
 * :func:`te_spec_fields`: the TransformerConfig fields of MoE under Transformer Engine
   (grouped GEMM, fused permutation), the way Megatron-LM trains MoE;
-* :func:`enable_router_gemm_fallback`: megatron-core 0.16.1 without Transformer Engine.
+* :func:`enable_router_gemm_fallback`: megatron-core 0.16.1 without Transformer Engine;
+* :func:`reset_router_loss_tracker`: Megatron's process-global record of the router losses,
+  emptied for each MoE model built.
 """
 
 from __future__ import annotations
@@ -39,6 +41,16 @@ def enable_router_gemm_fallback() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def reset_router_loss_tracker() -> None:
+    """Empty Megatron's router-loss tracker (``moe_utils``'s process-global dict, which each
+    router adds its losses to, per layer, for logging). An MoE model built earlier in the
+    process (another run, a test) leaves entries sized for its own layers, which a deeper
+    model would index past."""
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
 
 
 def moe_layer_pattern(model: GPTModelConfig, config, vp_stage: Optional[int] = None) -> List[bool]:
