@@ -290,16 +290,22 @@ def stored_dtype(checkpoint: Path) -> torch.dtype:
 # ---------------------------------------------------------------- the stored run config
 
 
-def config_differences(saved: Dict[str, Any], current: Dict[str, Any], prefix: str = "") -> List[str]:
-    """``key: saved -> current`` for every leaf that differs between two config dicts."""
+def changed_fields(saved: Dict[str, Any], current: Dict[str, Any], prefix: str = "") -> List[Tuple[str, Any, Any]]:
+    """``(dotted key, saved value, current value)`` of every leaf that differs between two
+    config dicts (``"<absent>"`` for a key one of them lacks)."""
     out = []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
         if isinstance(a, dict) and isinstance(b, dict):
-            out.extend(config_differences(a, b, f"{prefix}{key}."))
+            out.extend(changed_fields(a, b, f"{prefix}{key}."))
         elif a != b:
-            out.append(f"{prefix}{key}: {a!r} (checkpoint) vs {b!r} (config)")
+            out.append((f"{prefix}{key}", a, b))
     return out
+
+
+def config_differences(saved: Dict[str, Any], current: Dict[str, Any], prefix: str = "") -> List[str]:
+    """``key: saved (checkpoint) vs current (config)`` for every leaf that differs."""
+    return [f"{key}: {a!r} (checkpoint) vs {b!r} (config)" for key, a, b in changed_fields(saved, current, prefix)]
 
 
 def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:

@@ -52,10 +52,10 @@ CONVERSION_FILE = "conversion.json"
 # ---------------------------------------------------------------- layout and publishing
 
 
-def find_checkpoint(path: Path) -> Path:
+def find_checkpoint(path: Path, verify: str = "full") -> Path:
     """The checkpoint ``path`` designates (:func:`checkpoint_format.find_checkpoint`'s rule:
-    its ``latest`` file, or itself); raises where there is none."""
-    found = checkpoint_format.find_checkpoint(Path(path))
+    its ``latest`` file, or itself, verified at ``verify``); raises where there is none."""
+    found = checkpoint_format.find_checkpoint(Path(path), verify)
     if found is None:
         raise FileNotFoundError(
             f"{path} is not a Megatron distributed checkpoint (no {LATEST} file, no metadata.json)"
@@ -88,8 +88,20 @@ def check_output(out: Path, overwrite: bool, inputs: Tuple[Path, ...] = ()) -> N
         raise FileExistsError(f"{out} is a file; --overwrite replaces only a directory; choose another --out")
 
 
+def output_lock(out: Path):
+    """The lock a conversion holds on ``out`` while it writes (:mod:`megatron_mhar.runtime.lock`;
+    the lock file ``.lock.<name>`` lies beside ``out``, which does not exist before the
+    end): a second conversion into ``out`` refuses instead of deleting the first one's
+    staging directory."""
+    from megatron_mhar.runtime.lock import DirectoryLock
+
+    out = Path(out).absolute()
+    return DirectoryLock(out.parent / f".lock.{out.name}", f"output {out}", "choose another --out")
+
+
 def prepare_output(out: Path, overwrite: bool, inputs: Tuple[Path, ...] = ()) -> Path:
-    """Check ``out`` may be written (:func:`check_output`); return a fresh, empty staging directory."""
+    """Check ``out`` may be written (:func:`check_output`); return a fresh, empty staging
+    directory (call under :func:`output_lock`)."""
     out = Path(out).absolute()
     check_output(out, overwrite, inputs)
     tmp = staging_dir(out)

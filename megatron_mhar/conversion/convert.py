@@ -29,9 +29,12 @@ from typing import Any, Dict, Optional
 import torch
 
 from megatron_mhar import checkpoint_format
+from megatron_mhar.errors import UserError
 from megatron_mhar.models.mhar_config import MHARConfig, function_fields
 from megatron_mhar.conversion import checkpoint, hf_config, hf_io, mapping, weight_checks
 from megatron_mhar.models.gpt_config import GPTModelConfig
+from megatron_mhar.runtime import lifetime
+from megatron_mhar.runtime.lock import DirectoryInUse
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -181,8 +184,9 @@ def hf_to_mcore(plan: ImportPlan) -> Path:
     if world > 1 and "WORLD_SIZE" not in os.environ:
         try:
             spawn(_import_rank, world, plan)
-        except BaseException:  # a rank stopped inside a collective leaves its staging behind
-            shutil.rmtree(checkpoint.staging_dir(Path(plan.out)), ignore_errors=True)
+        except BaseException as err:  # a rank stopped inside a collective leaves its staging behind
+            if not isinstance(err, DirectoryInUse):  # that staging is another conversion's
+                shutil.rmtree(checkpoint.staging_dir(Path(plan.out)), ignore_errors=True)
             raise
     else:
         _import_rank(plan)
@@ -193,14 +197,18 @@ def _import_rank(plan: ImportPlan) -> None:
     """One rank of the import (a collective over ``tp * pp`` ranks)."""
     from megatron_mhar.runtime import destroy
 
+    lifetime.install()  # the checkpoint writer's processes die with this rank
     started = _ensure_parallel_state(plan.tp, plan.pp)
     rank = torch.distributed.get_rank()
     out = Path(plan.out)
     tmp = checkpoint.staging_dir(out)
+    lock = checkpoint.output_lock(out)
     try:
         if rank == 0:
+            lock.acquire()
             checkpoint.prepare_output(out, plan.overwrite, inputs=(Path(plan.hf_dir),))
         torch.distributed.barrier()
+        lifetime.start_writer_helper()
 
         chunk = checkpoint.build_model(plan.model, plan.mhar, DTYPES[plan.dtype], device="meta")
         value_of = _hf_values(chunk, plan)
@@ -227,11 +235,13 @@ def _import_rank(plan: ImportPlan) -> None:
             (tmp / checkpoint.LATEST).write_text(checkpoint.ITERATION_DIR + "\n")
             checkpoint.publish(tmp, out)
         torch.distributed.barrier()
-    except BaseException:
-        if rank == 0 and tmp.exists():  # never leave a half-written checkpoint behind
+    except BaseException as err:
+        # never leave a half-written checkpoint behind (nor touch another conversion's)
+        if rank == 0 and tmp.exists() and not isinstance(err, DirectoryInUse):
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
+        lock.release()
         if started:
             destroy()
 
@@ -311,6 +321,7 @@ def mcore_to_hf(
     tokenizer: Optional[Path] = None,
     allow_nonfinite: bool = False,
     max_shard_bytes: int = hf_io.DEFAULT_SHARD_BYTES,
+    verify: str = "full",
 ) -> Path:
     """Write an HF directory from a checkpoint: a plain Llama / Qwen3 for ``variant: none``,
     else its MHAR form, which ``AutoModelForCausalLM`` loads (``trust_remote_code=True``, or
@@ -324,10 +335,12 @@ def mcore_to_hf(
     by default a trained checkpoint's own tokenizer (its ``tokenizer/``) does. The tensors
     stream from the checkpoint into safetensors shards of at most ``max_shard_bytes`` (with
     an index when there are several), each checked for NaN/Inf unless ``allow_nonfinite``.
+    ``verify``: how the checkpoint is checked against its manifest first (``full``, ``size``,
+    or ``off`` for one :func:`checkpoint.find_checkpoint` has just verified).
     """
     if max_shard_bytes < 1:
         raise ValueError(f"--max-shard-size must be positive, got {max_shard_bytes} bytes")
-    found = checkpoint.find_checkpoint(Path(ckpt))
+    found = checkpoint.find_checkpoint(Path(ckpt), verify)
     own_tokenizer = found / checkpoint_format.TOKENIZER_DIR
     if tokenizer is None and not hf_reference and not (found / checkpoint.HF_SUBDIR / "config.json").is_file():
         tokenizer = own_tokenizer if (own_tokenizer / "tokenizer.json").is_file() else None
@@ -355,20 +368,21 @@ def mcore_to_hf(
         config = hf_config.mhar_hf_config(config, mhar)
 
     out = Path(out).absolute()
-    tmp = checkpoint.prepare_output(out, overwrite, inputs)
-    try:
-        if (source_hf / "config.json").is_file():
-            hf_io.copy_auxiliary(source_hf, tmp)
-        if tokenizer_files is not None:
-            hf_io.write_tokenizer(tokenizer_files, tmp)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _write_hf_tensors(found, model_cfg, mhar, stored, target, tmp, max_shard_bytes, allow_nonfinite)
-        if mhar.enabled:
-            hf_io.copy_remote_code(tmp)
-        return checkpoint.publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written directory behind
-        raise
+    with checkpoint.output_lock(out):
+        tmp = checkpoint.prepare_output(out, overwrite, inputs)
+        try:
+            if (source_hf / "config.json").is_file():
+                hf_io.copy_auxiliary(source_hf, tmp)
+            if tokenizer_files is not None:
+                hf_io.write_tokenizer(tokenizer_files, tmp)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            _write_hf_tensors(found, model_cfg, mhar, stored, target, tmp, max_shard_bytes, allow_nonfinite)
+            if mhar.enabled:
+                hf_io.copy_remote_code(tmp)
+            return checkpoint.publish(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written directory behind
+            raise
 
 
 def _write_hf_tensors(found: Path, model_cfg: GPTModelConfig, mhar: MHARConfig, stored: torch.dtype,
@@ -403,10 +417,11 @@ def _finite(name: str, tensor: torch.Tensor, found: Path, allow: bool) -> torch.
 
 
 # What a rank raises for bad input; the parent re-raises it as the same type.
-INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError, UserError)
 
 
-def _rank_main(rank: int, world: int, port: int, fn, args, errors) -> None:
+def _rank_main(rank: int, world: int, port: int, fn, args, errors, parent: int) -> None:
+    lifetime.die_with_parent(parent)  # a conversion killed by any signal takes its ranks along
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -437,7 +452,7 @@ def spawn(fn, world: int, *args, timeout: float = 24 * 3600.0, grace: float = 10
 
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, fn, args, errors), daemon=False)
+        ctx.Process(target=_rank_main, args=(r, world, port, fn, args, errors, os.getpid()), daemon=False)
         for r in range(world)
     ]
     for proc in procs:

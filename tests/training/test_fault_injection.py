@@ -237,25 +237,6 @@ def test_a_checkpoint_given_itself_names_the_intact_one(reference, tmp_path):
 # ---------------------------------------------------------------- full and read-only disks
 
 
-@pytest.fixture
-def small_filesystem(tmp_path):
-    """A 20 MiB tmpfs (CI runs as root); ``None`` where mounting is not permitted."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)],
-                              capture_output=True, text=True)
-    except FileNotFoundError:  # no mount command
-        done = None
-    if done is None or done.returncode != 0:
-        yield None
-        return
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
-
-
 def _inject_writer_error(monkeypatch, code):
     """The checkpoint writer's files of the step-4 save fail with ``code`` (in its forked processes)."""
     write = manifest.ChecksummingFile.write
