@@ -20,9 +20,13 @@ Each step runs as a process of its own and is measured from outside:
 Peak memory is reported twice: the largest sum of proportional set sizes (PSS) over the
 step's process tree, sampled every 50 ms (Megatron's checkpoint writer forks processes
 that share the parent's pages, which a sum of RSS would count twice), and the largest
-peak RSS of a single process of the tree (``getrusage`` of the reaped step). The target
-of both conversions is at most 1.3x the bf16 weights for both figures: tensors stream,
-no whole copy is made.
+peak RSS of a single process of the tree (``getrusage`` of the reaped step). Each comes
+with its anonymous part (``Pss_Anon`` of ``smaps_rollup``, ``RssAnon`` of ``status``,
+sampled): resident memory also holds file pages mapped into the processes (the source
+safetensors a tensor still views, the libraries), which an idle machine keeps resident
+and a loaded one drops and reads again; anonymous memory is what no file backs. The
+target of both conversions is at most 1.3x the bf16 weights for the total figures (as an
+idle machine sees them): tensors stream, no whole copy is made.
 Results of several ``--num-layers`` go into one report, one entry per layer count (each
 with its commit and command; the top level names the latest).
 """
@@ -206,19 +210,24 @@ def check_first_step(checkpoint: Path, hf_dir: Path, recipe_overrides: List[str]
 # ---------------------------------------------------------------- measuring a step
 
 
-def _pss_kib(pid: int) -> int:
+def _kib_fields(path: str, names) -> Dict[str, int]:
+    """The ``Name: <n> kB`` fields ``names`` of a /proc file (0 for a process that ended
+    between listing and reading)."""
+    found = dict.fromkeys(names, 0)
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
+                name = line.split(":", 1)[0]
+                if name in found:
+                    found[name] = int(line.split()[1])
     except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return 0  # the process ended between listing and reading
-    return 0
+        pass
+    return found
 
 
 class TreeMemory(threading.Thread):
-    """Samples the summed PSS of a process and its descendants until stopped."""
+    """Samples, until stopped, the summed PSS of a process and its descendants and its
+    anonymous part, and the largest anonymous RSS of one of them."""
 
     def __init__(self, pid: int):
         super().__init__(daemon=True)
@@ -226,6 +235,8 @@ class TreeMemory(threading.Thread):
 
         self.root = psutil.Process(pid)
         self.peak_kib = 0
+        self.peak_anon_kib = 0
+        self.peak_rss_anon_kib = 0
         self.samples = 0
         self._done = threading.Event()
 
@@ -237,7 +248,11 @@ class TreeMemory(threading.Thread):
                 pids = [self.root.pid] + [child.pid for child in self.root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 break
-            self.peak_kib = max(self.peak_kib, sum(_pss_kib(pid) for pid in pids))
+            pss = [_kib_fields(f"/proc/{pid}/smaps_rollup", ("Pss", "Pss_Anon")) for pid in pids]
+            self.peak_kib = max(self.peak_kib, sum(p["Pss"] for p in pss))
+            self.peak_anon_kib = max(self.peak_anon_kib, sum(p["Pss_Anon"] for p in pss))
+            self.peak_rss_anon_kib = max([self.peak_rss_anon_kib] + [
+                _kib_fields(f"/proc/{pid}/status", ("RssAnon",))["RssAnon"] for pid in pids])
             self.samples += 1
             self._done.wait(SAMPLE_S)
 
@@ -255,7 +270,8 @@ def _shown(part: str) -> str:
 
 def measure(command: List[str], log: Path) -> Dict:
     """Run ``command`` (output to ``log``); its wall time and peak memory (the process tree's
-    summed PSS, sampled, and the largest RSS of one of its processes), or an error."""
+    summed PSS, sampled, and the largest RSS of one of its processes, each with its
+    anonymous part), or an error."""
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -268,7 +284,9 @@ def measure(command: List[str], log: Path) -> Dict:
         "command": " ".join(_shown(part) for part in command),
         "wall_s": round(time.perf_counter() - start, 2),
         "peak_tree_pss_gib": round(sampler.peak_kib / 2**20, 3),
+        "peak_tree_anon_pss_gib": round(sampler.peak_anon_kib / 2**20, 3),
         "peak_rss_gib": round(usage.ru_maxrss / 2**20, 3),
+        "peak_rss_anon_gib": round(sampler.peak_rss_anon_kib / 2**20, 3),
         "memory_samples": sampler.samples,
     }
     if proc.returncode != 0:
@@ -320,6 +338,8 @@ def run(args: argparse.Namespace) -> Dict:
             if step and "error" not in step:
                 peak = max(step["peak_tree_pss_gib"], step["peak_rss_gib"])
                 step["peak_over_weights"] = round(peak * GIB / weights, 3)
+                anon = max(step["peak_tree_anon_pss_gib"], step["peak_rss_anon_gib"])
+                step["anon_peak_over_weights"] = round(anon * GIB / weights, 3)
         ratios = [entry["steps"][n].get("peak_over_weights") for n in ("hf_to_mcore", "mcore_to_hf")
                   if n in entry["steps"]]
         entry["meets_target"] = len(ratios) == 2 and None not in ratios and max(ratios) <= TARGET_RATIO
