@@ -8,9 +8,12 @@ setup(
     version="0.1.0",
     description="Multi-Head Attention Residuals (MHAR) for Megatron-Core GPT models",
     python_requires=">=3.11",
-    packages=find_packages(include=["megatron_mhar", "megatron_mhar.*", "mhar_kernels", "mhar_kernels.*"]),
-    # The recipes ship with the package: a bare recipe name resolves in any install.
-    package_data={"megatron_mhar": ["recipes/*.yaml", "recipes/base/*.yaml"]},
+    packages=find_packages(include=["megatron_mhar", "megatron_mhar.*", "mhar_kernels", "mhar_kernels.*"])
+    + ["megatron_mhar.recipes"],
+    # The recipes live at the top of the checkout (recipes/) and install as the package's
+    # data (megatron_mhar/recipes/), so a bare recipe name resolves in any install.
+    package_dir={"megatron_mhar.recipes": "recipes"},
+    package_data={"megatron_mhar.recipes": ["*.yaml", "base/*.yaml"]},
     include_package_data=True,
     install_requires=[
         "torch>=2.4",

@@ -157,7 +157,7 @@ def run_size(size: str, models, steps: int, warmup: int) -> dict:
     # The routing modules look their backends up by name when a forward starts.
     saved = routing.get_backend, routing.get_lookahead_backend
     routing.get_backend = lambda impl, device: stubs.routing()
-    routing.get_lookahead_backend = lambda impl, device, kernels="auto": stubs.lookahead()
+    routing.get_lookahead_backend = lambda impl, device, lookahead_kernels="auto": stubs.lookahead()
     try:
         for name in models:
             result["models"][name] = _time_model(name, model_cfg, tokens, positions, stubs, steps, warmup)

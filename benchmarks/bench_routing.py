@@ -48,7 +48,7 @@ from megatron_mhar.ops.depth_route import (  # noqa: E402
 from benchmarks.json_out import check_out, default_out, device_name, write_json  # noqa: E402
 from benchmarks.routing_bytes import lookahead as lookahead_bytes  # noqa: E402
 from benchmarks.routing_bytes import per_site as per_site_bytes  # noqa: E402
-from megatron_mhar.ops.lookahead import auto_group_size, group_ranges  # noqa: E402
+from megatron_mhar.ops.schedules import auto_group_size, group_ranges  # noqa: E402
 from mhar_kernels import depth_route as K  # noqa: E402
 from mhar_kernels import lookahead as LA  # noqa: E402
 
@@ -260,7 +260,7 @@ def lookahead_step(buf, gbuf, queries, norms, grad_out, tau, group):
     def step():
         saved = []
         for n0, qs, ws in plan:
-            m, l, acc = LA.group_forward(buf[:, :n0], qs, ws, HEADS, EPS, tau, tensor_cores=None)
+            m, l, acc = LA.group_forward(buf[:, :n0], qs, ws, HEADS, EPS, tau, lookahead_kernels="auto")
             lse = torch.empty((len(qs), t, HEADS), device=buf.device)
             outs = [LA.merge_forward(m[k], l[k], acc[k], buf[:, n0 : n0 + k], qs[k], ws[k], HEADS, EPS, tau,
                                      lse[k]) for k in range(len(qs))]  # fmt: skip
@@ -283,7 +283,7 @@ def lookahead_step(buf, gbuf, queries, norms, grad_out, tau, group):
                     LA.merge_row_grad(buf[:, row], gbuf[:, row], torch.empty_like(grad_out), grad_outs, qs, ws,
                                       factors, kv, k - 1, (k, g), HEADS)  # fmt: skip
             _, _, deferred = LA.group_backward_deferred(grad_outs, buf[:, :n0], qs, ws, lse, deltas, HEADS, EPS, tau,
-                                                        gbuf[:, :n0], tensor_cores=None)  # fmt: skip
+                                                        gbuf[:, :n0], lookahead_kernels="auto")  # fmt: skip
             if deferred:
                 owed.append((deferred, n0))
         LA.add_row_grads(owed, buf, gbuf, 0)

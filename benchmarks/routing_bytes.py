@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.json_out import check_out, default_out, write_json  # noqa: E402
-from megatron_mhar.ops.lookahead import auto_group_size, group_ranges  # noqa: E402
+from megatron_mhar.ops.schedules import auto_group_size, group_ranges  # noqa: E402
 from mhar_kernels.launch import dot_heads, use_tensor_cores  # noqa: E402
 
 MODELS = [
@@ -81,7 +81,7 @@ def groups(sites: int, group: int):
 def dots_forward(g: int, d: int, h: int) -> bool:
     """Whether a group of ``g`` sites runs the tensor-core phase-1 forward (the kernels'
     rule), which writes its first site's partial too (the row loop finishes that site)."""
-    return use_tensor_cores(None, g, dot_heads(d, h)[2], backward=False, dtype=torch.bfloat16)
+    return use_tensor_cores("auto", g, dot_heads(d, h)[2], backward=False, dtype=torch.bfloat16)
 
 
 def lookahead(sites: int, t: int, d: int, h: int, group: int) -> dict:

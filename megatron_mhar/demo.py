@@ -8,7 +8,8 @@ The two runs are separate processes that take turns step by step, so both see th
 same machine (and whatever else it is doing) and their tokens/s compare fairly; the
 whole demo takes as long as the two runs one after the other (about 1.5 minutes on 2
 idle CPU cores; the first run on a machine also builds the embedded corpus, about 20 s,
-cached for later runs). Then it prints a side-by-side validation-loss table and writes::
+cached for later runs). Then it prints a side-by-side validation-loss table and writes
+(replacing what an earlier demo wrote there, and saying so)::
 
     runs/demo/baseline/, runs/demo/mhar/     run directories (metrics.jsonl, tensorboard/, ...)
     runs/demo/results.md                     the table
@@ -176,7 +177,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--out", default="runs/demo", help="output directory (replaced)")
+    parser.add_argument("--out", default="runs/demo",
+                        help="output directory; the runs of an earlier demo there are replaced")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides for both runs")
     args = parser.parse_args(argv)
 
@@ -194,7 +196,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             validate_launch(cfg, 1)
     except ValueError as err:
         parser.exit(2, f"config error: {err}\n")
-    for cfg in configs:  # a fresh comparison each time, not a resume
+    earlier = [str(cfg.run.dir) for cfg in configs if cfg.run.dir.exists()]
+    if earlier:  # a fresh comparison each time, not a resume
+        print(f"replacing the runs of an earlier demo: {', '.join(earlier)}", flush=True)
+    for cfg in configs:
         shutil.rmtree(cfg.run.dir, ignore_errors=True)
 
     cfg = configs[0]

@@ -3,11 +3,11 @@
     mhar-train [RECIPE] [dotted.key=value ...]      (or: python -m megatron_mhar.train ...)
     torchrun --nproc-per-node 8 -m megatron_mhar.train pretrain_350m_mhar
 
-RECIPE is a YAML file or the name of a recipe shipped in the package
-(``megatron_mhar/recipes/``; default: ``smoke_cpu``, tiny models on the embedded
-corpus). ``--print-config`` shows the resolved config and exits. The run writes
-``runs/<run.name>/``: config.yaml, metrics.jsonl, tensorboard/, checkpoints/ and
-summary.json; it resumes from its own checkpoints when restarted.
+RECIPE is a YAML file or the name of a recipe in ``recipes/`` (installed with the
+package; default: ``smoke_cpu``, tiny models on the embedded corpus). ``--print-config``
+shows the resolved config and exits. The run writes ``runs/<run.name>/``: config.yaml,
+metrics.jsonl, tensorboard/, checkpoints/ and summary.json; it resumes from its own
+checkpoints when restarted.
 
 A failure caused by input or environment (a recipe that does not load, data that does
 not fit, a checkpoint of another model, a full disk, a run directory in use) prints its

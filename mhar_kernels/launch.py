@@ -151,10 +151,18 @@ def group_fwd_tokens(sites_per_program: int, padded_d: int) -> int:
     return 1 << (tokens.bit_length() - 1)
 
 
-def use_tensor_cores(tensor_cores: Optional[bool], sites: int, head_dim: int, backward: bool, *,
+LOOKAHEAD_KERNELS = ("auto", "row_loop", "tensor_cores")
+"""The kernel families of phase 1 (``lookahead_kernels`` of the phase-1 entry points, the
+model's ``mhar.lookahead_kernels``): the row loops (the sites in registers, one row at a
+time), the tensor-core dots per token and head, or per group and direction the family
+:func:`use_tensor_cores` picks."""
+
+
+def use_tensor_cores(lookahead_kernels: str, sites: int, head_dim: int, backward: bool, *,
                      dtype: torch.dtype) -> bool:
-    """Whether phase 1 runs the tensor-core kernels: ``tensor_cores`` if given; None picks
-    by the group's size and the dot heads' width (``head_dim``, :func:`dot_heads`):
+    """Whether phase 1 runs the tensor-core kernels: ``lookahead_kernels`` names the family
+    (``row_loop`` or ``tensor_cores``) or, ``auto``, picks by the group's size and the dot
+    heads' width (``head_dim``, :func:`dot_heads`):
 
                         dots forward where              dots backward where
         group size G    G > SLOTS / 2 = 4               G > 4
@@ -166,14 +174,16 @@ def use_tensor_cores(tensor_cores: Optional[bool], sites: int, head_dim: int, ba
     row block against the row loop's register sums; heads padded past 256 columns outgrow
     registers and shared memory. Decided by the group's size, never a split's: a recomputed
     chunk runs the kernels of the whole group. The dots take bf16 or fp32 rows: fp16 rows run
-    the row loops (``tensor_cores=True`` over them is an error)."""
+    the row loops (``lookahead_kernels='tensor_cores'`` over them is an error)."""
+    if lookahead_kernels not in LOOKAHEAD_KERNELS:
+        raise ValueError(f"lookahead_kernels must be one of {list(LOOKAHEAD_KERNELS)}, got {lookahead_kernels!r}")
     if dtype == torch.float16:
-        if tensor_cores:
-            raise ValueError("tensor_cores=True takes bf16 or fp32 rows, got float16; "
-                             "use tensor_cores=None (auto) or False, which run the row loops")
+        if lookahead_kernels == "tensor_cores":
+            raise ValueError("lookahead_kernels='tensor_cores' takes bf16 or fp32 rows, got float16; "
+                             "use 'auto' or 'row_loop', which run the row loops")
         return False
-    if tensor_cores is not None:
-        return tensor_cores
+    if lookahead_kernels != "auto":
+        return lookahead_kernels == "tensor_cores"
     wide_enough = head_dim > (128 if backward else 64)
     return sites > SLOTS // 2 and triton.next_power_of_2(head_dim) <= 256 and wide_enough
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Continued pretraining of an 8B Llama-3.1-architecture model (Marin-8B) with the MHAR
-# delta variant (recipe cpt_8b_mhar_delta, megatron_mhar/recipes/), multi-node: 4 nodes
+# delta variant (recipe cpt_8b_mhar_delta, recipes/), multi-node: 4 nodes
 # of 8 GPUs by default (tensor parallel 4 within a node, data parallel across), any
 # count with -N.
 #
@@ -54,7 +54,7 @@ set -euo pipefail
 # Every knob is an environment variable: set it in the shell you submit from
 # (sbatch passes the environment on) or edit the default here.
 
-# The run configuration: a recipe name (megatron_mhar/recipes/NAME.yaml) or a YAML file,
+# The run configuration: a recipe name (recipes/NAME.yaml) or a YAML file,
 # relative to the repository root or absolute.
 export RECIPE=${RECIPE:-cpt_8b_mhar_delta}
 # Start point, training data and tokenizer, read by the recipe (required, no default):

@@ -26,7 +26,7 @@
 # Knobs: environment variables (sbatch passes the submitting shell's environment; the
 # sbatch scripts set the defaults of their job). Training overrides are this script's
 # arguments and win over the knobs' overrides.
-#   RECIPE           (required) recipe name (megatron_mhar/recipes/NAME.yaml) or a YAML
+#   RECIPE           (required) recipe name (recipes/NAME.yaml) or a YAML
 #                    file, relative to REPO_DIR or absolute
 #   REPO_DIR         checkout to run from; default: the directory sbatch was called in
 #   GPUS_PER_NODE    ranks per node, one per GPU; default: the allocation's --gpus-per-node.
@@ -54,8 +54,8 @@ REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
 [[ -f $REPO_DIR/megatron_mhar/train.py ]] \
     || die "REPO_DIR=$REPO_DIR is not a megatron_mhar checkout; submit from the repository root or set REPO_DIR"
 cd "$REPO_DIR"
-[[ -f $RECIPE || -f megatron_mhar/recipes/${RECIPE%.yaml}.yaml ]] \
-    || die "RECIPE=$RECIPE: neither a file under $REPO_DIR nor a recipe name in megatron_mhar/recipes/"
+[[ -f $RECIPE || -f recipes/${RECIPE%.yaml}.yaml ]] \
+    || die "RECIPE=$RECIPE: neither a file under $REPO_DIR nor a recipe name in recipes/"
 PYTHON=${PYTHON:-python}
 
 # ---------------------------------------------------------------------------- ranks

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Pretrain the 1B MHAR model (recipe pretrain_1b_mhar, megatron_mhar/recipes/) on one
+# Pretrain the 1B MHAR model (recipe pretrain_1b_mhar, recipes/) on one
 # node of 8 GPUs, or on any number of nodes (data parallel) with sbatch -N.
 #
 #   cd megatron_mhar                                  # submit from the repository root
@@ -45,7 +45,7 @@ set -euo pipefail
 # Every knob is an environment variable: set it in the shell you submit from
 # (sbatch passes the environment on) or edit the default here.
 
-# The run configuration: a recipe name (megatron_mhar/recipes/NAME.yaml) or a YAML file,
+# The run configuration: a recipe name (recipes/NAME.yaml) or a YAML file,
 # relative to the repository root or absolute.
 export RECIPE=${RECIPE:-pretrain_1b_mhar}
 # Training data, read by the recipe (required, no default): a Megatron .bin/.idx prefix

@@ -19,9 +19,13 @@ def test_demo_compares_baseline_and_mhar(tmp_path, embedded_dir, single_process,
     from megatron_mhar.demo import main
 
     out = tmp_path / "demo"
+    (out / "baseline").mkdir(parents=True)
+    (out / "baseline" / "from_an_earlier_demo").write_text("")
     assert main(["--out", str(out), *TINY, "training.train_iters=4", "eval.interval=2",
                  f"data.embedded_dir={embedded_dir}"]) == 0
     printed = capsys.readouterr().out
+    assert f"replacing the runs of an earlier demo: {out / 'baseline'}\n" in printed  # said, then done
+    assert not (out / "baseline" / "from_an_earlier_demo").exists()
     results = (out / "results.md").read_text()
     table = results.split("\n\n")[0]
     assert table.strip() in printed

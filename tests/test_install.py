@@ -47,6 +47,14 @@ def _copy_sources(dest: Path) -> None:
             shutil.copy2(source, dest / name)
 
 
+def _running_environment(python: Path, root: Path) -> None:
+    """Give the venv of ``python`` the running environment's packages (plain paths, so that
+    environment's .pth files, an editable install's hook among them, stay unread)."""
+    purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], root)
+    dependencies = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+    (Path(purelib.stdout.strip()) / "running_environment.pth").write_text("\n".join(dependencies) + "\n")
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """``(bin directory, environment)`` of a venv holding the installed wheel, and a clean
@@ -61,11 +69,7 @@ def installed(tmp_path_factory):
     python = venv / "bin" / "python"
     _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index",
           "--no-cache-dir", wheel], root)
-    # After the install, so pip does not see the running environment's copy of the package;
-    # plain paths, so that environment's .pth files (an editable install's hook) stay unread.
-    purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], root)
-    dependencies = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
-    (Path(purelib.stdout.strip()) / "running_environment.pth").write_text("\n".join(dependencies) + "\n")
+    _running_environment(python, root)  # after the install: pip must not see the running copy
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in LAUNCHER_VARIABLES}
     work = root / "work"
     work.mkdir()
@@ -80,6 +84,19 @@ def test_installed_package_is_the_wheel(installed):
     assert Path(module).resolve().is_relative_to(venv), module
     assert Path(recipes).resolve().is_relative_to(venv) and (Path(recipes) / "smoke_cpu.yaml").is_file()
     assert (Path(recipes) / "base" / "pretrain.yaml").is_file()  # what the recipes include
+
+
+def test_checkout_without_install_finds_its_recipes(tmp_path):
+    """``python -m`` from the root of a checkout that is not installed reads the checkout's
+    ``recipes/``, which an install ships as ``megatron_mhar/recipes``."""
+    source, venv = tmp_path / "src", tmp_path / "venv"
+    _copy_sources(source)
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], tmp_path)
+    _running_environment(venv / "bin" / "python", tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in LAUNCHER_VARIABLES}
+    code = "import megatron_mhar.training.recipes as r; print(r.RECIPES_DIR)"
+    recipes = _run([venv / "bin" / "python", "-c", code], source, env).stdout.strip()
+    assert Path(recipes) == source / "recipes"
 
 
 def test_mhar_train_smoke_recipe_from_outside_the_checkout(installed):

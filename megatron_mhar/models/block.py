@@ -1,17 +1,30 @@
 """MHARTransformerBlock: owns the depth stream of each forward call and the final site."""
 
+import dataclasses
 from contextlib import nullcontext
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.enums import Fp8Recipe
 from megatron.core.fp8_utils import get_fp8_context
-from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank, make_viewless_tensor
 
 from megatron_mhar.models.routing import make_layout
+
+
+@dataclasses.dataclass
+class MHARTransformerBlockSubmodules(TransformerBlockSubmodules):
+    """Megatron's block submodules (the layers' specs, the final norm) plus the final routing
+    site's router, a spec slot like the layers' routers
+    (:class:`~megatron_mhar.models.layer.MHARTransformerLayerSubmodules`)."""
+
+    final_router: Union[ModuleSpec, type, None] = None
+    """The routing site ``2L + 1`` that feeds the final norm (built on the last pipeline
+    stage of the variants that have one: not ``delta``, whose output is its stream)."""
 
 
 class MHARTransformerBlock(TransformerBlock):
@@ -25,8 +38,9 @@ class MHARTransformerBlock(TransformerBlock):
     packed history ``[s, b, width * h]`` for the next stage. The width per boundary
     follows from :class:`DepthLayout`.
 
-    The final routing site ``final_router`` is a child module, so distributed
-    checkpoints keep its parameters (parameters set directly on a block are dropped).
+    The final routing site ``final_router`` (the spec's slot,
+    :class:`MHARTransformerBlockSubmodules`) is a child module, so distributed checkpoints
+    keep its parameters (parameters set directly on a block are dropped).
     Full activation recomputation (uniform and block methods) checkpoints chunks of
     layers with the stream's state tensors as the chunk inputs and outputs.
 
@@ -58,8 +72,15 @@ class MHARTransformerBlock(TransformerBlock):
         self.routing_recorder = None
         """A :class:`~megatron_mhar.models.routing.RoutingRecorder` to which each forward adds
         its per-site routing weights and entropy (a diagnostic; ``None``: nothing recorded)."""
-        has_final_site = self.post_process and self.layout.has_final_site
-        self.final_router = self.layout.new_router(config) if has_final_site else None
+        self.final_router = None
+        if self.post_process and self.layout.has_final_site:
+            final_router = getattr(self.submodules, "final_router", None)
+            if final_router is None:
+                raise ValueError(
+                    "MHARTransformerBlock's spec names no final_router: build it with "
+                    "models.specs.get_mhar_block_spec, or set the MHARTransformerBlockSubmodules slot"
+                )
+            self.final_router = build_module(final_router, config=config)
         if config.recompute_granularity == "full" and config.distribute_saved_activations:
             raise ValueError(
                 "distribute_saved_activations is not supported by MHAR decoders (the chunk "

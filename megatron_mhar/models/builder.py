@@ -8,17 +8,13 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import gpt_model as megatron_gpt_model
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.transformer.transformer_block import (
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.models.block import MHARTransformerBlock
 from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.norms import SequenceParallelTorchNorm
-from megatron_mhar.models.specs import get_mhar_layer_spec, resolve_spec
+from megatron_mhar.models.specs import get_mhar_block_spec, resolve_spec
 
 # Megatron features the MHAR decoder does not implement, as (TransformerConfig field,
 # value that is fine, what to do instead).
@@ -172,17 +168,9 @@ def build_gpt_model(
     model_class = MHARGPTModel if mhar.enabled else GPTModel
     if layer_norm is None and config.sequence_parallel and model.spec == "local":
         layer_norm = SequenceParallelTorchNorm
-    spec = get_mhar_layer_spec(model, mhar, layer_norm)
-    if layer_norm is not None and model.spec == "local":
-        # The block's final norm is not part of the layer spec; Megatron's default for it
-        # (WrappedTorchNorm without apex/TE) refuses sequence parallelism.
-        spec = TransformerBlockSubmodules(
-            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
-            layer_norm=layer_norm,
-        )
     return model_class(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=get_mhar_block_spec(model, mhar, config, vp_stage, layer_norm),
         vocab_size=model.padded_vocab_size(config.tensor_model_parallel_size),
         max_sequence_length=model.seq_length,
         pre_process=pre_process,

@@ -1,14 +1,32 @@
 """MHARTransformerLayer: Megatron's TransformerLayer with routed sublayer inputs."""
 
-from typing import Any, Optional
+import dataclasses
+from typing import Any, Optional, Union
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.utils import make_viewless_tensor
 
-from megatron_mhar.models.routing import DepthStream, make_layout
+from megatron_mhar.models.routing import DepthStream
+
+
+@dataclasses.dataclass
+class MHARTransformerLayerSubmodules(TransformerLayerSubmodules):
+    """Megatron's layer submodules plus the layer's two routing sites, as spec slots (as
+    Megatron declares its hyper-connection modules), so a spec can swap or wrap a router.
+
+    A router is built as ``router(config=config)`` and called as ``router(stream, site)``,
+    returning the routed input ``[s, b, h]`` of sublayer ``site``
+    (:class:`~megatron_mhar.models.routing.DepthRouter`, ``DeltaRouter``)."""
+
+    input_router: Union[ModuleSpec, type, None] = None
+    """The routing site before attention (sublayer ``2l - 1``)."""
+
+    pre_mlp_router: Union[ModuleSpec, type, None] = None
+    """The routing site before the MLP (sublayer ``2l``)."""
 
 
 class MHARTransformerLayer(TransformerLayer):
@@ -16,8 +34,9 @@ class MHARTransformerLayer(TransformerLayer):
 
     Submodule names (``input_layernorm``, ``self_attention``, ``pre_mlp_layernorm``,
     ``mlp``) are Megatron's, so its local and Transformer Engine specs, checkpoint keys
-    and HF weight maps apply unchanged. Two routing sites are added: ``input_router``
-    before attention and ``pre_mlp_router`` before the MLP. Each sublayer's contribution
+    and HF weight maps apply unchanged. Two routing sites are added, built from the spec's
+    slots (:class:`MHARTransformerLayerSubmodules`): ``input_router`` before attention and
+    ``pre_mlp_router`` before the MLP. Each sublayer's contribution
     to the stream is its output after bias and dropout, with no residual added: in the
     full and block variants the routed input replaces the residual stream (as in Attention Residuals);
     in the delta variant the stream object adds it to the kept additive stream.
@@ -26,7 +45,7 @@ class MHARTransformerLayer(TransformerLayer):
     def __init__(
         self,
         config: TransformerConfig,
-        submodules,
+        submodules: MHARTransformerLayerSubmodules,
         layer_number: int = 1,
         hidden_dropout: Optional[float] = None,
         pg_collection=None,
@@ -40,9 +59,14 @@ class MHARTransformerLayer(TransformerLayer):
             pg_collection=pg_collection,
             vp_stage=vp_stage,
         )
-        layout = make_layout(config.mhar, config.num_layers)
-        self.input_router = layout.new_router(config)
-        self.pre_mlp_router = layout.new_router(config)
+        missing = [name for name in ("input_router", "pre_mlp_router") if getattr(submodules, name, None) is None]
+        if missing:
+            raise ValueError(
+                f"MHARTransformerLayer's spec names no {' and no '.join(missing)}: build the spec with "
+                f"get_mhar_layer_local_spec / get_mhar_layer_te_spec, or set the MHARTransformerLayerSubmodules slots"
+            )
+        self.input_router = build_module(submodules.input_router, config=config)
+        self.pre_mlp_router = build_module(submodules.pre_mlp_router, config=config)
 
     @property
     def attention_site(self) -> int:

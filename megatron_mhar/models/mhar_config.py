@@ -5,10 +5,9 @@ import math
 from typing import Optional
 
 from megatron_mhar.ops.depth_route import IMPLS
-from megatron_mhar.ops.lookahead import LOOKAHEAD_KERNELS
+from megatron_mhar.ops.schedules import LOOKAHEAD_KERNELS, ROUTING_SCHEDULES
 
 VARIANTS = ("none", "full", "block", "delta")
-ROUTING_SCHEDULES = ("per_site", "lookahead")
 EXECUTION_FIELDS = ("kernel_impl", "routing_schedule", "lookahead_group", "lookahead_kernels")
 """MHARConfig fields that choose how routing runs, not what it computes: a checkpoint or a
 converted model may be loaded with other values."""
@@ -47,11 +46,11 @@ class MHARConfig:
 
     routing_schedule: str = "per_site"
     """``per_site`` (every site reads all its sources) or ``lookahead`` (full variant: groups of
-    sites read the older sources once, as the paper's fused kernel does; see megatron_mhar/ops/lookahead.py)."""
+    sites read the older sources once, as the paper's fused kernel does; see megatron_mhar/ops/lookahead_reference.py)."""
 
     lookahead_group: int = 0
     """Sites per lookahead group; 0 picks the integer nearest sqrt(0.84 (2L + 1)), measured
-    best on the H200 at the paper's sizes (``megatron_mhar.ops.lookahead.auto_group_size``)."""
+    best on the H200 at the paper's sizes (``megatron_mhar.ops.schedules.auto_group_size``)."""
 
     lookahead_kernels: str = "auto"
     """Triton kernels of the lookahead schedule's phase 1: ``row_loop`` (the sites in

@@ -30,13 +30,8 @@ from megatron_mhar.models.main_grad import accumulate_into_main_grad
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.ops.depth_route import routing_weights
 from megatron_mhar.ops.history import SourceHistory, get_backend
-from megatron_mhar.ops.lookahead import (
-    GroupSite,
-    LookaheadHistory,
-    auto_group_size,
-    get_lookahead_backend,
-    group_ranges,
-)
+from megatron_mhar.ops.lookahead import GroupSite, LookaheadHistory, get_lookahead_backend
+from megatron_mhar.ops.schedules import auto_group_size, group_ranges
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +54,6 @@ class DepthLayout:
         self, mhar: MHARConfig, eps: float, like: torch.Tensor, routers: Optional[Dict] = None
     ) -> "DepthStream":
         return DepthStream(self, mhar, eps, like, routers)
-
-    def new_router(self, config) -> "DepthRouter":
-        return DepthRouter(config)
 
     @property
     def final_site(self) -> int:
@@ -237,8 +229,9 @@ class DepthStream:
         self.partial = partial
 
     def output(self, final_router: DepthRouter) -> torch.Tensor:
-        """The decoder output before the final norm: the final site's routed mixture."""
-        return self.read(self.layout.final_site, final_router)
+        """The decoder output before the final norm: the final site's routed mixture, through
+        the router module (a spec may have wrapped it)."""
+        return final_router(self, self.layout.final_site)
 
 
 ROUTING_SAMPLE_TOKENS = 256
@@ -353,9 +346,6 @@ class DeltaLayout:
 
     def new_stream(self, mhar: MHARConfig, eps: float, like: torch.Tensor, routers=None) -> "DeltaStream":
         return DeltaStream(self, mhar, eps, like)
-
-    def new_router(self, config) -> "DeltaRouter":
-        return DeltaRouter(config)
 
 
 class DeltaRouter(DepthRouter):

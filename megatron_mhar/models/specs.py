@@ -1,4 +1,10 @@
-"""Layer specs for MHAR decoders, built from Megatron's own GPT layer specs.
+"""Layer and block specs for MHAR decoders, built from Megatron's own GPT layer specs.
+
+The routers are spec slots: each MHAR layer's ``input_router`` and ``pre_mlp_router``
+(:class:`~megatron_mhar.models.layer.MHARTransformerLayerSubmodules`) and the block's
+``final_router`` (:class:`~megatron_mhar.models.block.MHARTransformerBlockSubmodules`) name
+the router module, :func:`router_spec` of the variant here, so a user spec can swap or
+wrap them as it swaps Megatron's own submodules.
 
 ``model.spec`` names the spec: ``local`` (Megatron's torch layers), ``transformer_engine``
 (Megatron's Transformer Engine layers: fused norm + linear, TE attention, FP8) or ``auto``,
@@ -13,12 +19,16 @@ from typing import Optional
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import transformer_block
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.models.attention import SDPACoreAttention
+from megatron_mhar.models.block import MHARTransformerBlockSubmodules
 from megatron_mhar.models.gpt_config import GPTModelConfig
-from megatron_mhar.models.layer import MHARTransformerLayer
+from megatron_mhar.models.layer import MHARTransformerLayer, MHARTransformerLayerSubmodules
+from megatron_mhar.models.mhar_config import MHARConfig
+from megatron_mhar.models.routing import DeltaRouter, DepthRouter
 
 
 def get_mhar_layer_local_spec(
@@ -124,7 +134,47 @@ def resolve_spec(spec: str, cuda: Optional[bool] = None) -> SpecChoice:
     return SpecChoice("transformer_engine", f"Transformer Engine {version}")
 
 
+def router_spec(mhar: MHARConfig) -> ModuleSpec:
+    """The router of every routing site of ``mhar.variant``: :class:`DeltaRouter` (query, key
+    norm, null source and gate) for ``delta``, :class:`DepthRouter` (query and key norm)
+    otherwise."""
+    return ModuleSpec(module=DeltaRouter if mhar.variant == "delta" else DepthRouter)
+
+
+def get_mhar_block_spec(
+    model: GPTModelConfig, mhar: MHARConfig, config, vp_stage: Optional[int] = None,
+    layer_norm: Optional[type] = None,
+) -> TransformerBlockSubmodules:
+    """The decoder block spec of one pipeline chunk: its layers (:func:`get_mhar_layer_spec`),
+    the final norm and, when routing is on, the final site's router
+    (:class:`MHARTransformerBlockSubmodules`); for ``variant: none`` the block Megatron builds
+    from its own layer spec.
+
+    Args:
+        model, mhar, layer_norm: as :func:`get_mhar_layer_spec`; ``layer_norm`` is also the
+            final norm of the local spec (Megatron's default for it, ``WrappedTorchNorm``
+            without apex or TE, refuses sequence parallelism).
+        config: the model's TransformerConfig (how many layers this chunk builds).
+        vp_stage: virtual pipeline stage of the chunk.
+    """
+    layer = get_mhar_layer_spec(model, mhar, layer_norm)
+    local_norm = layer_norm is not None and resolve_spec(model.spec).spec == "local"
+    block = dict(
+        layer_specs=[layer] * transformer_block.get_num_layers_to_build(config, vp_stage=vp_stage),
+        # Otherwise the final norm Megatron's block takes with a layer spec.
+        layer_norm=layer_norm if local_norm else transformer_block.LayerNormImpl,
+    )
+    if not mhar.enabled:
+        return TransformerBlockSubmodules(**block)
+    return MHARTransformerBlockSubmodules(**block, final_router=router_spec(mhar))
+
+
 def _with_mhar_layer(spec: ModuleSpec, mhar: MHARConfig) -> ModuleSpec:
+    """Megatron's layer ``spec`` as an MHAR layer with its routers in their slots (unchanged
+    for ``variant: none``)."""
     if mhar.enabled:
         spec.module = MHARTransformerLayer
+        megatron = {f.name: getattr(spec.submodules, f.name) for f in dataclasses.fields(spec.submodules)}
+        router = router_spec(mhar)
+        spec.submodules = MHARTransformerLayerSubmodules(**megatron, input_router=router, pre_mlp_router=router)
     return spec

@@ -15,9 +15,9 @@ copy-paste:
 The first line of a recipe, a comment, is its one-line description
 (:func:`recipe_description`, listed by ``mhar-train --help``).
 
-The recipes of the paper's runs ship inside the package (``megatron_mhar/recipes``,
-package data), so a bare name such as ``smoke_cpu`` resolves in a checkout and in an
-installed copy alike. Loading is strict (:func:`~megatron_mhar.training.schema.from_dict`)
+The recipes of the paper's runs live in the checkout's ``recipes/`` and install as package
+data (``megatron_mhar/recipes``), so a bare name such as ``smoke_cpu`` resolves in a
+checkout and in an installed copy alike. Loading is strict (:func:`~megatron_mhar.training.schema.from_dict`)
 and happens before any process group starts.
 """
 
@@ -37,8 +37,19 @@ import yaml
 from megatron_mhar.training.schema import TrainConfig, field_hint, from_dict
 
 
-def _packaged_recipes_dir() -> Path:
-    root = resources.files("megatron_mhar") / "recipes"
+def _recipes_dir() -> Path:
+    """The recipes: the package data ``megatron_mhar.recipes`` of an install (for an editable
+    install, the checkout's ``recipes/``), or, where the package is imported from a checkout
+    that is not installed (``python -m`` from its root), the ``recipes/`` beside it."""
+    try:
+        root = resources.files("megatron_mhar.recipes")
+    except ModuleNotFoundError:
+        root = Path(__file__).resolve().parents[2] / "recipes"
+        if not (root / "smoke_cpu.yaml").is_file():
+            raise RuntimeError(
+                f"megatron_mhar's recipes are neither installed (megatron_mhar.recipes) nor in a "
+                f"checkout beside it ({root}); reinstall the package (pip install .)"
+            ) from None
     if not isinstance(root, Path):  # includes resolve against the including file's directory
         raise RuntimeError(
             f"megatron_mhar's recipes are not files on disk ({root!r}); install the package "
@@ -47,8 +58,9 @@ def _packaged_recipes_dir() -> Path:
     return root
 
 
-RECIPES_DIR = _packaged_recipes_dir()
-"""The packaged recipes (``megatron_mhar/recipes``); a bare name such as ``smoke_cpu`` resolves here."""
+RECIPES_DIR = _recipes_dir()
+"""The recipes (``recipes/`` of the checkout, installed as ``megatron_mhar/recipes``); a bare
+name such as ``smoke_cpu`` resolves here."""
 
 DEFAULT_RECIPE = "smoke_cpu"
 """Recipe used when the command line names none: tiny models on the embedded corpus."""

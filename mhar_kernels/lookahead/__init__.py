@@ -1,7 +1,7 @@
 """Fused Triton kernels of two-phase ("lookahead") depth routing.
 
-Semantics are those of the reference backend in ``megatron_mhar.ops.lookahead`` (same
-functions, same signatures); the schedule, the derivation and the memory are in
+Semantics are those of the reference backend in
+``megatron_mhar.ops.lookahead_reference`` (same functions, same signatures); the schedule, the derivation and the memory are in
 docs/kernels.md ("Two-phase routing"). A group of G consecutive routing sites reads the
 rows written before its first site once (phase 1: ``group_forward``), each site then
 folds in the few rows written since (``merge_forward``); backward, each site's merge

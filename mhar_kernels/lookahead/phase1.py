@@ -1,6 +1,7 @@
 """Phase 1 of the lookahead schedule: the entry points, which check their arguments and
 run one of the two kernel families (``phase1_rows``: row loops; ``phase1_dots``:
-tensor-core dots; ``launch.use_tensor_cores`` picks where ``tensor_cores`` is None).
+tensor-core dots; ``lookahead_kernels`` names one, or ``auto``: ``launch.use_tensor_cores``
+picks).
 
 - ``group_forward``: the online-softmax partials of a group's G sites over the old rows,
   and site 0's output (it merges no new rows).
@@ -36,7 +37,7 @@ def group_forward(
     logit_scale: float,
     first_out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     sites_per_program: Optional[int] = None,
-    tensor_cores: Optional[bool] = False,
+    lookahead_kernels: str = "auto",
     **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Phase 1: partials of G sites over the old rows, each row read once per token tile.
@@ -51,9 +52,9 @@ def group_forward(
         sites_per_program: sites held by one program (default: as many as about 4K fp32
             accumulators allow); the others go to sibling programs of the same token tile.
             The tensor-core kernel always holds SLOTS sites per program.
-        tensor_cores: the dot-product kernel (``group_fwd_dots_kernel``) where its
-            accumulators fit in registers, instead of the row loop (the default); None:
-            by the launch rule (``launch.use_tensor_cores``).
+        lookahead_kernels: ``tensor_cores``, the dot-product kernel
+            (``group_fwd_dots_kernel``); ``row_loop``, the row loop; ``auto`` (the default):
+            the family the launch rule picks (``launch.use_tensor_cores``).
         loop: :class:`LoopConfig` fields overriding the default launch (tools/perf).
 
     Returns:
@@ -72,7 +73,7 @@ def group_forward(
     _check_first_out(first_out, sources, num_heads)
     queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
     _, _, dot_dim, dot_bh = dot_heads(d, num_heads)
-    use_dots = use_tensor_cores(tensor_cores, g, dot_dim, backward=False, dtype=sources.dtype)
+    use_dots = use_tensor_cores(lookahead_kernels, g, dot_dim, backward=False, dtype=sources.dtype)
     dots = group_fwd_dots_config(dot_bh, dot_dim) if use_dots else None
     partials = _empty_partials(g, num_heads, sources)
     if dots is not None:
@@ -124,7 +125,7 @@ def group_backward_deferred(
     grad_sources: torch.Tensor,
     site_range: Optional[Tuple[int, int]] = None,
     sites_per_program: Optional[int] = None,
-    tensor_cores: Optional[bool] = False,
+    lookahead_kernels: str = "auto",
     merge_dw: Optional[torch.Tensor] = None,
     accumulate: bool = True,
     **loop,
@@ -140,9 +141,10 @@ def group_backward_deferred(
         queries, norm_weights: [G, D]; lse, delta: [G, T, H] fp32 contiguous.
         sites_per_program: sites per launch of the row-loop kernels (default: as
             registers allow); the launches run over the rows last chunk first.
-        tensor_cores: the dot-product kernels where the dot heads (``dot_heads``) are
-            at most 256 columns wide (padded), instead of the row-loop kernel (the default), which holds the
-            sites in registers and adds them one by one; None: by the launch rule
+        lookahead_kernels: ``tensor_cores``, the dot-product kernels where the dot heads
+            (``dot_heads``) are at most 256 columns wide (padded); ``row_loop``, the
+            row-loop kernel, which holds the sites in registers and adds them one by one;
+            ``auto`` (the default): the family the launch rule picks
             (``launch.use_tensor_cores``; docs/kernels.md, "Tensor-core phase 1").
         merge_dw: contiguous fp32 [P, G, D], the merges' unreduced dL/dw partials
             (:func:`merge_backward`'s ``dw_out``, site j's at [:, j]), summed into the
@@ -174,13 +176,13 @@ def group_backward_deferred(
     folded = queries.float() * norm_weights.to(sources.dtype).float()
     _, _, dot_dim, _ = dot_heads(d, num_heads)
     # A wider head's tiles outgrow registers and shared memory.
-    use_dots = use_tensor_cores(tensor_cores, g, dot_dim, backward=True, dtype=sources.dtype)
+    use_dots = use_tensor_cores(lookahead_kernels, g, dot_dim, backward=True, dtype=sources.dtype)
     if use_dots and triton.next_power_of_2(dot_dim) <= 256:
         unused = sorted(set(loop) - {"num_warps"}) + (["sites_per_program"] if sites_per_program else [])
         if unused:
             raise ValueError(
-                f"tensor_cores=True takes only num_warps as a launch override, got {unused}; "
-                f"drop them or use tensor_cores=False"
+                f"the tensor-core kernels take only num_warps as a launch override, got {unused}; "
+                f"drop them or use lookahead_kernels='row_loop'"
             )
         return group_backward_dots(
             grad_outs, sources, queries, norm_weights, folded, lse, delta, num_heads, eps, logit_scale,

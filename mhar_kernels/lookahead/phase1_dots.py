@@ -365,8 +365,8 @@ def group_forward_dots(sources, queries, norm_weights, num_heads, eps, logit_sca
     it: finishing it in the kernel would take registers the row blocks need."""
     if sites_per_program or config.block_t != 1 or config.l2_reuse:
         raise ValueError(
-            "tensor_cores=True takes num_warps, stages and programs_per_sm as launch overrides; "
-            "drop sites_per_program, block_t and l2_reuse or use tensor_cores=False"
+            "the tensor-core kernels take num_warps, stages and programs_per_sm as launch overrides; "
+            "drop sites_per_program, block_t and l2_reuse or use lookahead_kernels='row_loop'"
         )
     t, n, d = sources.shape
     g = queries.shape[0]

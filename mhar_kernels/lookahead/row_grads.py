@@ -195,7 +195,7 @@ def merge_row_grad(
     ``out`` in ``out``'s dtype (``out`` may be ``row_grad``): one read of the fp32
     gradient (none with ``accumulate`` False, where no other read added one) and of each
     site's output gradient, one write. Arguments as the reference's
-    (``megatron_mhar.ops.lookahead.torch_merge_row_grad``); ``row``, ``row_grad`` and
+    (``megatron_mhar.ops.lookahead_reference.torch_merge_row_grad``); ``row``, ``row_grad`` and
     ``out`` [T, D] with unit stride over D, the group's tensors contiguous. ``loop``:
     :class:`LoopConfig` fields overriding the default launch (tools/perf)."""
     t, d = row.shape

@@ -1,6 +1,6 @@
 """Two-phase ("lookahead") routing: one group's outputs and every gradient against the
 per-site fp32 reference, for the Triton kernels (mhar_kernels.lookahead) and the torch
-backend of the same grouped algorithm (megatron_mhar.ops.lookahead).
+backend of the same grouped algorithm (megatron_mhar.ops.lookahead_reference).
 
 A group of G sites over a history of ``n0 + G - 1`` rows: site g reads rows
 ``[0, n0 + g)``. Phase 1 reads rows ``[0, n0)`` once for all sites; site g merges rows
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from megatron_mhar.ops.depth_route import torch_route_backward, torch_route_forward
-from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, torch_merge_row_grad
+from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD
+from megatron_mhar.ops.lookahead_reference import torch_merge_row_grad
 from mhar_kernels import launch
 from mhar_kernels import lookahead as fused
 from mhar_kernels.lookahead import phase1_dots
@@ -44,33 +45,33 @@ def _whole_group_backward(group_backward_deferred, add_row_grads):
     return group_backward
 
 
-def _phase1_kernels(tensor_cores: bool) -> types.SimpleNamespace:
+def _phase1_kernels(lookahead_kernels: str) -> types.SimpleNamespace:
     """The Triton backend with one of phase 1's kernel families, forward and backward: the
     row loops that hold the sites in registers, or the tensor-core dots per token and head
     (the default picks one by group size; every case here runs both)."""
     return types.SimpleNamespace(
-        group_forward=functools.partial(fused.group_forward, tensor_cores=tensor_cores),
+        group_forward=functools.partial(fused.group_forward, lookahead_kernels=lookahead_kernels),
         merge_forward=fused.merge_forward,
         merge_backward=fused.merge_backward,
         group_backward=_whole_group_backward(
-            functools.partial(fused.group_backward_deferred, tensor_cores=tensor_cores), fused.add_row_grads
+            functools.partial(fused.group_backward_deferred, lookahead_kernels=lookahead_kernels), fused.add_row_grads
         ),
-        group_backward_deferred=functools.partial(fused.group_backward_deferred, tensor_cores=tensor_cores),
+        group_backward_deferred=functools.partial(fused.group_backward_deferred, lookahead_kernels=lookahead_kernels),
         add_row_grads=fused.add_row_grads,
         merge_row_grad=fused.merge_row_grad,
         merge_dw_partials=fused.merge_dw_partials,
     )
 
 
-def _fused_group_backward(*args, tensor_cores=False, **options):
+def _fused_group_backward(*args, lookahead_kernels="row_loop", **options):
     """The Triton phase-1 backward with its rows' gradients added (``_whole_group_backward``)."""
-    deferred = functools.partial(fused.group_backward_deferred, tensor_cores=tensor_cores)
+    deferred = functools.partial(fused.group_backward_deferred, lookahead_kernels=lookahead_kernels)
     return _whole_group_backward(deferred, fused.add_row_grads)(*args, **options)
 
 
 BACKENDS = {
-    "triton-row-loop": _phase1_kernels(False),
-    "triton-tensor-cores": _phase1_kernels(True),
+    "triton-row-loop": _phase1_kernels("row_loop"),
+    "triton-tensor-cores": _phase1_kernels("tensor_cores"),
     # The history's backend, plus the one-call backward the group tests run.
     "torch": types.SimpleNamespace(
         **TORCH_LOOKAHEAD._asdict(),
@@ -239,13 +240,13 @@ HALF_DTYPES = [torch.bfloat16, torch.float16] if CUDA else [torch.float16]
 
 
 # The dots take bf16 or fp32 rows (test_fp16_rows_refuse_the_dots): on CPU only the row loop.
-HALF_KERNELS = [pytest.param(dtype, False, id=f"row-loop-{str(dtype)[6:]}") for dtype in HALF_DTYPES]
-HALF_KERNELS += [pytest.param(torch.bfloat16, True, id="dots-bfloat16")] * CUDA
+HALF_KERNELS = [pytest.param(dtype, "row_loop", id=f"row-loop-{str(dtype)[6:]}") for dtype in HALF_DTYPES]
+HALF_KERNELS += [pytest.param(torch.bfloat16, "tensor_cores", id="dots-bfloat16")] * CUDA
 
 
-@pytest.mark.parametrize("dtype,tensor_cores", HALF_KERNELS)
+@pytest.mark.parametrize("dtype,lookahead_kernels", HALF_KERNELS)
 @pytest.mark.parametrize("d,heads", [(512, 8), (768, 1)], ids=["512", "768-one-head"])
-def test_half_precision_partials(d, heads, tensor_cores, dtype):
+def test_half_precision_partials(d, heads, lookahead_kernels, dtype):
     """Over half-precision rows phase 1 (the row loop and the tensor-core kernel) leaves
     each site's accumulator normalised, ``acc / l``, in the rows' dtype (half the bytes of
     fp32): within one rounding of the reference's fp32 partial. A merge takes it back; its
@@ -255,7 +256,8 @@ def test_half_precision_partials(d, heads, tensor_cores, dtype):
     t, n0, g = _tokens(5), 4, 3
     torch.manual_seed(d + heads)
     buffer, queries, norms, _ = _inputs(t, n0, g, d, heads, 1.0, dtype)
-    m, l, acc = fused.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0, tensor_cores=tensor_cores)
+    m, l, acc = fused.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0,
+                                    lookahead_kernels=lookahead_kernels)
     assert acc.dtype == dtype and m.dtype == l.dtype == torch.float32
     rm, rl, racc = TORCH_LOOKAHEAD.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0)
     normalised = (racc.unflatten(-1, (heads, -1)) / rl[..., None]).flatten(-2)
@@ -295,7 +297,8 @@ def test_dot_forward_forms(d, heads, n0, queries_left, monkeypatch):
     torch.manual_seed(n0 + heads)
     for dtype in DTYPES:
         buffer, queries, norms, _ = _inputs(t, n0, g, d, heads, 1.0, dtype)
-        m, l, acc = fused.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0, tensor_cores=True)
+        m, l, acc = fused.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0,
+                                        lookahead_kernels="tensor_cores")
         rm, rl, racc = TORCH_LOOKAHEAD.group_forward(buffer[:, :n0].float(), queries.float(), norms.float(),
                                                      heads, EPS, 1.0)  # fmt: skip
         if acc.dtype != torch.float32:  # normalised half-precision partials
@@ -307,17 +310,18 @@ def test_dot_forward_forms(d, heads, n0, queries_left, monkeypatch):
 
 
 def test_fp16_rows_refuse_the_dots():
-    """The dots take bf16 or fp32 rows: ``tensor_cores=True`` over fp16 rows is an error
-    that names the way out (``auto`` runs the row loops: test_tensor_cores_auto)."""
+    """The dots take bf16 or fp32 rows: ``lookahead_kernels='tensor_cores'`` over fp16 rows is an
+    error that names the way out (``auto`` runs the row loops: test_tensor_cores_auto)."""
     t, n0, g, d, heads = _tokens(1), 2, 5, 1280, 8
     buffer, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float16)
     rows = buffer[:, :n0]
     lse, delta = torch.zeros(g, t, heads, device=DEVICE), torch.zeros(g, t, heads, device=DEVICE)
-    with pytest.raises(ValueError, match="tensor_cores=True takes bf16 or fp32 rows, got float16"):
-        fused.group_forward(rows, queries, norms, heads, EPS, 1.0, tensor_cores=True)
-    with pytest.raises(ValueError, match="tensor_cores=True takes bf16 or fp32 rows, got float16"):
+    refused = "lookahead_kernels='tensor_cores' takes bf16 or fp32 rows, got float16"
+    with pytest.raises(ValueError, match=refused):
+        fused.group_forward(rows, queries, norms, heads, EPS, 1.0, lookahead_kernels="tensor_cores")
+    with pytest.raises(ValueError, match=refused):
         fused.group_backward_deferred(grad_outs, rows, queries, norms, lse, delta, heads, EPS, 1.0,
-                                      torch.zeros(rows.shape, device=DEVICE), tensor_cores=True)  # fmt: skip
+                                      torch.zeros(rows.shape, device=DEVICE), lookahead_kernels="tensor_cores")
 
 
 @pytest.mark.parametrize("d,heads", [(768, 8), (1280, 8), (1280, 1)], ids=["768", "1B-width", "1B-one-head"])
@@ -610,6 +614,10 @@ def test_deterministic(t, n0, g, d, backend):
         assert torch.equal(a, b), name
 
 
+def _family(dots: bool) -> str:
+    return "tensor_cores" if dots else "row_loop"
+
+
 @pytest.mark.parametrize(
     "d,heads,g,forward_dots,backward_dots,dtype",
     [
@@ -632,22 +640,22 @@ def test_deterministic(t, n0, g, d, backend):
     ],
 )
 def test_tensor_cores_auto(d, heads, g, forward_dots, backward_dots, dtype):
-    """tensor_cores=None runs the family its rule names (bitwise the same results), also
+    """lookahead_kernels="auto" runs the family its rule names (bitwise the same results), also
     for a split group's site range: the rule reads the group's size, not the range's."""
     t, n0 = _tokens(2), 3
     buffer, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, dtype)
     rows = buffer[:, :n0]
-    auto = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, tensor_cores=None)
-    named = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, tensor_cores=forward_dots)
+    auto = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, lookahead_kernels="auto")
+    named = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, lookahead_kernels=_family(forward_dots))
     for a, b in zip(auto, named):
         assert torch.equal(a, b)
     lse = (auto[0] + auto[1].log()).contiguous()
     delta = torch.randn(g, t, heads, device=DEVICE)
     grads = []
-    for tensor_cores in (None, backward_dots):
+    for lookahead_kernels in ("auto", _family(backward_dots)):
         grad_rows = torch.zeros(rows.shape, device=DEVICE)
         dq, dg = _fused_group_backward(grad_outs, rows, queries, norms, lse, delta, heads, EPS, 1.0,
-                                      grad_rows, (0, 2), tensor_cores=tensor_cores)  # fmt: skip
+                                      grad_rows, (0, 2), lookahead_kernels=lookahead_kernels)  # fmt: skip
         grads.append((grad_rows, dq, dg))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
@@ -659,7 +667,7 @@ def test_sites_per_program_split():
     t, n0, g, d, heads = _tokens(4), 3, 5, 512, 8
     buffer, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
     rows = buffer[:, :n0]
-    row_loop = dict(tensor_cores=False, block_t=1)
+    row_loop = dict(lookahead_kernels="row_loop", block_t=1)
     whole = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=g, **row_loop)
     split = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=2, **row_loop)
     for a, b in zip(whole, split):
@@ -670,7 +678,7 @@ def test_sites_per_program_split():
     for sites in (g, 2, 1):
         grad_rows = torch.zeros(rows.shape, device=DEVICE)
         dq, dg = _fused_group_backward(grad_outs, rows, queries, norms, lse, delta, heads, EPS, 1.0,
-                                      grad_rows, sites_per_program=sites, tensor_cores=False)  # fmt: skip
+                                      grad_rows, sites_per_program=sites, lookahead_kernels="row_loop")  # fmt: skip
         grads.append((grad_rows, dq, dg))
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
@@ -686,8 +694,9 @@ def test_sites_per_program_keeps_a_power_of_two_tile():
     t, n0, g, d, heads = _tokens(5), 2, 6, 256, 8
     buffer, queries, norms, _ = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
     rows = buffer[:, :n0]
-    whole = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=g, tensor_cores=False)
-    split = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=3, tensor_cores=False)
+    row_loop = dict(lookahead_kernels="row_loop")
+    whole = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=g, **row_loop)
+    split = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=3, **row_loop)
     for a, b in zip(whole, split):
         if CUDA:
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
@@ -777,20 +786,28 @@ def test_sites_per_program_must_be_positive(call):
                                  torch.zeros(rows.shape, device=DEVICE), sites_per_program=-2)  # fmt: skip
 
 
+def test_unknown_kernel_family_is_refused():
+    """A kernel family other than auto, row_loop and tensor_cores is an error naming them."""
+    t, n0, g, d, heads = _tokens(2), 2, 2, 512, 8
+    rows, queries, norms, _ = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
+    with pytest.raises(ValueError, match=r"lookahead_kernels must be one of \['auto', 'row_loop', 'tensor_cores'\]"):
+        fused.group_forward(rows, queries, norms, heads, EPS, 1.0, lookahead_kernels="dots")
+
+
 def test_tensor_cores_reject_row_loop_overrides():
     """The tensor-core kernels take only their own launch fields; a row-loop override is an
     error, not silently ignored."""
     t, n0, g, d, heads = _tokens(2), 2, 2, 512, 8
     rows, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
     for override in (dict(block_t=2), dict(sites_per_program=1), dict(l2_reuse=True)):
-        with pytest.raises(ValueError, match="tensor_cores=True takes num_warps, stages and programs_per_sm"):
-            fused.group_forward(rows, queries, norms, heads, EPS, 1.0, tensor_cores=True, **override)
+        with pytest.raises(ValueError, match="tensor-core kernels take num_warps, stages and programs_per_sm"):
+            fused.group_forward(rows, queries, norms, heads, EPS, 1.0, lookahead_kernels="tensor_cores", **override)
     stats = torch.zeros(g, t, heads, device=DEVICE)
     grad_rows = torch.zeros(rows.shape, device=DEVICE)
     for override in (dict(block_t=2), dict(sites_per_program=1)):
-        with pytest.raises(ValueError, match="tensor_cores=True takes only num_warps"):
+        with pytest.raises(ValueError, match="the tensor-core kernels take only num_warps"):
             _fused_group_backward(grad_outs, rows, queries, norms, stats, stats, heads, EPS, 1.0,
-                                 grad_rows, tensor_cores=True, **override)  # fmt: skip
+                                 grad_rows, lookahead_kernels="tensor_cores", **override)  # fmt: skip
     assert not grad_rows.any()  # nothing written before the error
 
 

@@ -1,4 +1,5 @@
-"""``model.spec: auto``: Transformer Engine's layers where TE imports and the model runs on a GPU.
+"""Layer specs: ``model.spec: auto`` (Transformer Engine's layers where TE imports and the
+model runs on a GPU) and the routers' spec slots.
 
 The Transformer Engine here is a package written into a temporary directory: one that
 imports (the version is what ``auto`` reports) and one whose libraries fail to load (as a
@@ -7,15 +8,18 @@ CUDA or cuDNN mismatch makes TE's own import raise OSError).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 
 import pytest
 import torch
 
+from megatron_mhar.models.builder import make_transformer_config
 from megatron_mhar.models.mhar_config import MHARConfig
-from megatron_mhar.models.specs import SpecChoice, resolve_spec
-from tests.helpers import build_gpt, tiny_gpt_config
+from megatron_mhar.models.routing import DeltaRouter, DepthRouter
+from megatron_mhar.models.specs import SpecChoice, get_mhar_block_spec, resolve_spec
+from tests.helpers import build_gpt, gpt_batch, randomize_routers, tiny_gpt_config
 
 
 @pytest.fixture
@@ -101,3 +105,71 @@ def test_builder_resolves_auto(megatron_world1):
     model = build_gpt(tiny_gpt_config(spec="auto"), MHARConfig(variant="full", num_heads=4))
     norm = model.decoder.layers[0].input_layernorm
     assert sum(p.numel() for p in norm.parameters()) == 32  # d=32 weights, not an IdentityOp
+
+
+class CountingRouter(DepthRouter):
+    """A user's router: the default one, counting the sites it routes."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.calls = 0
+
+    def forward(self, stream, site):
+        self.calls += 1
+        return super().forward(stream, site)
+
+
+@pytest.mark.parametrize("variant,router", [("full", DepthRouter), ("block", DepthRouter), ("delta", DeltaRouter)])
+def test_routers_fill_the_spec_slots(megatron_world1, variant, router):
+    """The spec names every routing site's router (the layers' two slots, the block's final
+    site where the variant has one), and the model builds them from it."""
+    model_cfg = tiny_gpt_config()
+    mhar = MHARConfig(variant=variant, num_heads=4, block_size=2, delta_block_layers=1)
+    config = make_transformer_config(model_cfg, mhar, use_cpu_initialization=True)
+    spec = get_mhar_block_spec(model_cfg, mhar, config)
+    layer = spec.layer_specs[0].submodules
+    assert layer.input_router.module is layer.pre_mlp_router.module is spec.final_router.module is router
+    model = build_gpt(model_cfg, mhar)
+    routers = [m for n, m in model.named_modules() if n.endswith("_router")]
+    assert routers and all(type(m) is router for m in routers)
+    assert (model.decoder.final_router is None) == (variant == "delta")
+
+
+def test_a_spec_swaps_the_routers(megatron_world1, monkeypatch):
+    """A user spec replaces the router of a slot, as it replaces Megatron's own submodules;
+    the model routes every site through it and computes what the default routers compute."""
+    from megatron_mhar.models import builder
+
+    model_cfg, mhar = tiny_gpt_config(), MHARConfig(variant="full", num_heads=4)
+    default = build_gpt(model_cfg, mhar)
+    randomize_routers(default)
+
+    def user_spec(*args):
+        spec = get_mhar_block_spec(*args)
+        spec.layer_specs = [dataclasses.replace(s, submodules=dataclasses.replace(
+            s.submodules, input_router=CountingRouter, pre_mlp_router=CountingRouter)) for s in spec.layer_specs]
+        spec.final_router = CountingRouter
+        return spec
+
+    monkeypatch.setattr(builder, "get_mhar_block_spec", user_spec)
+    swapped = build_gpt(model_cfg, mhar)
+    swapped.load_state_dict(default.state_dict())
+    tokens, positions = gpt_batch()
+    assert torch.equal(swapped(tokens, positions, None), default(tokens, positions, None))
+    counts = [m.calls for m in swapped.modules() if isinstance(m, CountingRouter)]
+    assert counts == [1] * (2 * model_cfg.num_layers + 1)
+
+
+def test_a_layer_spec_without_routers_is_refused(megatron_world1, monkeypatch):
+    """An MHAR layer whose spec leaves a router slot empty names the slot and the fix."""
+    from megatron_mhar.models import builder
+
+    def user_spec(*args):
+        spec = get_mhar_block_spec(*args)
+        spec.layer_specs = [dataclasses.replace(s, submodules=dataclasses.replace(s.submodules, pre_mlp_router=None))
+                            for s in spec.layer_specs]
+        return spec
+
+    monkeypatch.setattr(builder, "get_mhar_block_spec", user_spec)
+    with pytest.raises(ValueError, match="spec names no pre_mlp_router"):
+        build_gpt(tiny_gpt_config(), MHARConfig(variant="full", num_heads=4))

@@ -9,7 +9,8 @@ import torch
 
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.ops.history import TORCH_BACKEND, SourceHistory
-from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, GroupSite, LookaheadHistory, auto_group_size, group_ranges
+from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, GroupSite, LookaheadHistory
+from megatron_mhar.ops.schedules import auto_group_size, group_ranges
 from tests.helpers import build_gpt, gpt_batch, randomize_routers, tiny_gpt_config
 
 

@@ -14,7 +14,7 @@ rounding here before it reaches a training run (``tools/perf/ab_training.py``, t
 measure of record).
 
 Kernels (``--kernels``), each as a training step runs it over one group of G sites:
-  group_forward    phase 1 over the group's old rows (``tensor_cores=None``: the auto pick)
+  group_forward    phase 1 over the group's old rows (``lookahead_kernels="auto"``)
   group_backward   phase 1's backward, row gradients stored (deferred ones added at once)
   merges_forward   the G merges of the group's new rows into the sites' partials
   merges_backward  the G merge backwards as the model calls them: delta, a copy of the
@@ -55,7 +55,7 @@ def group_inputs(case, heads: int, device, dtype) -> Dict[str, object]:
     group, n0, buf, _, qs, ws, grad_outs = deepest_group(case, heads, device, dtype)
     t, d = case.t, case.d
     seeded = torch.Generator(device=device).manual_seed(1)
-    m, l, acc = LA.group_forward(buf, qs, ws, heads, EPS, 1.0)
+    m, l, acc = LA.group_forward(buf, qs, ws, heads, EPS, 1.0, lookahead_kernels="row_loop")
     lse = (m + l.log()).contiguous()
     deltas = torch.randn(group, t, heads, device=device, generator=seeded)
     new = buf[:, : group - 1]  # the group's first rows stand in for its new rows
@@ -71,7 +71,7 @@ def group_inputs(case, heads: int, device, dtype) -> Dict[str, object]:
     for entry in range(OWING_GROUPS):
         _, _, deferred = LA.group_backward_deferred(
             (1 + entry) * grad_outs, buf, qs, ws, lse, deltas, heads, EPS, 1.0,
-            torch.zeros(buf.shape, device=device), tensor_cores=None)  # fmt: skip
+            torch.zeros(buf.shape, device=device), lookahead_kernels="auto")  # fmt: skip
         if deferred:
             owed.append((deferred, n0))
     new_grad = torch.randn(new.shape, device=device, generator=seeded)  # their other reads' share
@@ -87,12 +87,12 @@ def launches(la, x) -> Dict[str, Callable[[], Sequence[torch.Tensor]]]:
     fp32 = dict(dtype=torch.float32, device=buf.device)
 
     def group_forward():
-        return la.group_forward(buf, qs, ws, h, EPS, 1.0, tensor_cores=None)
+        return la.group_forward(buf, qs, ws, h, EPS, 1.0, lookahead_kernels="auto")
 
     def group_backward():
         grad = torch.empty(buf.shape, **fp32)
         dq, dg, deferred = la.group_backward_deferred(grad_outs, buf, qs, ws, x["lse"], x["deltas"], h, EPS, 1.0,
-                                                      grad, tensor_cores=None, accumulate=False)  # fmt: skip
+                                                      grad, lookahead_kernels="auto", accumulate=False)  # fmt: skip
         la.add_row_grads([(deferred, buf.shape[1])], buf, grad, 0, accumulate=False)
         return dq, dg, grad
 

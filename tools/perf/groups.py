@@ -7,7 +7,7 @@ row gradients a block of rows receives in the middle of the 1B stack.
 
 import torch
 
-from megatron_mhar.ops.lookahead import auto_group_size
+from megatron_mhar.ops.schedules import auto_group_size
 
 OWING_GROUPS = 5
 

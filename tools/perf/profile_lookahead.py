@@ -31,13 +31,13 @@ def group_launches(case):
     """A function launching each kernel of the case's deepest group once (inputs built here)."""
     group, n0, buf, gbuf, qs, ws, grad_outs = deepest_group(case, HEADS)
     t = case.t
-    m, l, acc = LA.group_forward(buf, qs, ws, HEADS, EPS, 1.0, tensor_cores=None)
+    m, l, acc = LA.group_forward(buf, qs, ws, HEADS, EPS, 1.0, lookahead_kernels="auto")
     # lse and delta of the whole group for the backward: from the row-loop partials (fp32).
-    m32, l32, _ = LA.group_forward(buf, qs, ws, HEADS, EPS, 1.0, tensor_cores=False)
+    m32, l32, _ = LA.group_forward(buf, qs, ws, HEADS, EPS, 1.0, lookahead_kernels="row_loop")
     lse = (m32 + l32.log()).contiguous()
     delta = torch.randn(group, t, HEADS, device="cuda")
     _, _, deferred = LA.group_backward_deferred(grad_outs, buf, qs, ws, lse, delta, HEADS, EPS, 1.0, gbuf,
-                                                tensor_cores=None)  # fmt: skip
+                                                lookahead_kernels="auto")  # fmt: skip
     k = group // 2  # the merged site: k new rows
     new = buf[:, : group - 1]
     grad_new = torch.zeros(new.shape, device="cuda")
@@ -47,8 +47,8 @@ def group_launches(case):
     out = LA.merge_forward(m[k], l[k], acc[k], new[:, :k], qs[k], ws[k], HEADS, EPS, 1.0, site_lse)
 
     def launches():
-        LA.group_forward(buf, qs, ws, HEADS, EPS, 1.0, tensor_cores=None)
-        LA.group_backward_deferred(grad_outs, buf, qs, ws, lse, delta, HEADS, EPS, 1.0, gbuf, tensor_cores=None)
+        LA.group_forward(buf, qs, ws, HEADS, EPS, 1.0, lookahead_kernels="auto")
+        LA.group_backward_deferred(grad_outs, buf, qs, ws, lse, delta, HEADS, EPS, 1.0, gbuf, lookahead_kernels="auto")
         if deferred:  # the tensor-core backward leaves the rows' gradients as factors
             LA.add_row_grads([(deferred, n0)] * OWING_GROUPS, buf, gbuf, n0 - group)
         LA.merge_forward(m[k], l[k], acc[k], new[:, :k], qs[k], ws[k], HEADS, EPS, 1.0, site_lse)

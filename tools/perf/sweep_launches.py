@@ -114,7 +114,7 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
         if case.variant != "full":
             continue
         group, n0, buf, gbuf, qs, ws, grad_outs = deepest_group(case, BR.HEADS)
-        m, l, acc = LA.group_forward(buf, qs, ws, BR.HEADS, EPS, 1.0)
+        m, l, acc = LA.group_forward(buf, qs, ws, BR.HEADS, EPS, 1.0, lookahead_kernels="row_loop")
         lse = (m + l.log()).contiguous()
         seeded = torch.Generator(device="cuda").manual_seed(1)
         deltas = torch.randn(group, case.t, BR.HEADS, device="cuda", generator=seeded)
@@ -148,10 +148,10 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
         bwd_variants += [dict(stages=k) for k in (1, 2, 4) if k != bwd.stages]
         bwd_variants += [dict(sites_per_program=k) for k in (1, 2, 4, 8) if k != bwd_spp and k <= group]  # fmt: skip
         # Row-loop variants name the family: the default picks the kernels by group size.
-        fwd_variants = [(k, {"tensor_cores": False, **o}) for k, o in fwd_variants]
-        bwd_variants = [{"tensor_cores": False, **o} for o in bwd_variants]
-        fwd_variants += [(None, dict(tensor_cores=True, **o)) for o in dots_fwd]
-        bwd_variants += [dict(tensor_cores=True, num_warps=k) for k in (4, 8)]
+        fwd_variants = [(k, {"lookahead_kernels": "row_loop", **o}) for k, o in fwd_variants]
+        bwd_variants = [{"lookahead_kernels": "row_loop", **o} for o in bwd_variants]
+        fwd_variants += [(None, dict(lookahead_kernels="tensor_cores", **o)) for o in dots_fwd]
+        bwd_variants += [dict(lookahead_kernels="tensor_cores", num_warps=k) for k in (4, 8)]
         variants = [("group_fwd", fwd_bytes, dict(sites_per_program=k, **o), lambda k=k, o=o: LA.group_forward(
             buf, qs, ws, BR.HEADS, EPS, 1.0, sites_per_program=k, **o)) for k, o in fwd_variants]  # fmt: skip
         variants += [("group_bwd", bwd_bytes, o, lambda o=o: group_backward(
@@ -186,7 +186,7 @@ def row_grads_sweep_variants(case, buf, gbuf, qs, ws, lse, deltas, grad_outs, gr
     owed = []
     for entry in range(OWING_GROUPS):
         _, _, deferred = LA.group_backward_deferred((1 + entry) * grad_outs, buf, qs, ws, lse, deltas, BR.HEADS, EPS,
-                                                    1.0, gbuf, tensor_cores=None)  # fmt: skip
+                                                    1.0, gbuf, lookahead_kernels="auto")  # fmt: skip
         if not deferred:
             return []
         owed.append((deferred, n0))
