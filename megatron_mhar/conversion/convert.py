@@ -202,13 +202,12 @@ def _import_rank(plan: ImportPlan) -> None:
     rank = torch.distributed.get_rank()
     out = Path(plan.out)
     tmp = checkpoint.staging_dir(out)
-    lock = checkpoint.output_lock(out)
+    lock = None
     try:
         if rank == 0:
-            lock.acquire()
-            checkpoint.prepare_output(out, plan.overwrite, inputs=(Path(plan.hf_dir),))
-        torch.distributed.barrier()
+            _, lock = checkpoint.prepare_output(out, plan.overwrite, inputs=(Path(plan.hf_dir),))
         lifetime.start_writer_helper()
+        torch.distributed.barrier()
 
         chunk = checkpoint.build_model(plan.model, plan.mhar, DTYPES[plan.dtype], device="meta")
         value_of = _hf_values(chunk, plan)
@@ -241,7 +240,8 @@ def _import_rank(plan: ImportPlan) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
         if started:
             destroy()
 
@@ -368,21 +368,22 @@ def mcore_to_hf(
         config = hf_config.mhar_hf_config(config, mhar)
 
     out = Path(out).absolute()
-    with checkpoint.output_lock(out):
-        tmp = checkpoint.prepare_output(out, overwrite, inputs)
-        try:
-            if (source_hf / "config.json").is_file():
-                hf_io.copy_auxiliary(source_hf, tmp)
-            if tokenizer_files is not None:
-                hf_io.write_tokenizer(tokenizer_files, tmp)
-            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            _write_hf_tensors(found, model_cfg, mhar, stored, target, tmp, max_shard_bytes, allow_nonfinite)
-            if mhar.enabled:
-                hf_io.copy_remote_code(tmp)
-            return checkpoint.publish(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written directory behind
-            raise
+    tmp, lock = checkpoint.prepare_output(out, overwrite, inputs)  # the lock: held until published or cleaned up
+    try:
+        if (source_hf / "config.json").is_file():
+            hf_io.copy_auxiliary(source_hf, tmp)
+        if tokenizer_files is not None:
+            hf_io.write_tokenizer(tokenizer_files, tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _write_hf_tensors(found, model_cfg, mhar, stored, target, tmp, max_shard_bytes, allow_nonfinite)
+        if mhar.enabled:
+            hf_io.copy_remote_code(tmp)
+        return checkpoint.publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written directory behind
+        raise
+    finally:
+        lock.release()
 
 
 def _write_hf_tensors(found: Path, model_cfg: GPTModelConfig, mhar: MHARConfig, stored: torch.dtype,

@@ -314,7 +314,7 @@ def test_a_killed_conversion_takes_its_ranks_along(hf_dirs, tmp_path):
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        while not (tmp_path / ".tmp.out").exists():  # rank 0 is converting
+        while not (tmp_path / ".tmp.out" / "iter_0000000").exists():  # both ranks past their set-up: converting
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         started = psutil.Process(proc.pid).children(recursive=True)
@@ -325,7 +325,10 @@ def test_a_killed_conversion_takes_its_ranks_along(hf_dirs, tmp_path):
         alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not alive, [" ".join(p.cmdline()) for p in alive]
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:  # whatever is left, should the test fail
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 # ---------------------------------------------------------------- mapping and configs

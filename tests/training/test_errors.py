@@ -21,7 +21,7 @@ import pytest
 from megatron_mhar import manifest
 from megatron_mhar.errors import UserError
 from megatron_mhar.training.metrics import read_metrics
-from tests.helpers import EMBEDDED_VOCAB, LAUNCHER_ENV, TINY
+from tests.helpers import EMBEDDED_VOCAB, LAUNCHER_ENV, TINY, metric_records
 from tests.training import paused_run
 
 HINT = "(MHAR_TRACEBACK=1 shows where it was raised)"
@@ -39,12 +39,6 @@ def _config(embedded_dir, output_dir, *extra):
     return load_config("smoke_cpu", _overrides(embedded_dir, output_dir, *extra))
 
 
-def _records(run_dir):
-    """Every metrics record but the timing fields, by (kind, step)."""
-    timing = {"tokens_per_s", "memory_gb"}
-    return {(r["kind"], r["step"]): {k: v for k, v in r.items() if k not in timing} for r in read_metrics(run_dir)}
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, embedded_dir):
     """The uninterrupted run: its directory and records."""
@@ -55,7 +49,7 @@ def reference(tmp_path_factory, embedded_dir):
             env.delenv(name, raising=False)
         cfg = _config(embedded_dir, tmp_path_factory.mktemp("reference"))
         run(cfg)
-    return cfg.run.dir, _records(cfg.run.dir)
+    return cfg.run.dir, metric_records(cfg.run.dir)
 
 
 def _main_exits_2(capsys, *argv) -> list:
@@ -265,7 +259,7 @@ def test_a_full_disk_under_the_metrics_saves_and_loses_nothing(reference, tmp_pa
     if small_filesystem is not None:
         (small_filesystem / "filler").unlink()
     run(_config(embedded_dir, output, f"checkpoint.dir={tmp_path / 'checkpoints'}"))
-    assert _records(cfg.run.dir) == expected  # bitwise: nothing lost, nothing twice
+    assert metric_records(cfg.run.dir) == expected  # bitwise: nothing lost, nothing twice
 
 
 # ---------------------------------------------------------------- messages that tell the truth
