@@ -64,9 +64,10 @@ def fused_kernel_fields(model: GPTModelConfig) -> dict:
     """TransformerConfig fields of the fused kernels Megatron-LM trains with under
     Transformer Engine: weight-gradient accumulation into ``main_grad`` inside TE's GEMMs
     (the separate accumulation kernel goes), TE's fused cross-entropy, fused RoPE and the
-    fused SwiGLU. Empty for the local spec, whose gradient-accumulation fusion needs apex.
-    ``model.spec`` must be resolved (:func:`resolve_spec`)."""
-    if model.spec != "transformer_engine":
+    fused SwiGLU. Empty for the local spec, whose gradient-accumulation fusion needs apex,
+    and with ``model.fused_kernels`` false. ``model.spec`` must be resolved
+    (:func:`resolve_spec`)."""
+    if model.spec != "transformer_engine" or not model.fused_kernels:
         return {}
     return dict(gradient_accumulation_fusion=True, cross_entropy_loss_fusion=True,
                 cross_entropy_fusion_impl="te", apply_rope_fusion=True, bias_activation_fusion=True)
