@@ -31,9 +31,10 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         # setuptools: tests/test_install.py builds the wheel without build isolation (offline),
         # which needs a setuptools that writes wheels by itself (70.1 and later).
-        # lm-eval: lm-evaluation-harness; transformers >= 5.25 for the cache API megatron_mhar.hf uses.
-        "eval": ["lm-eval[hf]>=0.4.13", "transformers>=5.25"],
-        "dev": ["pytest", "triton", "transformers>=5.25", "lm-eval[hf]>=0.4.13", "setuptools>=70.1"],
+        # lm-eval: lm-evaluation-harness; transformers >= 5.24 for the cache API megatron_mhar.hf uses
+        # (MIN_TRANSFORMERS_VERSION in megatron_mhar/hf/configuration_mhar.py).
+        "eval": ["lm-eval[hf]>=0.4.13", "transformers>=5.24"],
+        "dev": ["pytest", "triton", "transformers>=5.24", "lm-eval[hf]>=0.4.13", "peft", "setuptools>=70.1"],
     },
     entry_points={
         "console_scripts": [

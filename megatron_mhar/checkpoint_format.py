@@ -19,7 +19,7 @@ last); a directory being written carries the staging prefix, gets its manifest, 
 renamed into place whole. The common state (``common.pt``) holds ``checkpoint_version``,
 ``iteration``, ``train_state`` and ``config``, the resolved run config as a dict whose
 ``model`` and ``mhar`` sections (:class:`GPTModelConfig`, :class:`MHARConfig`) define the
-network.
+network, and ``provenance``, the code that wrote it (:func:`code_provenance`).
 
 Every reader finds its checkpoint through :func:`find_checkpoint`, which verifies it
 against its manifest first (``full``, ``size`` or ``off``: :mod:`megatron_mhar.manifest`).
@@ -32,7 +32,9 @@ Importing this module does not import Megatron.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
+import subprocess
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -286,6 +288,29 @@ def stored_dtype(checkpoint: Path) -> torch.dtype:
     if EMBEDDING_KEY not in metadata:
         raise ValueError(f"{checkpoint} holds no {EMBEDDING_KEY}; is it a GPT model checkpoint?")
     return metadata[EMBEDDING_KEY].dtype
+
+
+@functools.lru_cache(maxsize=1)
+def code_provenance() -> Dict[str, Any]:
+    """The code writing a checkpoint: ``{"megatron_mhar": version, "commit", "dirty"}``.
+
+    ``commit`` is the git commit of the checkout this package runs from (``None`` for an
+    installed wheel, or where git is missing) and ``dirty`` whether tracked files differ
+    from it; an export's model card names them.
+    """
+    from megatron_mhar import __version__
+
+    def git(*args: str) -> Optional[str]:
+        try:
+            done = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True,
+                                  text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    changes = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"megatron_mhar": __version__, "commit": commit, "dirty": bool(changes) if commit else None}
 
 
 # ---------------------------------------------------------------- the stored run config

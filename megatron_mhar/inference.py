@@ -100,8 +100,8 @@ class CausalLM(torch.nn.Module):
             import megatron_mhar.hf  # noqa: F401  (registers the MHAR classes with the Auto classes)
         except ImportError as err:
             raise ImportError(
-                f"{err}; the transformers form of the model needs transformers >= 5.25: "
-                f"pip install 'transformers>=5.25' (or the eval extra)"
+                f"{err}; the transformers form of the model needs transformers (the eval extra: "
+                f"pip install -e '.[eval]')"
             ) from None
         from megatron_mhar.conversion import checkpoint, hf_config, mapping
 
@@ -221,7 +221,7 @@ def load_model(
             f"dtype must be None (the checkpoint's) or one of {DTYPES}, got {dtype!r}; "
             f"pass a torch.dtype such as torch.bfloat16, not a string"
         )
-    found = checkpoint.find_checkpoint(_checkpoints_of(Path(path)))
+    found = checkpoint.find_checkpoint(checkpoints_of(Path(path)))
     model_cfg, mhar, common = read_configs(found)
     if not torch.distributed.is_initialized():
         initialize_model_parallel_from_env(
@@ -243,7 +243,7 @@ def load_model(
     return CausalLM(gpt.to(device), model_cfg, mhar, loaded, grad).eval()
 
 
-def _checkpoints_of(path: Path) -> Path:
+def checkpoints_of(path: Path) -> Path:
     """``path``, or where a run directory keeps its checkpoints (``checkpoint.dir`` of its
     ``config.yaml``, by default ``checkpoints/``)."""
     from megatron_mhar.checkpoint_format import LATEST, is_complete

@@ -371,6 +371,7 @@ def common_state(model: GPTModelConfig, mhar: MHARConfig, conversion: Dict[str, 
         "config": config_dicts(model, mhar),
         "train_state": {},
         "conversion": conversion,
+        "provenance": checkpoint_format.code_provenance(),
     }
 
 

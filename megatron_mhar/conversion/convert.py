@@ -31,6 +31,7 @@ import torch
 from megatron_mhar import checkpoint_format
 from megatron_mhar.models.mhar_config import MHARConfig, function_fields
 from megatron_mhar.conversion import checkpoint, hf_config, hf_io, mapping, weight_checks
+from megatron_mhar.conversion.model_card import model_card
 from megatron_mhar.models.gpt_config import GPTModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -320,10 +321,14 @@ def mcore_to_hf(
     from the ``hf/`` folder a converted checkpoint carries; a checkpoint with neither
     (trained from scratch) gets a config derived from its model config. ``tokenizer``
     (a directory holding ``tokenizer.json``, such as the one a run trained on) supplies
-    the tokenizer files instead, and a derived config its end-of-document token as EOS;
-    by default a trained checkpoint's own tokenizer (its ``tokenizer/``) does. The tensors
-    stream from the checkpoint into safetensors shards of at most ``max_shard_bytes`` (with
-    an index when there are several), each checked for NaN/Inf unless ``allow_nonfinite``.
+    the tokenizer files instead (with a pad token, :func:`hf_io.tokenizer_files`), and a
+    derived config its special tokens (:func:`hf_io.special_token_ids`); by default a
+    trained checkpoint's own tokenizer (its ``tokenizer/``) does. A directory whose source
+    has no ``generation_config.json`` gets one with the BOS, EOS and pad token ids, and every
+    export a model card (:mod:`megatron_mhar.conversion.model_card`). The tensors stream
+    from the checkpoint into safetensors shards of at most ``max_shard_bytes`` (with an
+    index when there are several), each checked for NaN/Inf unless ``allow_nonfinite``;
+    every file gets the mode a new file gets (:func:`hf_io.set_file_modes`).
     """
     if max_shard_bytes < 1:
         raise ValueError(f"--max-shard-size must be positive, got {max_shard_bytes} bytes")
@@ -337,10 +342,12 @@ def mcore_to_hf(
     if hf_reference and not (source_hf / "config.json").is_file():
         raise FileNotFoundError(f"--hf-reference {hf_reference} has no config.json")
     tokenizer_files = hf_io.tokenizer_files(Path(tokenizer)) if tokenizer else None
-    model_cfg, mhar, _ = checkpoint.read_configs(found)
+    model_cfg, mhar, common = checkpoint.read_configs(found)
     stored = checkpoint.stored_dtype(found)
     target = DTYPES[dtype] if dtype else stored
-    if (source_hf / "config.json").is_file():
+    source_config = (source_hf / "config.json").is_file()
+    ids = {}  # special token ids from the tokenizer, for a derived config
+    if source_config:
         what = f"--hf-reference {hf_reference}/config.json" if hf_reference else f"{source_hf}/config.json"
         config = hf_config.plain_hf_config(hf_io.read_config(source_hf))
         derived = hf_config.model_config_from_hf(config)
@@ -350,21 +357,28 @@ def mcore_to_hf(
         if tokenizer is not None:
             from megatron_mhar.data.tokenizer import Tokenizer
 
-            config["eos_token_id"] = Tokenizer.from_dir(str(tokenizer)).eod
+            ids = hf_io.special_token_ids(tokenizer_files, Tokenizer.from_dir(str(tokenizer)).eod)
+            # no pad_token_id in config.json: the embedding would take it as padding_idx,
+            # whose row fine-tuning never updates (generation_config.json has it)
+            config.update(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"])
     if mhar.enabled:
         config = hf_config.mhar_hf_config(config, mhar)
 
     out = Path(out).absolute()
     tmp = checkpoint.prepare_output(out, overwrite, inputs)
     try:
-        if (source_hf / "config.json").is_file():
+        if source_config:
             hf_io.copy_auxiliary(source_hf, tmp)
         if tokenizer_files is not None:
             hf_io.write_tokenizer(tokenizer_files, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if not (tmp / "generation_config.json").is_file():
+            hf_io.write_generation_config({**config, **ids}, tmp)
+        (tmp / "README.md").write_text(model_card(config, found, common))
         _write_hf_tensors(found, model_cfg, mhar, stored, target, tmp, max_shard_bytes, allow_nonfinite)
         if mhar.enabled:
             hf_io.copy_remote_code(tmp)
+        hf_io.set_file_modes(tmp)
         return checkpoint.publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written directory behind

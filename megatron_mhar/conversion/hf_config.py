@@ -10,7 +10,9 @@ silently not the same function.
 
 An MHAR export (``MHARLlamaForCausalLM`` / ``MHARQwen3ForCausalLM``, the models of
 :mod:`megatron_mhar.hf`) is its family's config plus the ``mhar_*`` routing fields and an
-``auto_map`` naming the modeling files copied beside it.
+``auto_map`` naming the modeling files copied beside it (``AutoConfig``, ``AutoModel`` for
+the decoder, ``AutoModelForCausalLM``) and, as ``transformers_version``, the oldest
+transformers those files run on.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
+from megatron_mhar.conversion.hf_io import min_transformers_version
 from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.mhar_config import MHARConfig, function_fields
 
@@ -287,8 +290,11 @@ def mhar_hf_config(config: Dict[str, Any], mhar: MHARConfig) -> Dict[str, Any]:
         model_type=model_type,
         auto_map={
             "AutoConfig": f"{CONFIGURATION_FILE[:-3]}.{config_class}",
+            "AutoModel": f"{MODELING_FILE[:-3]}.{arch.removesuffix('ForCausalLM')}Model",
             "AutoModelForCausalLM": f"{MODELING_FILE[:-3]}.{arch}",
         },
+        # the oldest transformers the shipped modeling code runs on (it checks on import)
+        transformers_version=min_transformers_version(),
     )
     return dict(sorted(out.items()))
 

@@ -5,7 +5,9 @@ Layout written by the export (``mcore_to_hf_mhar.py``)::
     out/
       config.json                    the source model's config (or one derived from the model);
                                      for MHAR models its MHAR form (mhar_* fields, auto_map)
-      generation_config.json, tokenizer files     copied from the source, when known
+      generation_config.json, tokenizer files     copied from the source, when known; else the
+                                     run's tokenizer and its special tokens (pad set)
+      README.md                      the model card (megatron_mhar.conversion.model_card)
       model.safetensors              or model-0000k-of-0000n.safetensors + model.safetensors.index.json;
                                      MHAR models hold their routing parameters here too
       configuration_mhar.py, modeling_mhar.py, depth_route.py
@@ -23,6 +25,7 @@ repeated in the safetensors metadata).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import os
@@ -215,6 +218,17 @@ def write_safetensors(
     return writer.close()
 
 
+def min_transformers_version() -> str:
+    """``MIN_TRANSFORMERS_VERSION`` of the shipped ``configuration_mhar.py``, read from its
+    source: the export is written without importing transformers."""
+    source = Path(__file__).resolve().parents[1] / REMOTE_CODE["configuration_mhar.py"]
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == [
+                "MIN_TRANSFORMERS_VERSION"]:
+            return ast.literal_eval(node.value)
+    raise RuntimeError(f"{source} assigns no MIN_TRANSFORMERS_VERSION")
+
+
 def copy_remote_code(out_dir: Path) -> List[str]:
     """Copy the MHAR models' code into an export, for ``trust_remote_code=True`` loading.
 
@@ -266,7 +280,9 @@ def tokenizer_files(directory: Path) -> Dict[str, bytes]:
 
     A directory without ``tokenizer_config.json`` (the builtin tokenizer a run trains) gets
     one for transformers' ``PreTrainedTokenizerFast`` that names its end-of-document token
-    as the EOS token, so ``AutoTokenizer`` loads the export.
+    as the EOS token, so ``AutoTokenizer`` loads the export. A config naming no pad token
+    gets the end-of-document token as one, as Qwen's tokenizers have it: batched generation
+    and ``pipeline`` pad, and the attention mask hides what they pad.
     """
     from megatron_mhar.data.tokenizer import Tokenizer
 
@@ -274,12 +290,52 @@ def tokenizer_files(directory: Path) -> Dict[str, bytes]:
     if not (directory / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--tokenizer {directory} has no tokenizer.json")
     files = {name: (directory / name).read_bytes() for name in TOKENIZER_FILES if (directory / name).is_file()}
-    if "tokenizer_config.json" not in files:
-        eos = Tokenizer.from_dir(str(directory)).eod_token
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
-                  "clean_up_tokenization_spaces": False}
+    eod = Tokenizer.from_dir(str(directory)).eod_token
+    if "tokenizer_config.json" in files:
+        config = read_json_object(directory / "tokenizer_config.json")
+    else:
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eod, "clean_up_tokenization_spaces": False}
+    if "tokenizer_config.json" not in files or not config.get("pad_token"):
+        config["pad_token"] = config.get("pad_token") or eod
         files["tokenizer_config.json"] = (json.dumps(config, indent=2) + "\n").encode()
     return files
+
+
+def special_token_ids(files: Mapping[str, bytes], eod: int) -> Dict[str, int]:
+    """``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` of :func:`tokenizer_files`'
+    result for a model trained with end-of-document id ``eod``: EOS is ``eod``; BOS and pad
+    are the tokens ``tokenizer_config.json`` names, else ``eod`` (documents are separated by
+    it in training, and Qwen's base models name it for all three)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab = HFTokenizer.from_str(files["tokenizer.json"].decode())
+    config = json.loads(files["tokenizer_config.json"])
+    ids = {"eos_token_id": eod}
+    for key in ("bos", "pad"):
+        token = config.get(f"{key}_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        found = vocab.token_to_id(token) if token else None
+        ids[f"{key}_token_id"] = eod if found is None else found
+    return ids
+
+
+def write_generation_config(config: Mapping[str, Any], out_dir: Path) -> None:
+    """``generation_config.json`` from ``config``'s special token ids (and its
+    ``transformers_version``), for an export whose source has none."""
+    fields = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id", "transformers_version")
+              if config.get(key) is not None}
+    (Path(out_dir) / "generation_config.json").write_text(json.dumps(fields, indent=2) + "\n")
+
+
+def set_file_modes(directory: Path) -> None:
+    """Give every file in ``directory`` the mode a new file gets (0666 less the umask), as
+    ``config.json`` of ``save_pretrained`` has it: safetensors' writer makes its files 0600,
+    which other users of a shared model directory cannot read."""
+    umask = os.umask(0)  # reading the umask sets it: put it back at once
+    os.umask(umask)
+    for path in Path(directory).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, 0o666 & ~umask)
 
 
 def write_tokenizer(files: Mapping[str, bytes], out_dir: Path) -> None:

@@ -3,12 +3,38 @@
 Each is its family's config plus the routing fields (``mhar_*``) that define the
 function an MHAR checkpoint computes; the fields that only choose how Megatron runs the
 routing (kernels, schedules) have no place here. The export (``mcore_to_hf_mhar.py``)
-copies this file beside ``modeling_mhar.py``, so it imports only transformers.
+copies this file beside ``modeling_mhar.py``, so it imports only transformers (and
+``packaging``, a dependency of transformers).
+
+Importing it checks the installed transformers against :data:`MIN_TRANSFORMERS_VERSION`,
+which an export's ``config.json`` states as its ``transformers_version``.
 """
 
 import math
 
-from transformers import LlamaConfig, PreTrainedConfig, Qwen3Config
+import transformers
+from packaging.version import Version
+
+MIN_TRANSFORMERS_VERSION = "5.24.0"
+"""The oldest transformers the MHAR models run on: the first whose modules take the KV cache
+as ``cache`` (``past_key_values`` before), the name the models pass it under."""
+
+
+def check_transformers_version() -> None:
+    """Raise an ``ImportError`` naming both versions unless transformers is recent enough."""
+    installed = transformers.__version__
+    if Version(installed) < Version(MIN_TRANSFORMERS_VERSION):
+        raise ImportError(
+            f"the MHAR models need transformers >= {MIN_TRANSFORMERS_VERSION} (the transformers_version "
+            f"an export's config.json states), but transformers {installed} is installed; upgrade it: "
+            f"pip install 'transformers>={MIN_TRANSFORMERS_VERSION}'"
+        )
+
+
+# Before the names below: an older transformers may not have them.
+check_transformers_version()
+
+from transformers import LlamaConfig, PreTrainedConfig, Qwen3Config  # noqa: E402
 
 ROUTED_VARIANTS = ("full", "block", "delta")
 
@@ -79,12 +105,16 @@ class MHARLlamaConfig(LlamaConfig, MHARRoutingFields):
     """A Llama whose residual stream is replaced (or corrected) by routing over depth."""
 
     model_type = "mhar_llama"
+    # transformers' pipeline plan hands one hidden state between stages; MHAR layers read every earlier source
+    base_model_pp_plan = None
 
 
 class MHARQwen3Config(Qwen3Config, MHARRoutingFields):
     """A Qwen3 whose residual stream is replaced (or corrected) by routing over depth."""
 
     model_type = "mhar_qwen3"
+    # transformers' pipeline plan hands one hidden state between stages; MHAR layers read every earlier source
+    base_model_pp_plan = None
 
 
 __all__ = ["MHARLlamaConfig", "MHARQwen3Config"]

@@ -17,15 +17,33 @@ KV cache routes over the new tokens' sources alone (earlier tokens reach it thro
 cached keys and values of attention, as in any transformer). Padding tokens therefore
 influence nothing but their own position, which the attention mask hides.
 
-The routing itself is the package's ``depth_route`` (the fused Triton kernels on CUDA
-when ``megatron_mhar`` is installed, its torch reference otherwise); an export ships a
-verbatim copy of ``megatron_mhar/ops/depth_route.py`` beside this file. This file and
-``configuration_mhar.py`` import only torch and transformers otherwise.
+The forward arguments, outputs and flags are those of the stock Llama / Qwen3 of the same
+transformers version: ``cache`` (``past_key_values`` through transformers' deprecation
+helper), ``output_hidden_states`` and ``output_attentions`` (recorded by transformers'
+output hooks), ``return_dict``, activation checkpointing, ``torch.compile``. There is no
+single residual stream between layers, so ``hidden_states[i]`` is decoder layer ``i``'s
+input as that layer sees it, its routed input before the attention norm, and the last
+entry is the final routed output after the final norm (``last_hidden_state``): ``L + 1``
+entries, as for Llama, whose ``hidden_states[0]`` is the embedding just as an MHAR
+model's first routed input is (a softmax over one source).
+
+The routing itself is ``depth_route``: in an export, the copy of
+``megatron_mhar/ops/depth_route.py`` shipped beside this file (which runs the fused Triton
+kernels on CUDA when ``mhar_kernels`` is installed, its torch reference otherwise); in the
+package, the package's own. This file and ``configuration_mhar.py`` import only torch and
+transformers otherwise.
 """
 
 import dataclasses
-import functools
-from typing import List, Optional, Union
+import inspect
+import json
+import shutil
+from pathlib import Path
+from typing import Optional, Tuple, Union
+
+# First: it refuses a transformers older than these models support, before the imports
+# below can fail on a name that version lacks.
+from .configuration_mhar import MHARLlamaConfig, MHARQwen3Config  # isort: skip
 
 import torch
 from torch import nn
@@ -36,22 +54,29 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
     LlamaDecoderLayer,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
 )
 from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Attention,
     Qwen3DecoderLayer,
     Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
 )
+from transformers.utils import can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.hub import cached_file
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_mhar import MHARLlamaConfig, MHARQwen3Config
-
-try:
-    from megatron_mhar.ops.depth_route import depth_route
-except ImportError:  # an exported directory, loaded where megatron_mhar is not installed
+try:  # an export: the routing op shipped beside this file, whatever megatron_mhar is installed
     from .depth_route import depth_route
+except ModuleNotFoundError as missing:  # the package's own classes (megatron_mhar.hf) ship none
+    if missing.name != f"{__package__}.depth_route":
+        raise
+    from megatron_mhar.ops.depth_route import depth_route
 
 
 # ---------------------------------------------------------------- layouts over depth
@@ -127,44 +152,17 @@ def depth_layout(config) -> Union[BlockLayout, DeltaLayout]:
 # ---------------------------------------------------------------- one forward's sources
 
 
-class SourceRows:
-    """The sources of one forward pass, ``[N, B, T, D]``, read as prefixes ``[:n]``.
-
-    Without autograd the rows live in one buffer allocated per forward and every routing
-    site reads a prefix view of it (no copies). With autograd they are kept as a list and
-    stacked per read: in-place writes into a buffer would change tensors that earlier
-    reads saved for the backward pass.
-    """
-
-    def __init__(self, capacity: int, like: torch.Tensor):
-        self.stacked = torch.is_grad_enabled()
-        if self.stacked:
-            self.rows: List[Optional[torch.Tensor]] = [None] * capacity
-        else:
-            self.buffer = like.new_empty((capacity, *like.shape))
-
-    def set(self, row: int, value: torch.Tensor) -> None:
-        if self.stacked:
-            self.rows[row] = value
-        else:
-            self.buffer[row].copy_(value)
-
-    def add(self, row: int, value: torch.Tensor) -> None:
-        if self.stacked:
-            self.rows[row] = self.rows[row] + value
-        else:
-            self.buffer[row].add_(value)
-
-    def prefix(self, n: int) -> torch.Tensor:
-        return torch.stack(self.rows[:n]) if self.stacked else self.buffer[:n]
-
-
 class RoutingSite(nn.Module):
     """One routing site: pseudo-query (zero init) and key RMSNorm weight (ones); the delta
-    variant adds a null source (zeros) and a scalar gate (zero)."""
+    variant adds a null source (zeros) and a scalar gate (zero).
+
+    Its output is the input of the sublayer it feeds, before that sublayer's norm, which is
+    what ``output_hidden_states`` records for the attention sites.
+    """
 
     def __init__(self, config):
         super().__init__()
+        self.num_heads, self.eps, self.logit_scale = config.mhar_num_heads, config.routing_eps, config.mhar_logit_scale
         self.query = nn.Parameter(torch.zeros(config.hidden_size))
         self.norm_weight = nn.Parameter(torch.ones(config.hidden_size))
         if config.mhar_variant == "delta":
@@ -178,67 +176,108 @@ class RoutingSite(nn.Module):
             init.zeros_(self.null_source)
             init.zeros_(self.gate)
 
+    def forward(self, sources: torch.Tensor, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``sources`` [N, B, T, D] -> the routed mixture [B, T, D], or (delta) ``hidden + gate * mixture``."""
+        routed = depth_route(sources, self.query, self.norm_weight, self.num_heads, self.eps,
+                             logit_scale=self.logit_scale)
+        return routed if hidden is None else hidden + self.gate.to(routed.dtype) * routed
+
 
 class DepthStream:
-    """The full and block variants' state of one forward: the rows of sources."""
+    """How the full and block variants keep one forward's sources.
 
-    def __init__(self, layout: BlockLayout, route, embedding: torch.Tensor):
-        self.layout, self.route = layout, route
-        self.rows = SourceRows(layout.capacity, embedding)
-        self.rows.set(0, embedding)
+    The sources are a state of tensors that each decoder layer takes and returns (so that
+    activation checkpointing can run a layer again from its inputs). Without autograd the
+    state is one buffer ``[N, B, T, D]`` allocated per forward, written in place, and every
+    site reads a prefix view of it (no copies). With autograd it is the tuple of rows, and a
+    read stacks the rows it needs: in-place writes would change tensors that earlier reads
+    saved for the backward pass.
+    """
 
-    def read(self, site: int, router: RoutingSite) -> torch.Tensor:
-        """The routed input of ``site`` [B, T, D]."""
-        return self.route(self.rows.prefix(self.layout.rows_read(site)), router.query, router.norm_weight)
+    def __init__(self, layout: BlockLayout, buffered: bool):
+        self.layout, self.buffered = layout, buffered
 
-    def write(self, site: int, output: torch.Tensor) -> None:
-        """Add sublayer ``site``'s output to its block's row (the first output sets it)."""
+    def start(self, embedding: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        if not self.buffered:
+            return (embedding,)
+        buffer = embedding.new_empty((self.layout.capacity, *embedding.shape))
+        buffer[0].copy_(embedding)
+        return (buffer,)
+
+    def read(self, state, site: int, router: RoutingSite) -> torch.Tensor:
+        """The input of ``site`` [B, T, D]."""
+        rows = self.layout.rows_read(site)
+        return router(state[0][:rows] if self.buffered else torch.stack(state[:rows]))
+
+    def write(self, state, site: int, output: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """Add sublayer ``site``'s output to its block's row (the block's first output sets it)."""
         block, position = self.layout.position(site)
-        if position == 1:
-            self.rows.set(block, output)
-        else:
-            self.rows.add(block, output)
+        if self.buffered:
+            if position == 1:
+                state[0][block].copy_(output)
+            else:
+                state[0][block].add_(output)
+            return state
+        # Blocks complete in order: a block's first output opens the last row.
+        return state + (output,) if position == 1 else state[:block] + (state[block] + output,)
 
-    def output(self, final_router: RoutingSite) -> torch.Tensor:
-        return self.read(self.layout.final_site, final_router)
+    def output(self, state, final_router: RoutingSite) -> torch.Tensor:
+        return self.read(state, self.layout.final_site, final_router)
 
 
 class DeltaStream:
-    """The delta variant's state of one forward: stream ``h``, block start, rows of sources."""
+    """How the delta variant keeps one forward's state: the additive stream ``h``, the
+    stream where the current block started, and the rows of sources (buffered or not, as
+    :class:`DepthStream`'s)."""
 
-    def __init__(self, layout: DeltaLayout, route, embedding: torch.Tensor):
-        self.layout, self.route = layout, route
-        self.rows = SourceRows(layout.capacity, embedding)
-        self.rows.set(0, embedding)
-        self.hidden = self.block_start = embedding
+    def __init__(self, layout: DeltaLayout, buffered: bool):
+        self.layout, self.buffered = layout, buffered
 
-    def read(self, site: int, router: RoutingSite) -> torch.Tensor:
+    def start(self, embedding: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        if not self.buffered:
+            return embedding, embedding, embedding
+        buffer = embedding.new_empty((self.layout.capacity, *embedding.shape))
+        buffer[0].copy_(embedding)
+        return embedding, embedding, buffer
+
+    def read(self, state, site: int, router: RoutingSite) -> torch.Tensor:
         """``h + gate * route([rows, null])`` [B, T, D]; the null source joins last."""
-        rows = self.layout.rows_read(site)
-        self.rows.set(rows, router.null_source.to(self.hidden.dtype).expand_as(self.hidden))
-        routed = self.route(self.rows.prefix(rows + 1), router.query, router.norm_weight)
-        return self.hidden + router.gate.to(routed.dtype) * routed
+        hidden, rows = state[0], self.layout.rows_read(site)
+        null = router.null_source.to(hidden.dtype).expand_as(hidden)
+        if self.buffered:
+            buffer = state[2]
+            buffer[rows].copy_(null)
+            return router(buffer[: rows + 1], hidden)
+        return router(torch.stack([*state[2 : 2 + rows], null]), hidden)
 
-    def write(self, site: int, output: torch.Tensor) -> None:
-        self.hidden = self.hidden + output
+    def write(self, state, site: int, output: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        hidden, block_start, rows = state[0] + output, state[1], state[2:]
         if self.layout.completes_block(site):
-            block = self.layout.layer_of(site) // self.layout.block_layers
-            self.rows.set(block, self.hidden - self.block_start)
-            self.block_start = self.hidden
+            if self.buffered:
+                rows[0][self.layout.layer_of(site) // self.layout.block_layers].copy_(hidden - block_start)
+            else:
+                rows = rows + (hidden - block_start,)
+            block_start = hidden
+        return (hidden, block_start, *rows)
 
-    def output(self, final_router: Optional[RoutingSite]) -> torch.Tensor:
-        return self.hidden
+    def output(self, state, final_router: Optional[RoutingSite]) -> torch.Tensor:
+        return state[0]
+
+
+def depth_stream(layout: Union[BlockLayout, DeltaLayout], buffered: bool) -> Union[DepthStream, DeltaStream]:
+    return (DeltaStream if isinstance(layout, DeltaLayout) else DepthStream)(layout, buffered)
 
 
 # ---------------------------------------------------------------- decoder
 
 
 class RoutedDecoderLayer:
-    """A family's decoder layer whose two sublayers read routed inputs from the stream.
+    """A family's decoder layer whose two sublayers read routed inputs from the sources.
 
     Mixed in before ``LlamaDecoderLayer`` / ``Qwen3DecoderLayer``, whose submodules
     (``self_attn``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``) it runs
-    unchanged. Adds ``attention_router`` and ``mlp_router``.
+    unchanged, and whose ``GradientCheckpointingLayer`` base checkpoints it. Adds
+    ``attention_router`` and ``mlp_router``.
     """
 
     def __init__(self, config, layer_idx: int):
@@ -247,11 +286,13 @@ class RoutedDecoderLayer:
         self.mlp_router = RoutingSite(config)
         self.attention_site = 2 * layer_idx + 1
 
-    def forward(self, stream, attention_mask=None, position_ids=None, cache=None, use_cache=False,
-                position_embeddings=None, **kwargs) -> torch.Tensor:
-        """Run both sublayers on ``stream``; returns the MLP output [B, T, D] (the stream holds it)."""
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(self, *state: torch.Tensor, stream, attention_mask=None, position_ids=None, cache=None,
+                use_cache=False, position_embeddings=None, **kwargs) -> Tuple[torch.Tensor, ...]:
+        """Run both sublayers on the sources ``state`` (positional, as activation checkpointing
+        needs the tensors it recomputes from); returns the state after them."""
         site = self.attention_site
-        routed = stream.read(site, self.attention_router)
+        routed = stream.read(state, site, self.attention_router)
         attention_out, _ = self.self_attn(
             hidden_states=self.input_layernorm(routed),
             attention_mask=attention_mask,
@@ -261,11 +302,9 @@ class RoutedDecoderLayer:
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        stream.write(site, attention_out)
-        routed = stream.read(site + 1, self.mlp_router)
-        mlp_out = self.mlp(self.post_attention_layernorm(routed))
-        stream.write(site + 1, mlp_out)
-        return mlp_out
+        state = stream.write(state, site, attention_out)
+        routed = stream.read(state, site + 1, self.mlp_router)
+        return stream.write(state, site + 1, self.mlp(self.post_attention_layernorm(routed)))
 
 
 class MHARLlamaDecoderLayer(RoutedDecoderLayer, LlamaDecoderLayer):
@@ -276,14 +315,45 @@ class MHARQwen3DecoderLayer(RoutedDecoderLayer, Qwen3DecoderLayer):
     pass
 
 
+# The files of an export's model code, and the running classes' source of each.
+CODE_FILES = ("configuration_mhar.py", "modeling_mhar.py", "depth_route.py")
+
+
+def _running_code() -> dict:
+    modules = (MHARLlamaConfig, RoutingSite, depth_route)
+    return {name: Path(inspect.getsourcefile(obj)) for name, obj in zip(CODE_FILES, modules)}
+
+
+def recorded_outputs(attention_class: type, norm_class: type) -> dict:
+    """What ``output_hidden_states`` and ``output_attentions`` record (``_can_record_outputs``):
+    each layer's routed input (the output of its attention site), then the final norm's
+    output, ``num_hidden_layers + 1`` entries as ``capture_outputs`` counts them; and the
+    attention weights of each layer."""
+    return {
+        "hidden_states": [
+            OutputRecorder(RoutingSite, layer_name="attention_router", capture_initial_hidden_state=False),
+            OutputRecorder(norm_class, layer_name="norm", capture_initial_hidden_state=False),
+        ],
+        "attentions": attention_class,
+    }
+
+
 class MHARPreTrainedModel(PreTrainedModel):
-    """Weight init and loading rules shared by the MHAR families."""
+    """Weight init, loading rules and capabilities shared by the MHAR families.
+
+    The flags are stock Llama's, with a ``base_model_pp_plan`` of ``None`` on the config: a
+    pipeline stage of transformers' plan hands one hidden state to the next, where MHAR
+    layers need every earlier source. The tensor-parallel plan is the family's: the routing
+    parameters stay replicated and read the full hidden states that the row-parallel
+    projections all-reduce.
+    """
 
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False  # the depth stream is state across layers
+    supports_gradient_checkpointing = True
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
+    _can_compile_fullgraph = True
     _supports_attention_backend = True
 
     def _init_weights(self, module):
@@ -291,18 +361,36 @@ class MHARPreTrainedModel(PreTrainedModel):
         if isinstance(module, RoutingSite):
             module.reset_parameters()
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained`` (and so ``push_to_hub``), with the model code
+        these classes run beside the weights, as an export has it: the directory loads with
+        ``trust_remote_code=True`` where megatron_mhar is not installed."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            for name, source in _running_code().items():
+                shutil.copyfile(source, Path(save_directory) / name)
+
     @classmethod
-    def from_pretrained(cls, *args, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' ``from_pretrained``, refusing checkpoints that miss, add or reshape tensors.
 
         A missing routing tensor would otherwise be initialised silently and the model would
         compute another function; the ``ValueError`` names every such tensor.
         ``ignore_mismatched_sizes=True`` lets reshaped tensors be initialised, as usual.
+
+        A directory shipping model files other than these classes' (exported by another
+        version of megatron_mhar, whose registered classes transformers prefers to the
+        directory's even with ``trust_remote_code=True``) loads with its own classes when
+        ``trust_remote_code=True`` is passed, and is refused otherwise.
         """
+        shipped = _shipped_class(cls, pretrained_model_name_or_path, kwargs)
+        if shipped is not None:
+            kwargs.pop("config", None)  # an instance of these classes' config: the shipped code reads its own
+            return shipped.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         wants_info = kwargs.pop("output_loading_info", False)
         ignore_mismatched = kwargs.pop("ignore_mismatched_sizes", False)
         model, info = super().from_pretrained(
-            *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+            pretrained_model_name_or_path, *args, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
         )
         problems = [f"{kind.replace('_', ' ')}: {_listed(sorted(info.get(kind) or ()))}"
                     for kind in ("missing_keys", "unexpected_keys") if info.get(kind)]
@@ -322,6 +410,37 @@ class MHARPreTrainedModel(PreTrainedModel):
         return (model, info) if wants_info else model
 
 
+def _shipped_class(cls, path, kwargs) -> Optional[type]:
+    """``None`` where every model file the directory ships equals the one ``cls`` runs (or it
+    ships none); else the directory's own class of ``cls``'s name, loaded as remote code if
+    ``trust_remote_code=True`` was passed, or a ``ValueError`` saying to pass it.
+
+    Loaded as remote code, the classes are the directory's own files and always match.
+    """
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    hub = {key: kwargs[key] for key in ("cache_dir", "revision", "token", "local_files_only", "subfolder")
+           if kwargs.get(key) is not None}
+    differing = []
+    for name, running in _running_code().items():
+        shipped = cached_file(path, name, _raise_exceptions_for_missing_entries=False, **hub)
+        if shipped is not None and Path(shipped).read_bytes() != running.read_bytes():
+            differing.append(name)
+    if not differing:
+        return None
+    if not kwargs.get("trust_remote_code"):
+        raise ValueError(
+            f"{path} ships {', '.join(differing)} unlike the classes running ({Path(__file__).parent}): "
+            f"another version of megatron_mhar exported it, and its weights belong to its own code. Pass "
+            f"trust_remote_code=True to run the code it ships, or export it again with the installed megatron_mhar"
+        )
+    auto_map = json.loads(Path(cached_file(path, "config.json", **hub)).read_text()).get("auto_map", {})
+    auto_class, reference = next((key, ref) for key, ref in auto_map.items() if ref.endswith(f".{cls.__name__}"))
+    shipped_class = get_class_from_dynamic_module(reference, path, **hub)
+    shipped_class.register_for_auto_class(auto_class)  # save_pretrained copies the shipped code
+    return shipped_class
+
+
 def _listed(names, shown: int = 8) -> str:
     more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
     return ", ".join(str(name) for name in names[:shown]) + more
@@ -333,6 +452,8 @@ class MHARModel:
     layer_class: type
     norm_class: type
     rotary_class: type
+    # A checkpoint of the causal LM holds the output layer too.
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
 
     def __init__(self, config):
         super().__init__(config)
@@ -349,13 +470,6 @@ class MHARModel:
         self.gradient_checkpointing = False
         self.post_init()
 
-    def _route(self):
-        config = self.config
-        return functools.partial(
-            depth_route, num_heads=config.mhar_num_heads, eps=config.routing_eps,
-            logit_scale=config.mhar_logit_scale,
-        )
-
     def _layer_masks(self, attention_mask, **mask_kwargs) -> list:
         """The attention mask of each layer (full, or sliding-window for Qwen3's sliding layers)."""
         types = getattr(self.config, "layer_types", None) or ["full_attention"] * len(self.layers)
@@ -366,6 +480,9 @@ class MHARModel:
             masks["sliding_attention"] = create_sliding_window_causal_mask(attention_mask=attention_mask, **mask_kwargs)
         return [masks[kind] for kind in types]
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @merge_with_config_defaults
+    @capture_outputs
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -378,14 +495,6 @@ class MHARModel:
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        for flag in ("output_hidden_states", "output_attentions"):
-            if kwargs.pop(flag, None):
-                raise ValueError(
-                    f"{flag}=True is not supported by MHAR models: there is no single residual stream "
-                    f"between layers (each sublayer reads its own mixture of earlier outputs)"
-                )
-        if use_cache is None:
-            use_cache = self.config.use_cache
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
@@ -400,11 +509,12 @@ class MHARModel:
             position_ids=position_ids,
         )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
-        stream_class = DeltaStream if isinstance(self.layout, DeltaLayout) else DepthStream
-        stream = stream_class(self.layout, self._route(), inputs_embeds)
+        stream = depth_stream(self.layout, buffered=not torch.is_grad_enabled())
+        state = stream.start(inputs_embeds)
         for layer, mask in zip(self.layers, masks):
-            layer(
-                stream,
+            state = layer(
+                *state,
+                stream=stream,
                 attention_mask=mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
@@ -412,8 +522,8 @@ class MHARModel:
                 use_cache=use_cache,
                 **kwargs,
             )
-        hidden_states = self.norm(stream.output(self.final_router))
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+        hidden_states = self.norm(stream.output(state, self.final_router))
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
 
 
 class MHARForCausalLM:
@@ -421,6 +531,7 @@ class MHARForCausalLM:
     before the family's pre-trained model class, which ``GenerationMixin`` follows."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
     model_class: type
 
     def __init__(self, config):
@@ -430,6 +541,8 @@ class MHARForCausalLM:
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @can_return_tuple
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -443,8 +556,7 @@ class MHARForCausalLM:
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """``input_ids`` [B, T] -> ``logits`` [B, T, vocab] (the last ``logits_to_keep`` if set)."""
-        kwargs.pop("return_dict", None)
-        outputs = self.model(
+        outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -457,7 +569,10 @@ class MHARForCausalLM:
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, cache=outputs.cache, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
 
 
 # ---------------------------------------------------------------- the two families
@@ -467,6 +582,7 @@ class MHARLlamaPreTrainedModel(MHARPreTrainedModel):
     config_class = MHARLlamaConfig
     config: MHARLlamaConfig
     _no_split_modules = ["MHARLlamaDecoderLayer"]
+    _can_record_outputs = recorded_outputs(LlamaAttention, LlamaRMSNorm)
 
 
 class MHARLlamaModel(MHARModel, MHARLlamaPreTrainedModel):
@@ -483,6 +599,7 @@ class MHARQwen3PreTrainedModel(MHARPreTrainedModel):
     config_class = MHARQwen3Config
     config: MHARQwen3Config
     _no_split_modules = ["MHARQwen3DecoderLayer"]
+    _can_record_outputs = recorded_outputs(Qwen3Attention, Qwen3RMSNorm)
 
 
 class MHARQwen3Model(MHARModel, MHARQwen3PreTrainedModel):

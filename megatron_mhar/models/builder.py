@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import importlib.util
 from typing import Optional
 
 import torch
@@ -62,15 +63,22 @@ class MHARTransformerConfig(TransformerConfig):
 
 def fused_kernel_fields(model: GPTModelConfig) -> dict:
     """TransformerConfig fields of the fused kernels Megatron-LM trains with under
-    Transformer Engine: weight-gradient accumulation into ``main_grad`` inside TE's GEMMs
-    (the separate accumulation kernel goes), TE's fused cross-entropy, fused RoPE and the
-    fused SwiGLU. Empty for the local spec, whose gradient-accumulation fusion needs apex,
-    and with ``model.fused_kernels`` false. ``model.spec`` must be resolved
-    (:func:`resolve_spec`)."""
+    Transformer Engine: Megatron's fused vocabulary-parallel cross-entropy, fused RoPE, the
+    fused SwiGLU and, where apex's ``fused_weight_gradient_mlp_cuda`` is installed,
+    weight-gradient accumulation into ``main_grad`` inside the GEMMs. Empty for the local
+    spec and with ``model.fused_kernels`` false. ``model.spec`` must be resolved
+    (:func:`resolve_spec`).
+
+    Gradient-accumulation fusion needs apex even with TE: the output layer is Megatron's
+    ``ColumnParallelLinear``, which refuses the fusion without apex's extension. The
+    cross-entropy is Megatron's (``native``), not TE's: TE's backward creates a host tensor
+    unless Megatron's config says the full iteration is captured, which the training loop's
+    full-iteration graph does not set, so its capture fails."""
     if model.spec != "transformer_engine" or not model.fused_kernels:
         return {}
-    return dict(gradient_accumulation_fusion=True, cross_entropy_loss_fusion=True,
-                cross_entropy_fusion_impl="te", apply_rope_fusion=True, bias_activation_fusion=True)
+    apex_wgrad = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    return dict(gradient_accumulation_fusion=apex_wgrad, cross_entropy_loss_fusion=True,
+                cross_entropy_fusion_impl="native", apply_rope_fusion=True, bias_activation_fusion=True)
 
 
 def make_transformer_config(model: GPTModelConfig, mhar: MHARConfig, **overrides) -> TransformerConfig:

@@ -18,6 +18,7 @@ import importlib
 from typing import Optional
 
 import torch
+from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import transformer_block
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -158,11 +159,15 @@ def get_mhar_block_spec(
         vp_stage: virtual pipeline stage of the chunk.
     """
     layer = get_mhar_layer_spec(model, mhar, layer_norm)
-    local_norm = layer_norm is not None and resolve_spec(model.spec).spec == "local"
+    if resolve_spec(model.spec).spec == "local":
+        # The local layers' own norm, as Megatron's local decoder spec takes it: the block's
+        # default (``LayerNormImpl``) is TE's norm wherever TE is installed, CPU runs included.
+        final_norm = layer_norm or gpt_layer_specs.LNImpl
+    else:
+        final_norm = transformer_block.LayerNormImpl
     block = dict(
         layer_specs=[layer] * transformer_block.get_num_layers_to_build(config, vp_stage=vp_stage),
-        # Otherwise the final norm Megatron's block takes with a layer spec.
-        layer_norm=layer_norm if local_norm else transformer_block.LayerNormImpl,
+        layer_norm=final_norm,
     )
     if not mhar.enabled:
         return TransformerBlockSubmodules(**block)

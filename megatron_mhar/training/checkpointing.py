@@ -46,6 +46,7 @@ from megatron_mhar.checkpoint_format import (
     checkpoint_name,
     checkpoint_problem,
     checksummed_writes,
+    code_provenance,
     find_checkpoint,
     published_checkpoints,
     reading,
@@ -236,6 +237,7 @@ def save_checkpoint(
             train_state=train_state,
             config=config,
             world_size=torch.distributed.get_world_size(),
+            provenance=code_provenance(),
         )
         with checksummed_writes():
             dist_checkpointing.save(state, str(tmp))  # ends with a barrier once all ranks wrote

@@ -117,6 +117,39 @@ def test_transformer_engine_spec_needs_cuda():
     assert run.returncode == 2 and "--spec transformer_engine needs CUDA" in run.stderr, run.stderr[-2000:]
 
 
+def test_te_baseline_overrides_are_megatron_fields(tmp_path):
+    """The strong baseline's fusions and FP8 reach the driver's configuration as recipe
+    fields; its fused kernels are TransformerConfig fields Megatron accepts, only with the TE
+    spec (the local spec's gradient-accumulation fusion needs apex)."""
+    import dataclasses as dc
+    import importlib.util
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from benchmarks.bench_training import SIZES, build_parser, size_overrides
+    from megatron_mhar.models.builder import fused_kernel_fields
+    from megatron_mhar.training.recipes import load_config
+
+    data = {"prefix": str(tmp_path / "ids"), "tokenizer": str(tmp_path / "tokenizer")}
+
+    def model_of(argv):
+        args = build_parser().parse_args(["--sizes", "tiny", *argv])
+        return load_config(SIZES["tiny"], size_overrides(args, "tiny", "cuda", tmp_path, data))
+
+    fields = {f.name for f in dc.fields(TransformerConfig)}
+    cfg = model_of(["--spec", "transformer_engine", "--precision", "fp8"])
+    assert cfg.training.precision == "fp8" and cfg.model.fused_kernels
+    te = fused_kernel_fields(cfg.model)
+    assert te["cross_entropy_loss_fusion"] and te["apply_rope_fusion"] and te["bias_activation_fusion"]
+    # Megatron's output layer refuses gradient-accumulation fusion without apex's extension;
+    # TE's cross-entropy cannot be captured by the full-iteration graph.
+    apex = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    assert te["gradient_accumulation_fusion"] == apex and te["cross_entropy_fusion_impl"] == "native"
+    assert set(te) <= fields
+    assert fused_kernel_fields(model_of(["--spec", "transformer_engine", "--no-fusions"]).model) == {}
+    assert fused_kernel_fields(model_of(["--spec", "local"]).model) == {}
+
+
 def test_default_report_is_the_file_of_record():
     """Without --out the report goes to benchmarks/results/training/<device>.json (an A/B
     against --base-kernels writes none unless asked)."""

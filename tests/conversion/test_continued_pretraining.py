@@ -125,6 +125,7 @@ def test_continued_pretraining_from_converted_checkpoints(
         assert torch.equal(exported[hf_name.replace("pre_mlp_router", "mlp_router")], gate.detach())
     config, reference = (json.loads((d / "config.json").read_text()) for d in (out, hf_dir))
     assert config["architectures"] == ["MHARQwen3ForCausalLM"] and config["mhar_variant"] == "delta"
+    # transformers_version: the oldest transformers the shipped modeling code runs on
     assert {k: v for k, v in config.items() if not k.startswith("mhar_") and k not in
-            ("architectures", "model_type", "auto_map")} == {
-        k: v for k, v in reference.items() if k not in ("architectures", "model_type")}
+            ("architectures", "model_type", "auto_map", "transformers_version")} == {
+        k: v for k, v in reference.items() if k not in ("architectures", "model_type", "transformers_version")}

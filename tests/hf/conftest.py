@@ -12,9 +12,10 @@ Fixtures:
     embedded: the embedded corpus and builtin tokenizer (:class:`EmbeddedData`).
     checkpoints: ``{case: Megatron checkpoints dir}`` of every case.
     exports: ``{case: HF dir}`` of their exports.
-    remote_logits: ``{case: logits [2, 24, vocab]}`` of every export loaded with
-        ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` in one
-        subprocess where ``megatron_mhar`` and ``mhar_kernels`` cannot be imported.
+    remote: what every export gave when used as a transformers / PEFT user would
+        (``use_without_package.py``: loaded with ``trust_remote_code=True``, forwards,
+        cache, outputs, activation checkpointing, Trainer, prefix tuning, pipeline), in
+        one subprocess where ``megatron_mhar`` and ``mhar_kernels`` cannot be imported.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def exports(tmp_path_factory, checkpoints, embedded) -> Dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def remote_logits(tmp_path_factory, exports):
-    """Every case's logits from its export loaded where megatron_mhar cannot be imported."""
+def remote(tmp_path_factory, exports):
+    """Every case's export used where megatron_mhar cannot be imported (see the module docstring)."""
     work = tmp_path_factory.mktemp("remote")
     tokens = work / "tokens.pt"
     torch.save(export_token_batch(), tokens)
@@ -89,9 +90,9 @@ def remote_logits(tmp_path_factory, exports):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",) + LAUNCHER_ENV}
     env.update(HF_HOME=str(work / "hf_home"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     result = subprocess.run(
-        [sys.executable, str(HERE / "load_without_package.py"), str(work / "dirs.json"), str(tokens),
-         str(work / "logits.pt")],
-        cwd=work, env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, str(HERE / "use_without_package.py"), str(work / "dirs.json"), str(tokens),
+         str(work / "uses.pt")],
+        cwd=work, env=env, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    return torch.load(work / "logits.pt")
+    return torch.load(work / "uses.pt")

@@ -1,7 +1,8 @@
-"""``python -m megatron_mhar.evaluate`` on a trained checkpoint, offline, with a task defined here.
+"""``python -m megatron_mhar.evaluate`` on a training run, offline, with a task defined here.
 
 The harness's log-likelihood of every (context, continuation) pair must be the one
 computed from the model's own logits, those of the export and those of ``load_model``.
+A task whose dataset the Hub would supply fails at once, offline, with one line.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def harness_run(checkpoints, embedded, tmp_path_factory):
-    """The evaluation CLI run on the delta case's Megatron checkpoint (exported on the way)."""
+    """The evaluation CLI run on the delta case's run directory (its checkpoint exported on the way)."""
     work = tmp_path_factory.mktemp("evaluate")
     tasks = work / "tasks"
     tasks.mkdir()
@@ -56,7 +57,7 @@ def harness_run(checkpoints, embedded, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     env.update(PYTHONPATH=str(REPO), HF_HOME=str(work / "hf_home"), HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    command = [sys.executable, "-m", "megatron_mhar.evaluate", str(checkpoints["qwen3-delta-h8"]),
+    command = [sys.executable, "-m", "megatron_mhar.evaluate", str(checkpoints["qwen3-delta-h8"].parent),
                "--tokenizer", str(embedded.directory), "--export-dir", str(work / "hf"),
                "--tasks", "mhar_tiny", "--include-path", str(tasks), "--batch-size", "3",
                "--dtype", "float32", "--output", str(work / "results.json"), "--log-samples"]
@@ -125,3 +126,27 @@ def test_evaluate_refuses_a_model_without_tokenizer(exports, tmp_path, capsys):
     with pytest.raises(SystemExit):
         evaluate.main([str(bare), "--tasks", "mhar_tiny", "--tokenizer", str(tmp_path)])
     assert "apply to Megatron checkpoints" in capsys.readouterr().err
+
+
+def test_a_hub_task_offline_fails_at_once_with_one_line(exports, tmp_path):
+    """No HF_HUB_OFFLINE set, the Hub's endpoint refuses connections: arc_easy (whose data
+    the harness downloads) fails before any model loads, with the dataset and the way to
+    local tasks named on one line."""
+    from megatron_mhar.runtime import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV + ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env.update(PYTHONPATH=str(REPO), HF_HOME=str(tmp_path / "hf_home"), HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")
+    command = [sys.executable, "-m", "megatron_mhar.evaluate", str(exports["qwen3-full-h8"]), "--tasks", "arc_easy"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: task 'arc_easy' needs the dataset "
+                                                                       "allenai/ai2_arc from the Hugging Face Hub, "
+                                                                       "which cannot be reached (127.0.0.1:")
+    assert "--include-path" in result.stderr
+
+
+def test_hub_offline_setting_is_read(monkeypatch):
+    from megatron_mhar.evaluate import hub_unreachable
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hub_unreachable() == "HF_HUB_OFFLINE is set"

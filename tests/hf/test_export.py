@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -32,11 +33,11 @@ def _megatron_logits(checkpoint: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", EXPORT_CASES)
-def test_export_loads_without_megatron_mhar(megatron_world1, checkpoints, remote_logits, case):
+def test_export_loads_without_megatron_mhar(megatron_world1, checkpoints, remote, case):
     """fp32 logits of AutoModelForCausalLM (remote code, no megatron_mhar) == load_model's."""
     expected = _megatron_logits(checkpoints[case], export_token_batch())
-    loaded = remote_logits[case]
-    assert remote_logits["imported"] == []
+    loaded = remote[case]["plain"]
+    assert remote["imported"] == []
     family = FAMILY[case.split("-")[0]]
     if case in ROUTED_CASES:
         assert loaded["class"] == "MHAR" + family
@@ -63,6 +64,7 @@ def test_export_holds_trained_routing_config_and_code(checkpoints, exports, case
     assert config["architectures"] == ["MHAR" + family]
     assert config["auto_map"] == {
         "AutoConfig": f"configuration_mhar.MHAR{family[:-len('ForCausalLM')]}Config",
+        "AutoModel": f"modeling_mhar.MHAR{family[:-len('ForCausalLM')]}Model",
         "AutoModelForCausalLM": f"modeling_mhar.MHAR{family}",
     }
     for name, source in (("configuration_mhar.py", "hf/configuration_mhar.py"),
@@ -86,16 +88,16 @@ def test_export_holds_trained_routing_config_and_code(checkpoints, exports, case
         assert not torch.equal(tensor, initial), f"{name} kept its initial value: the test trains nothing"
 
 
-def test_registered_classes_load_without_trust_remote_code(remote_logits, exports):
+def test_registered_classes_load_without_trust_remote_code(remote, exports):
     """With megatron_mhar.hf imported, the export loads the package's classes, same logits."""
     import megatron_mhar.hf
     from transformers import AutoModelForCausalLM
 
     for case in ROUTED_CASES:
         model = AutoModelForCausalLM.from_pretrained(exports[case], dtype=torch.float32).eval()
-        assert type(model) is getattr(megatron_mhar.hf, remote_logits[case]["class"])
+        assert type(model) is getattr(megatron_mhar.hf, remote[case]["plain"]["class"])
         with torch.no_grad():
-            assert torch.equal(model(export_token_batch()).logits, remote_logits[case]["logits"]), case
+            assert torch.equal(model(export_token_batch()).logits, remote[case]["plain"]["logits"]), case
 
 
 @pytest.mark.parametrize("case", EXPORT_CASES)
@@ -182,3 +184,40 @@ def test_export_of_a_trained_checkpoint_carries_its_tokenizer(megatron_world1, c
     assert config["eos_token_id"] == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
     text = "def main():\n    return 0\n"
     assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+
+
+@pytest.mark.parametrize("case", EXPORT_CASES)
+def test_export_is_hub_ready(exports, case):
+    """generation_config.json and a pad token from the run's tokenizer, a model card naming the
+    variant, the way to load and the run (its config, the commit that trained it), the oldest
+    transformers the code runs on, and the file modes a new file gets."""
+    import yaml
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from megatron_mhar.checkpoint_format import code_provenance
+    from megatron_mhar.hf.configuration_mhar import MIN_TRANSFORMERS_VERSION
+
+    out = exports[case]
+    config = json.loads((out / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    eod = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    generation = GenerationConfig.from_pretrained(out)
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (eod, eod, eod)
+    assert tokenizer.pad_token == tokenizer.eos_token == "<|endoftext|>"
+    assert (config["bos_token_id"], config["eos_token_id"]) == (eod, eod) and "pad_token_id" not in config
+
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\n")
+    commit = code_provenance()["commit"]
+    if commit is not None:
+        assert commit in card
+    run_config = yaml.safe_load(card.split("```yaml\n")[1].split("```")[0])
+    assert run_config["training"]["train_iters"] == 4 and run_config["run"]["name"] == case
+    if case in ROUTED_CASES:
+        assert config["transformers_version"] == MIN_TRANSFORMERS_VERSION
+        assert f"variant `{config['mhar_variant']}`" in card and "trust_remote_code=True" in card
+        assert f"| `mhar_num_heads` | {config['mhar_num_heads']} |" in card
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in out.iterdir()}
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask) and "model.safetensors" in modes

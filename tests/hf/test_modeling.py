@@ -98,13 +98,17 @@ def test_config_names_the_bad_field(fields, message):
         MHARLlamaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, **fields)
 
 
-def test_hidden_states_are_refused_not_faked(exports):
-    import megatron_mhar.hf  # noqa: F401
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(exports["qwen3-full-h8"], dtype=torch.float32)
-    with pytest.raises(ValueError, match="output_hidden_states=True is not supported by MHAR models"):
-        model(export_token_batch(), output_hidden_states=True)
+@pytest.mark.parametrize("name", ["qwen3-full", "llama-block", "qwen3-delta"])
+def test_forward_compiles_as_one_graph(name):
+    """_can_compile_fullgraph: torch.compile(fullgraph=True) traces the forward without a
+    graph break, with autograd (sources stacked) and without (one buffer); same logits.
+    (Dynamo's eager backend: the tracing, without the CPU code generation.)"""
+    model, tokens = random_model(name), export_token_batch(3, seq=10)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        expected = model(tokens).logits
+        assert torch.equal(compiled(tokens).logits, expected)
+    assert torch.equal(compiled(tokens).logits.detach(), expected)
 
 
 def _counting_fused_route(monkeypatch):
