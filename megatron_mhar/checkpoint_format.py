@@ -58,11 +58,12 @@ TOKENIZER_DIR = "tokenizer"
 """The run's tokenizer inside a trained checkpoint (converted ones carry theirs in ``hf/``)."""
 # Config sections that define the network; any difference makes a checkpoint unusable.
 MODEL_SECTIONS = ("model", "mhar")
-MODEL_EXECUTION_FIELDS = ("spec",)
+MODEL_EXECUTION_FIELDS = ("spec", "fused_kernels")
 """``model`` fields a resume may change: the local and the Transformer Engine spec store the
 same tensors under the same distributed-checkpoint keys (TE's fused pre-norms as the local
 spec's norms, mapped by Megatron's ``sharded_state_dict_keys_map``), so a run saved with
-one resumes with the other (``model.spec: auto`` on another machine)."""
+one resumes with the other (``model.spec: auto`` on another machine); the fused kernels
+of the TE spec change no tensor."""
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
 
 _SAVE_NAME = re.compile(r"iter_(\d+)(?:\.(\d+))?")  # checkpoint_name, and a repeated save's suffix

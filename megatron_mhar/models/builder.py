@@ -66,14 +66,15 @@ def fused_kernel_fields(model: GPTModelConfig) -> dict:
     Transformer Engine: Megatron's fused vocabulary-parallel cross-entropy, fused RoPE, the
     fused SwiGLU and, where apex's ``fused_weight_gradient_mlp_cuda`` is installed,
     weight-gradient accumulation into ``main_grad`` inside the GEMMs. Empty for the local
-    spec. ``model.spec`` must be resolved (:func:`resolve_spec`).
+    spec and with ``model.fused_kernels`` false. ``model.spec`` must be resolved
+    (:func:`resolve_spec`).
 
     Gradient-accumulation fusion needs apex even with TE: the output layer is Megatron's
     ``ColumnParallelLinear``, which refuses the fusion without apex's extension. The
     cross-entropy is Megatron's (``native``), not TE's: TE's backward creates a host tensor
     unless Megatron's config says the full iteration is captured, which the training loop's
     full-iteration graph does not set, so its capture fails."""
-    if model.spec != "transformer_engine":
+    if model.spec != "transformer_engine" or not model.fused_kernels:
         return {}
     apex_wgrad = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
     return dict(gradient_accumulation_fusion=apex_wgrad, cross_entropy_loss_fusion=True,

@@ -209,10 +209,11 @@ class Trainer:
             wd_incr_style="constant",
         )
         self._wire_model_config()
-        # Training steps through Megatron's full-iteration CUDA graph; evaluation eager.
-        self._train_schedule = (
+        self.train_schedule = (
             cuda_graphs.FullIterationGraph(pipeline.forward_backward) if graphs else pipeline.forward_backward
         )
+        """The schedule training steps run: Megatron's (``pipeline.forward_backward``), or it
+        under the full-iteration CUDA graph (``training.cuda_graph``); evaluation runs eager."""
 
         self.iteration = 0
         self.consumed_samples = 0  # the data position (a resume may change the batch size)
@@ -404,7 +405,7 @@ class Trainer:
         training steps go through the CUDA graph when ``training.cuda_graph`` asks.
         """
         tr = self.cfg.training
-        schedule = pipeline.forward_backward if forward_only else self._train_schedule
+        schedule = pipeline.forward_backward if forward_only else self.train_schedule
         return schedule(
             forward_step_func=self._forward_step,
             data_iterator=iterators,
