@@ -1,7 +1,7 @@
 """HF -> Megatron (delta) -> HF conversion at Llama-3.1-8B's size on a CPU machine: wall time, peak memory.
 
-    python benchmarks/bench_conversion.py --work-dir /tmp/conversion --out benchmarks/results/conversion/cpu.json
-    python benchmarks/bench_conversion.py --num-layers 4 --work-dir /tmp/conversion   # a smaller run
+    python -m benchmarks.bench_conversion --work-dir /tmp/conversion --out benchmarks/results/conversion/cpu.json
+    python -m benchmarks.bench_conversion --num-layers 4 --work-dir /tmp/conversion   # a smaller run
 
 Each step runs as a process of its own and is measured from outside:
 
@@ -20,9 +20,13 @@ Each step runs as a process of its own and is measured from outside:
 Peak memory is reported twice: the largest sum of proportional set sizes (PSS) over the
 step's process tree, sampled every 50 ms (Megatron's checkpoint writer forks processes
 that share the parent's pages, which a sum of RSS would count twice), and the largest
-peak RSS of a single process of the tree (``getrusage`` of the reaped step). The target
-of both conversions is at most 1.3x the bf16 weights for both figures: tensors stream,
-no whole copy is made.
+peak RSS of a single process of the tree (``getrusage`` of the reaped step). Each comes
+with its anonymous part (``Pss_Anon`` of ``smaps_rollup``, ``RssAnon`` of ``status``,
+sampled): resident memory also holds file pages mapped into the processes (the source
+safetensors a tensor still views, the libraries), which an idle machine keeps resident
+and a loaded one drops and reads again; anonymous memory is what no file backs. The
+target of both conversions is at most 1.3x the bf16 weights for the total figures (as an
+idle machine sees them): tensors stream, no whole copy is made.
 Results of several ``--num-layers`` go into one report, one entry per layer count (each
 with its commit and command; the top level names the latest).
 """
@@ -32,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -43,10 +46,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from benchmarks.json_out import check_out, write_json  # noqa: E402
+from benchmarks.common import ROOT, check_out, command, commit, machine, versions, write_json
 
 LLAMA_31_8B = dict(
     hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -206,19 +206,24 @@ def check_first_step(checkpoint: Path, hf_dir: Path, recipe_overrides: List[str]
 # ---------------------------------------------------------------- measuring a step
 
 
-def _pss_kib(pid: int) -> int:
+def _kib_fields(path: str, names) -> Dict[str, int]:
+    """The ``Name: <n> kB`` fields ``names`` of a /proc file (0 for a process that ended
+    between listing and reading)."""
+    found = dict.fromkeys(names, 0)
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
+                name = line.split(":", 1)[0]
+                if name in found:
+                    found[name] = int(line.split()[1])
     except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return 0  # the process ended between listing and reading
-    return 0
+        pass
+    return found
 
 
 class TreeMemory(threading.Thread):
-    """Samples the summed PSS of a process and its descendants until stopped."""
+    """Samples, until stopped, the summed PSS of a process and its descendants and its
+    anonymous part, and the largest anonymous RSS of one of them."""
 
     def __init__(self, pid: int):
         super().__init__(daemon=True)
@@ -226,6 +231,8 @@ class TreeMemory(threading.Thread):
 
         self.root = psutil.Process(pid)
         self.peak_kib = 0
+        self.peak_anon_kib = 0
+        self.peak_rss_anon_kib = 0
         self.samples = 0
         self._done = threading.Event()
 
@@ -237,7 +244,11 @@ class TreeMemory(threading.Thread):
                 pids = [self.root.pid] + [child.pid for child in self.root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 break
-            self.peak_kib = max(self.peak_kib, sum(_pss_kib(pid) for pid in pids))
+            pss = [_kib_fields(f"/proc/{pid}/smaps_rollup", ("Pss", "Pss_Anon")) for pid in pids]
+            self.peak_kib = max(self.peak_kib, sum(p["Pss"] for p in pss))
+            self.peak_anon_kib = max(self.peak_anon_kib, sum(p["Pss_Anon"] for p in pss))
+            self.peak_rss_anon_kib = max([self.peak_rss_anon_kib] + [
+                _kib_fields(f"/proc/{pid}/status", ("RssAnon",))["RssAnon"] for pid in pids])
             self.samples += 1
             self._done.wait(SAMPLE_S)
 
@@ -247,18 +258,17 @@ class TreeMemory(threading.Thread):
 
 
 def _shown(part: str) -> str:
-    """A command's word as the report shows it: ``python``, and the script relative to the repository."""
-    if part == sys.executable:
-        return "python"
-    return os.path.relpath(part, ROOT) if part.startswith(ROOT + os.sep) else part
+    """A command's word as the report shows it (``python`` for this interpreter)."""
+    return "python" if part == sys.executable else part
 
 
 def measure(command: List[str], log: Path) -> Dict:
     """Run ``command`` (output to ``log``); its wall time and peak memory (the process tree's
-    summed PSS, sampled, and the largest RSS of one of its processes), or an error."""
+    summed PSS, sampled, and the largest RSS of one of its processes, each with its
+    anonymous part), or an error."""
     start = time.perf_counter()
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         sampler = TreeMemory(proc.pid)
         sampler.start()
         _, status, usage = os.wait4(proc.pid, 0)
@@ -268,7 +278,9 @@ def measure(command: List[str], log: Path) -> Dict:
         "command": " ".join(_shown(part) for part in command),
         "wall_s": round(time.perf_counter() - start, 2),
         "peak_tree_pss_gib": round(sampler.peak_kib / 2**20, 3),
+        "peak_tree_anon_pss_gib": round(sampler.peak_anon_kib / 2**20, 3),
         "peak_rss_gib": round(usage.ru_maxrss / 2**20, 3),
+        "peak_rss_anon_gib": round(sampler.peak_rss_anon_kib / 2**20, 3),
         "memory_samples": sampler.samples,
     }
     if proc.returncode != 0:
@@ -280,8 +292,8 @@ def measure(command: List[str], log: Path) -> Dict:
 
 
 def _phase_command(phase: str, args: argparse.Namespace) -> List[str]:
-    return [sys.executable, os.path.abspath(__file__), "--phase", phase, "--work-dir", str(args.work_dir),
-            "--num-layers", str(args.num_layers)]
+    return [sys.executable, "-m", "benchmarks.bench_conversion", "--phase", phase, "--work-dir",
+            str(args.work_dir), "--num-layers", str(args.num_layers)]
 
 
 def run(args: argparse.Namespace) -> Dict:
@@ -320,6 +332,8 @@ def run(args: argparse.Namespace) -> Dict:
             if step and "error" not in step:
                 peak = max(step["peak_tree_pss_gib"], step["peak_rss_gib"])
                 step["peak_over_weights"] = round(peak * GIB / weights, 3)
+                anon = max(step["peak_tree_anon_pss_gib"], step["peak_rss_anon_gib"])
+                step["anon_peak_over_weights"] = round(anon * GIB / weights, 3)
         ratios = [entry["steps"][n].get("peak_over_weights") for n in ("hf_to_mcore", "mcore_to_hf")
                   if n in entry["steps"]]
         entry["meets_target"] = len(ratios) == 2 and None not in ratios and max(ratios) <= TARGET_RATIO
@@ -344,35 +358,6 @@ def run_phase(phase: str, args: argparse.Namespace) -> None:
     (work / f"{phase.replace('-', '_')}.json").write_text(json.dumps(result, indent=1))
 
 
-def machine() -> Dict:
-    import psutil
-
-    cpu = platform.processor()
-    if os.path.isfile("/proc/cpuinfo"):
-        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / GIB, 1),
-            "platform": platform.platform()}
-
-
-def versions() -> Dict:
-    import megatron.core
-    import safetensors
-    import transformers
-
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "megatron_core": megatron.core.__version__, "safetensors": safetensors.__version__,
-            "transformers": transformers.__version__}
-
-
-def commit() -> Optional[str]:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-layers", type=int, default=32, help="decoder layers (default 32, Llama-3.1-8B's)")
@@ -388,13 +373,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         run_phase(args.phase, args)
         return 0
     check_out(parser, args.out)
-    entry = {"commit": commit(), "command": " ".join(["python", *sys.argv]), **run(args)}
+    entry = {"commit": commit(), "command": command("benchmarks.bench_conversion", argv), **run(args)}
     if args.out:
         report = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {}
         runs = [r for r in report.get("runs", []) if r.get("num_layers") != args.num_layers]
         report.update({
             "benchmark": "conversion", "commit": entry["commit"], "command": entry["command"],
-            "machine": machine(), "versions": versions(), "target_peak_over_weights": TARGET_RATIO,
+            "machine": machine("cpu"), "versions": versions("safetensors", "transformers"),
+            "target_peak_over_weights": TARGET_RATIO,
             "runs": sorted(runs + [entry], key=lambda r: r["num_layers"]),
         })
         write_json(args.out, report)

@@ -84,10 +84,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
+    from megatron_mhar.errors import command_errors
     from megatron_mhar.inference import load_model
     from megatron_mhar.runtime import destroy
 
-    try:
+    with command_errors(parser.prog):
         model = load_model(args.checkpoint, device=args.device, dtype=DTYPES.get(args.dtype))
         try:
             length = args.seq_length or model.config.seq_length
@@ -97,13 +98,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             maps = routing_maps(model.gpt, batches)
         finally:
             destroy()
-    except ValueError as err:
-        parser.exit(2, f"error: {err}\n")
-    title = f"{Path(args.checkpoint).resolve().name}: {model.mhar.variant}, H={model.mhar.num_heads}"
-    save_routing_maps(
-        maps, Path(args.out), title, checkpoint=str(args.checkpoint), data=args.data,
-        sequences=len(windows), seq_length=length, variant=model.mhar.variant,
-    )
+        title = f"{Path(args.checkpoint).resolve().name}: {model.mhar.variant}, H={model.mhar.num_heads}"
+        save_routing_maps(
+            maps, Path(args.out), title, checkpoint=str(args.checkpoint), data=args.data,
+            sequences=len(windows), seq_length=length, variant=model.mhar.variant,
+        )
     print(f"routing maps of {maps.tokens} tokens: {Path(args.out) / PNG_FILE}, {Path(args.out) / JSON_FILE}")
     return 0
 

@@ -59,14 +59,14 @@ TOKENIZER_DIR = "tokenizer"
 """The run's tokenizer inside a trained checkpoint (converted ones carry theirs in ``hf/``)."""
 # Config sections that define the network; any difference makes a checkpoint unusable.
 MODEL_SECTIONS = ("model", "mhar")
-MODEL_EXECUTION_FIELDS = ("spec", "moe_token_dispatcher_type", "moe_router_dtype", "moe_aux_loss_coeff",
-                          "moe_z_loss_coeff", "moe_router_load_balancing_type")
+MODEL_EXECUTION_FIELDS = ("spec", "fused_kernels", "moe_token_dispatcher_type", "moe_router_dtype",
+                          "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type")
 """``model`` fields a resume may change: the local and the Transformer Engine spec store the
 same tensors under the same distributed-checkpoint keys (TE's fused pre-norms as the local
 spec's norms, mapped by Megatron's ``sharded_state_dict_keys_map``), so a run saved with
-one resumes with the other (``model.spec: auto`` on another machine); an MoE model's token
-dispatcher, router precision and router losses change how it runs and trains, not its
-weights."""
+one resumes with the other (``model.spec: auto`` on another machine); the fused kernels
+of the TE spec change no tensor; an MoE model's token dispatcher, router precision and
+router losses change how it runs and trains, not its weights."""
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
 
 _SAVE_NAME = re.compile(r"iter_(\d+)(?:\.(\d+))?")  # checkpoint_name, and a repeated save's suffix
@@ -319,16 +319,22 @@ def code_provenance() -> Dict[str, Any]:
 # ---------------------------------------------------------------- the stored run config
 
 
-def config_differences(saved: Dict[str, Any], current: Dict[str, Any], prefix: str = "") -> List[str]:
-    """``key: saved -> current`` for every leaf that differs between two config dicts."""
+def changed_fields(saved: Dict[str, Any], current: Dict[str, Any], prefix: str = "") -> List[Tuple[str, Any, Any]]:
+    """``(dotted key, saved value, current value)`` of every leaf that differs between two
+    config dicts (``"<absent>"`` for a key one of them lacks)."""
     out = []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
         if isinstance(a, dict) and isinstance(b, dict):
-            out.extend(config_differences(a, b, f"{prefix}{key}."))
+            out.extend(changed_fields(a, b, f"{prefix}{key}."))
         elif a != b:
-            out.append(f"{prefix}{key}: {a!r} (checkpoint) vs {b!r} (config)")
+            out.append((f"{prefix}{key}", a, b))
     return out
+
+
+def config_differences(saved: Dict[str, Any], current: Dict[str, Any], prefix: str = "") -> List[str]:
+    """``key: saved (checkpoint) vs current (config)`` for every leaf that differs."""
+    return [f"{key}: {a!r} (checkpoint) vs {b!r} (config)" for key, a, b in changed_fields(saved, current, prefix)]
 
 
 def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:

@@ -37,6 +37,8 @@ import urllib.request
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from megatron_mhar.errors import UserError, command_errors
+from megatron_mhar.files import write_atomic
 from megatron_mhar.quiet import quiet_known_warnings
 
 # Files one of which an HF directory needs for transformers' AutoTokenizer.
@@ -167,16 +169,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     quiet_known_warnings()
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.model.is_file() or not args.model.exists():
-        parser.exit(2, f"error: {args.model} is not a directory (a run, a Megatron checkpoint or a Hugging Face "
-                       f"model)\n")
-    is_hf = (args.model / "config.json").is_file()
-    if is_hf and (args.hf_reference or args.tokenizer or args.export_dir):
-        parser.exit(2, f"error: {args.model} is a Hugging Face directory already; --hf-reference, "
-                       f"--tokenizer and --export-dir apply to Megatron checkpoints\n")
-    if args.export_dir is not None and args.export_dir.exists():
-        parser.exit(2, f"error: --export-dir {args.export_dir} exists; give a new directory\n")
-    with tempfile.TemporaryDirectory(prefix="mhar_eval_") as scratch:
+    with command_errors(parser.prog), tempfile.TemporaryDirectory(prefix="mhar_eval_") as scratch:
+        if args.model.is_file() or not args.model.exists():
+            raise FileNotFoundError(f"{args.model} is not a directory (a run, a Megatron checkpoint or a Hugging "
+                                    f"Face model)")
+        is_hf = (args.model / "config.json").is_file()
+        if is_hf and (args.hf_reference or args.tokenizer or args.export_dir):
+            raise ValueError(f"{args.model} is a Hugging Face directory already; --hf-reference, --tokenizer "
+                             f"and --export-dir apply to Megatron checkpoints")
+        if args.export_dir is not None and args.export_dir.exists():
+            raise FileExistsError(f"--export-dir {args.export_dir} exists; give a new directory")
         try:
             if is_hf:
                 check_tokenizer(args.model)
@@ -186,16 +188,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             manager, tasks = load_tasks([name for name in args.tasks.split(",") if name], args.include_path, offline)
             hf_dir = args.model if is_hf else export_checkpoint(args, args.export_dir or Path(scratch) / "hf")
             results = evaluate(args, hf_dir, manager, tasks)
-        except (ValueError, FileNotFoundError, FileExistsError, ImportError) as err:
-            parser.exit(2, f"error: {err}\n")
-    from lm_eval.utils import handle_non_serializable, make_table
+        except ImportError as err:  # the eval extra is missing: evaluate() names it
+            raise UserError(str(err)) from err
+        from lm_eval.utils import handle_non_serializable, make_table
 
-    print(make_table(results))
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(results, indent=1, default=handle_non_serializable)
-        args.output.write_text(text + "\n")
-        print(f"wrote {args.output}")
+        print(make_table(results))
+        if args.output is not None:
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps(results, indent=1, default=handle_non_serializable)
+            write_atomic(args.output, text + "\n")
+            print(f"wrote {args.output}")
     return 0
 
 

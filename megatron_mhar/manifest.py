@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 
 from megatron_mhar.files import write_atomic
 
@@ -53,23 +53,31 @@ class ManifestError(ValueError):
         """The file at fault (the manifest itself when it is missing or damaged)."""
 
 
-def _new_digest():
+def new_digest():
+    """A fresh XXH3-64 digest (``update(bytes)``, ``hexdigest()``): the project's checksum."""
     import xxhash
 
     return xxhash.xxh3_64()
 
 
-def file_checksum(path: Path) -> str:
-    """The hex XXH3-64 checksum of a file's bytes."""
-    digest = _new_digest()
+def read_pieces(path) -> Iterator[memoryview]:
+    """A file's bytes in pieces of :data:`READ_BYTES`, read into one buffer: each piece is
+    valid until the next is asked for."""
     buffer = bytearray(READ_BYTES)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
         while True:
             n = f.readinto(buffer)
             if not n:
-                break
-            digest.update(view[:n])
+                return
+            yield view[:n]
+
+
+def file_checksum(path: Path) -> str:
+    """The hex XXH3-64 checksum of a file's bytes."""
+    digest = new_digest()
+    for piece in read_pieces(path):
+        digest.update(piece)
     return digest.hexdigest()
 
 
@@ -96,7 +104,7 @@ class ChecksummingFile:
     def __init__(self, path):
         self.path = os.fspath(path)
         self._file = open(self.path, "wb")
-        self._digest = _new_digest()
+        self._digest = new_digest()
         self._unflushed = 0
         self._flusher = None
 
@@ -194,7 +202,7 @@ def describe(directory: Path, names: Iterable[str]) -> Dict[str, Dict[str, objec
 
 
 def _entries_digest(files: Dict[str, Dict[str, object]]) -> str:
-    digest = _new_digest()
+    digest = new_digest()
     digest.update(json.dumps(files, sort_keys=True).encode())
     return digest.hexdigest()
 

@@ -9,12 +9,14 @@ shows the resolved config and exits. The run writes ``runs/<run.name>/``: config
 metrics.jsonl, tensorboard/, checkpoints/ and summary.json; it resumes from its own
 checkpoints when restarted.
 
-A configuration error (a recipe that does not load, data that does not fit, a
-checkpoint of another model) prints its message alone and exits with code 2.
+A failure caused by input or environment (a recipe that does not load, data that does
+not fit, a checkpoint of another model, a full disk, a run directory in use) prints its
+message alone and exits with code 2 (:mod:`megatron_mhar.errors`).
 """
 
 import argparse
 import os
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -41,11 +43,20 @@ def _epilog() -> str:
     return "\n".join(lines)
 
 
-def _is_rank0() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+def _resume_hint(cfg, command: str) -> str:
+    """What stopping the run now loses, and how it goes on: from its newest checkpoint, or
+    from step 0 where none was saved yet (read when asked, at a Ctrl-C)."""
+    from megatron_mhar.checkpoint_format import published_checkpoints
+
+    saved = published_checkpoints(cfg.checkpoint_dir)
+    if saved:
+        return f"the steps since {saved[0]} are lost; `{command}` resumes from it"
+    start = f"the weights of {cfg.checkpoint.load}" if cfg.checkpoint.load else "step 0"
+    return f"no checkpoint was saved yet, so every step is lost; `{command}` starts again from {start}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``mhar-train``; ``argv`` None: this process is the command (``sys.argv``)."""
     quiet_known_warnings()
     parser = argparse.ArgumentParser(
         prog="mhar-train",
@@ -61,34 +72,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if recipe is not None and "=" in recipe:  # only overrides were given
         recipe, overrides = None, [recipe] + overrides
 
+    from megatron_mhar.errors import command_errors
     from megatron_mhar.training.signals import StopSignal
 
     # Installed first: a SIGTERM/SIGUSR1 during imports, data preparation or checkpoint
     # loading is then honoured at the first step (save and exit) instead of killing the rank.
-    with StopSignal() as stop:
-        from megatron_mhar.training.launch_checks import validate_launch
-        from megatron_mhar.training.recipes import load_config, to_yaml
+    stop = StopSignal()
+    try:
+        with stop, command_errors(parser.prog):
+            from megatron_mhar.training.launch_checks import validate_launch
+            from megatron_mhar.training.recipes import load_config, to_yaml
 
-        try:
             cfg = load_config(recipe, overrides)
-            if not args.print_config:  # data, tokenizer, directories: before any process group
-                validate_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        except ValueError as err:
-            parser.exit(2, f"config error: {err}\n")
-        if args.print_config:
-            print(to_yaml(cfg), end="")
-            return 0
+            if args.print_config:
+                print(to_yaml(cfg), end="")
+                return 0
+            validate_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group
 
-        from megatron_mhar.errors import ConfigError
-        from megatron_mhar.training.loop import run
+            from megatron_mhar.training.loop import run
 
-        command = " ".join([parser.prog, *(argv if argv is not None else sys.argv[1:])])
-        stop.stop_message = (f"stopped at once; `{command}` resumes from the last checkpoint in "
-                             f"{cfg.run.dir / 'checkpoints'}")
-        try:
+            command = " ".join([parser.prog, *(argv if argv is not None else sys.argv[1:])])
+            stop.resume_hint = lambda: _resume_hint(cfg, command)
             run(cfg, stop=stop)
-        except ConfigError as err:  # found once the run started (a checkpoint of another model)
-            parser.exit(2, f"config error: {err}\n" if _is_rank0() else None)
+    finally:
+        if argv is None:
+            # What is left is the interpreter's exit (the checkpoint writer's helper is shut
+            # down then): a Ctrl-C now stops at once with the way back, instead of a
+            # traceback from an exit callback.
+            signal.signal(signal.SIGINT, stop.exit_at_once)
     return 0
 
 

@@ -6,7 +6,7 @@
   :func:`gpt_batch`, :func:`randomize_routers`, :func:`capture_sublayers`) and
   :func:`lm_batches`, the micro-batches of the schedule tests.
 * Training driver: :data:`TINY`, the smoke recipe shrunk to seconds, over the embedded
-  corpus of :data:`EMBEDDED_VOCAB` tokens.
+  corpus of :data:`EMBEDDED_VOCAB` tokens; :func:`metric_records` of a run.
 * Conversion: the tiny HF models' :data:`HF_VOCAB` and :data:`HF_SEQ`,
   :func:`redraw_hf_weights`, :func:`edited_hf_dir`, :func:`plan_hf_import`, :func:`token_batch`,
   :func:`hf_logits`, :func:`read_safetensors`.
@@ -387,6 +387,15 @@ TINY = [
     "data.split=80,20,0",
 ]
 """Overrides of the smoke recipe that make a driver run take seconds on CPU."""
+
+
+def metric_records(run_dir) -> Dict[tuple, dict]:
+    """Every ``metrics.jsonl`` record of a run but its timing fields, by (kind, step), in
+    file order: two runs' records compare bitwise."""
+    from megatron_mhar.training.metrics import read_metrics
+
+    timing = {"tokens_per_s", "memory_gb"}
+    return {(r["kind"], r["step"]): {k: v for k, v in r.items() if k not in timing} for r in read_metrics(run_dir)}
 
 
 # ---------------------------------------------------------------- conversion

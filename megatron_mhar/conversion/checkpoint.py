@@ -42,6 +42,7 @@ from megatron_mhar.checkpoint_format import read_configs, stored_dtype  # noqa: 
 from megatron_mhar.files import fsync_dir, nearest_existing
 from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.mhar_config import MHARConfig
+from megatron_mhar.runtime.lock import DirectoryLock
 
 ITERATION_DIR = checkpoint_format.checkpoint_name(0)
 OLD_PREFIX = ".old."
@@ -52,10 +53,10 @@ CONVERSION_FILE = "conversion.json"
 # ---------------------------------------------------------------- layout and publishing
 
 
-def find_checkpoint(path: Path) -> Path:
+def find_checkpoint(path: Path, verify: str = "full") -> Path:
     """The checkpoint ``path`` designates (:func:`checkpoint_format.find_checkpoint`'s rule:
-    its ``latest`` file, or itself); raises where there is none."""
-    found = checkpoint_format.find_checkpoint(Path(path))
+    its ``latest`` file, or itself, verified at ``verify``); raises where there is none."""
+    found = checkpoint_format.find_checkpoint(Path(path), verify)
     if found is None:
         raise FileNotFoundError(
             f"{path} is not a Megatron distributed checkpoint (no {LATEST} file, no metadata.json)"
@@ -88,15 +89,31 @@ def check_output(out: Path, overwrite: bool, inputs: Tuple[Path, ...] = ()) -> N
         raise FileExistsError(f"{out} is a file; --overwrite replaces only a directory; choose another --out")
 
 
-def prepare_output(out: Path, overwrite: bool, inputs: Tuple[Path, ...] = ()) -> Path:
-    """Check ``out`` may be written (:func:`check_output`); return a fresh, empty staging directory."""
+def output_lock(out: Path) -> DirectoryLock:
+    """The lock a conversion holds on ``out`` while it writes (:mod:`megatron_mhar.runtime.lock`;
+    its file ``.lock.<name>`` lies beside ``out``, which does not exist before the end): a
+    second conversion into ``out`` refuses instead of deleting the first one's staging directory."""
     out = Path(out).absolute()
-    check_output(out, overwrite, inputs)
-    tmp = staging_dir(out)
-    if tmp.exists():  # an interrupted earlier conversion
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
+    return DirectoryLock(out.parent / f".lock.{out.name}", f"output {out}", "choose another --out")
+
+
+def prepare_output(out: Path, overwrite: bool, inputs: Tuple[Path, ...] = ()) -> Tuple[Path, DirectoryLock]:
+    """Take ``out``'s lock (:func:`output_lock`), check ``out`` may be written
+    (:func:`check_output`) and make a fresh, empty staging directory; returns it and the
+    lock, which the caller releases once the output is published or cleaned up."""
+    out = Path(out).absolute()
+    check_output(out, overwrite, inputs)  # before the lock file is made beside it
+    lock = output_lock(out).acquire()
+    try:
+        check_output(out, overwrite, inputs)  # again: another conversion may have published it meanwhile
+        tmp = staging_dir(out)
+        if tmp.exists():  # an interrupted earlier conversion
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    except BaseException:
+        lock.release()
+        raise
+    return tmp, lock
 
 
 def publish(tmp: Path, out: Path) -> Path:

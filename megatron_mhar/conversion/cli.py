@@ -21,7 +21,10 @@ Both refuse weights holding NaN or Inf, naming the tensor, unless ``--allow-nonf
 converted checkpoint carries a manifest of its files, and ``mcore-to-hf`` verifies the
 checkpoint it reads against its manifest.
 The commands are argument parsing and one library call
-(:mod:`megatron_mhar.conversion.convert`); bad input exits with code 2 and a message.
+(:mod:`megatron_mhar.conversion.convert`); a failure caused by input or environment
+(bad input, an output another conversion is writing, a full disk) exits with code 2 and
+its message alone (:mod:`megatron_mhar.errors`). ``mcore-to-hf`` names the checkpoint
+and step it converts, and a newer one it passed over as damaged.
 ``checkpoint_tools/hf_to_mcore_mhar.py`` and ``checkpoint_tools/mcore_to_hf_mhar.py``
 run the same two commands from a checkout.
 """
@@ -33,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megatron_mhar.errors import command_errors
 from megatron_mhar.quiet import quiet_known_warnings
 
 DESCRIPTION = "Convert checkpoints between Hugging Face and Megatron MHAR models."
@@ -88,24 +92,21 @@ def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_hf_to_mcore(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Plan and run the import; a bad input exits with code 2."""
-    from megatron_mhar.conversion.convert import INPUT_ERRORS, hf_to_mcore, plan_import
+    """Plan and run the import."""
+    from megatron_mhar.conversion.convert import hf_to_mcore, plan_import
 
     mhar = {k: v for k, v in dict(num_heads=args.num_heads, block_size=args.block_size,
                                   delta_block_layers=args.delta_block_layers,
                                   logit_scale=args.logit_scale).items() if v is not None}
     model = {k: v for k, v in dict(attention_backend=args.attention_backend, spec=args.spec).items()
              if v is not None}
-    try:
-        plan = plan_import(
-            args.hf_dir, args.out, args.variant, tp=args.tp, pp=args.pp, dtype=args.dtype,
-            seq_length=args.seq_length, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-            overwrite=args.overwrite, mhar_overrides=mhar, model_overrides=model,
-            allow_nonfinite=args.allow_nonfinite,
-        )
-        out = hf_to_mcore(plan)
-    except INPUT_ERRORS as err:
-        parser.exit(2, f"error: {err}\n")
+    plan = plan_import(
+        args.hf_dir, args.out, args.variant, tp=args.tp, pp=args.pp, dtype=args.dtype,
+        seq_length=args.seq_length, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        overwrite=args.overwrite, mhar_overrides=mhar, model_overrides=model,
+        allow_nonfinite=args.allow_nonfinite,
+    )
+    out = hf_to_mcore(plan)
     print(f"wrote {out} ({plan.mhar.variant}, {plan.dtype}); recipes continuing from it use the "
           f"model/mhar sections of {out}/iter_0000000/train_config.yaml and "
           f"checkpoint.load={out}, checkpoint.load_model_only=true")
@@ -113,23 +114,29 @@ def run_hf_to_mcore(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 
 def run_mcore_to_hf(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Run the export; a bad input exits with code 2."""
+    """Run the export, naming the checkpoint it reads (and a newer one passed over as damaged)."""
     from transformers.utils.hub import convert_file_size_to_int
 
-    from megatron_mhar.conversion.convert import INPUT_ERRORS, mcore_to_hf
+    from megatron_mhar.checkpoint_format import LATEST, read_common_state
+    from megatron_mhar.conversion.checkpoint import find_checkpoint
+    from megatron_mhar.conversion.convert import mcore_to_hf
 
     size = args.max_shard_size
     try:
         max_shard_bytes = int(size) if size.isdigit() else convert_file_size_to_int(size)
     except ValueError:
         parser.error(f"--max-shard-size {size!r}: give a number of bytes or a size such as 5GB or 500MiB")
-    try:
-        out = mcore_to_hf(args.ckpt, args.out, overwrite=args.overwrite, dtype=args.dtype,
-                          hf_reference=args.hf_reference, tokenizer=args.tokenizer,
-                          allow_nonfinite=args.allow_nonfinite, max_shard_bytes=max_shard_bytes)
-    except INPUT_ERRORS as err:
-        parser.exit(2, f"error: {err}\n")
-    print(f"wrote {out}")
+    found = find_checkpoint(args.ckpt)  # verified here once: mcore_to_hf reads it as found
+    source = f"{found} (step {read_common_state(found).get('iteration')})"
+    latest = Path(args.ckpt) / LATEST
+    named = latest.read_text(errors="replace").strip() if latest.is_file() else None
+    if named is not None and named != found.name:
+        source += f"; the newer {named} that {latest} names fails verification and was passed over"
+    print(f"converting {source}", flush=True)
+    out = mcore_to_hf(found, args.out, overwrite=args.overwrite, dtype=args.dtype,
+                      hf_reference=args.hf_reference, tokenizer=args.tokenizer,
+                      allow_nonfinite=args.allow_nonfinite, max_shard_bytes=max_shard_bytes, verify="off")
+    print(f"wrote {out} from {source}")
     return 0
 
 
@@ -148,7 +155,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name, (summary, add_arguments, _) in COMMANDS.items():
         add_arguments(commands.add_parser(name, help=summary, description=summary))
     args = parser.parse_args(argv)
-    return COMMANDS[args.command][2](args, parser)
+    with command_errors(f"{parser.prog} {args.command}"):
+        return COMMANDS[args.command][2](args, parser)
 
 
 def command_main(name: str, prog: str, argv: Optional[Sequence[str]] = None) -> int:
@@ -157,7 +165,9 @@ def command_main(name: str, prog: str, argv: Optional[Sequence[str]] = None) -> 
     summary, add_arguments, run = COMMANDS[name]
     parser = argparse.ArgumentParser(prog=prog, description=summary)
     add_arguments(parser)
-    return run(parser.parse_args(argv), parser)
+    args = parser.parse_args(argv)
+    with command_errors(prog):
+        return run(args, parser)
 
 
 if __name__ == "__main__":

@@ -29,10 +29,13 @@ from typing import Any, Dict, Optional
 import torch
 
 from megatron_mhar import checkpoint_format
+from megatron_mhar.errors import UserError
 from megatron_mhar.models.mhar_config import MHARConfig, function_fields
 from megatron_mhar.conversion import checkpoint, hf_config, hf_io, mapping, weight_checks
 from megatron_mhar.conversion.model_card import model_card
 from megatron_mhar.models.gpt_config import GPTModelConfig
+from megatron_mhar.runtime import lifetime
+from megatron_mhar.runtime.lock import DirectoryInUse
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -182,8 +185,9 @@ def hf_to_mcore(plan: ImportPlan) -> Path:
     if world > 1 and "WORLD_SIZE" not in os.environ:
         try:
             spawn(_import_rank, world, plan)
-        except BaseException:  # a rank stopped inside a collective leaves its staging behind
-            shutil.rmtree(checkpoint.staging_dir(Path(plan.out)), ignore_errors=True)
+        except BaseException as err:  # a rank stopped inside a collective leaves its staging behind
+            if not isinstance(err, DirectoryInUse):  # that staging is another conversion's
+                shutil.rmtree(checkpoint.staging_dir(Path(plan.out)), ignore_errors=True)
             raise
     else:
         _import_rank(plan)
@@ -194,13 +198,16 @@ def _import_rank(plan: ImportPlan) -> None:
     """One rank of the import (a collective over ``tp * pp`` ranks)."""
     from megatron_mhar.runtime import destroy
 
+    lifetime.install()  # the checkpoint writer's processes die with this rank
     started = _ensure_parallel_state(plan.tp, plan.pp)
     rank = torch.distributed.get_rank()
     out = Path(plan.out)
     tmp = checkpoint.staging_dir(out)
+    lock = None
     try:
         if rank == 0:
-            checkpoint.prepare_output(out, plan.overwrite, inputs=(Path(plan.hf_dir),))
+            _, lock = checkpoint.prepare_output(out, plan.overwrite, inputs=(Path(plan.hf_dir),))
+        lifetime.start_writer_helper()
         torch.distributed.barrier()
 
         chunk = checkpoint.build_model(plan.model, plan.mhar, DTYPES[plan.dtype], device="meta")
@@ -228,11 +235,14 @@ def _import_rank(plan: ImportPlan) -> None:
             (tmp / checkpoint.LATEST).write_text(checkpoint.ITERATION_DIR + "\n")
             checkpoint.publish(tmp, out)
         torch.distributed.barrier()
-    except BaseException:
-        if rank == 0 and tmp.exists():  # never leave a half-written checkpoint behind
+    except BaseException as err:
+        # never leave a half-written checkpoint behind (nor touch another conversion's)
+        if rank == 0 and tmp.exists() and not isinstance(err, DirectoryInUse):
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
+        if lock is not None:
+            lock.release()
         if started:
             destroy()
 
@@ -312,6 +322,7 @@ def mcore_to_hf(
     tokenizer: Optional[Path] = None,
     allow_nonfinite: bool = False,
     max_shard_bytes: int = hf_io.DEFAULT_SHARD_BYTES,
+    verify: str = "full",
 ) -> Path:
     """Write an HF directory from a checkpoint: a plain Llama / Qwen3 for ``variant: none``,
     else its MHAR form, which ``AutoModelForCausalLM`` loads (``trust_remote_code=True``, or
@@ -329,10 +340,12 @@ def mcore_to_hf(
     from the checkpoint into safetensors shards of at most ``max_shard_bytes`` (with an
     index when there are several), each checked for NaN/Inf unless ``allow_nonfinite``;
     every file gets the mode a new file gets (:func:`hf_io.set_file_modes`).
+    ``verify``: how the checkpoint is checked against its manifest first (``full``, ``size``,
+    or ``off`` for one :func:`checkpoint.find_checkpoint` has just verified).
     """
     if max_shard_bytes < 1:
         raise ValueError(f"--max-shard-size must be positive, got {max_shard_bytes} bytes")
-    found = checkpoint.find_checkpoint(Path(ckpt))
+    found = checkpoint.find_checkpoint(Path(ckpt), verify)
     own_tokenizer = found / checkpoint_format.TOKENIZER_DIR
     if tokenizer is None and not hf_reference and not (found / checkpoint.HF_SUBDIR / "config.json").is_file():
         tokenizer = own_tokenizer if (own_tokenizer / "tokenizer.json").is_file() else None
@@ -365,7 +378,7 @@ def mcore_to_hf(
         config = hf_config.mhar_hf_config(config, mhar)
 
     out = Path(out).absolute()
-    tmp = checkpoint.prepare_output(out, overwrite, inputs)
+    tmp, lock = checkpoint.prepare_output(out, overwrite, inputs)  # the lock: held until published or cleaned up
     try:
         if source_config:
             hf_io.copy_auxiliary(source_hf, tmp)
@@ -383,6 +396,8 @@ def mcore_to_hf(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written directory behind
         raise
+    finally:
+        lock.release()
 
 
 def _write_hf_tensors(found: Path, model_cfg: GPTModelConfig, mhar: MHARConfig, stored: torch.dtype,
@@ -417,10 +432,11 @@ def _finite(name: str, tensor: torch.Tensor, found: Path, allow: bool) -> torch.
 
 
 # What a rank raises for bad input; the parent re-raises it as the same type.
-INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError, UserError)
 
 
-def _rank_main(rank: int, world: int, port: int, fn, args, errors) -> None:
+def _rank_main(rank: int, world: int, port: int, fn, args, errors, parent: int) -> None:
+    lifetime.die_with_parent(parent)  # a conversion killed by any signal takes its ranks along
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -451,7 +467,7 @@ def spawn(fn, world: int, *args, timeout: float = 24 * 3600.0, grace: float = 10
 
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, fn, args, errors), daemon=False)
+        ctx.Process(target=_rank_main, args=(r, world, port, fn, args, errors, os.getpid()), daemon=False)
         for r in range(world)
     ]
     for proc in procs:

@@ -24,6 +24,7 @@ import numpy
 import torch
 
 from megatron_mhar.data.tokenizer import Tokenizer
+from megatron_mhar.errors import on_this_rank
 
 _IDX_HEAD = struct.Struct("<9sQBQQ")
 """Megatron's ``.idx`` header: magic, version, dtype code, sequences, documents."""
@@ -254,12 +255,12 @@ class MicroBatches(Iterator[Dict[str, torch.Tensor]]):
         if self.vocab_size is not None:
             for i, sample in zip(range(start, stop), samples):
                 if max(int(sample["tokens"].max()), int(sample["labels"].max())) >= self.vocab_size:
-                    raise ValueError(
+                    raise on_this_rank(ValueError(  # this rank's share of the data: it says so itself
                         f"token id beyond model.vocab_size={self.vocab_size} in "
                         f"{locate_token(self.dataset, i, self.vocab_size)}: the data was written with "
                         f"another tokenizer or is damaged; rewrite it with mhar-preprocess --tokenizer "
                         f"<data.tokenizer>, or remove it from data.paths"
-                    )
+                    ))
         self.consumed_samples += self.micro_batch_size * self.dp_size
         # A blend's samples also carry their source's ``dataset_id`` (a NumPy scalar).
         batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}

@@ -16,6 +16,10 @@ complete, so an interrupted run never leaves a truncated dataset behind; an
 existing ``PREFIX.bin``/``PREFIX.idx`` is replaced only with ``--overwrite``.
 ``PREFIX.meta.json`` records the tokenizer's vocabulary size and the largest token id,
 which the training launch checks against the model in O(1).
+
+Input is UTF-8: a file that is not is refused, naming the file and byte offset of the
+first undecodable byte; ``--encoding-errors replace`` (U+FFFD for each undecodable
+sequence) or ``ignore`` (dropped) reads it anyway and counts them in the summary line.
 """
 
 from __future__ import annotations
@@ -29,23 +33,70 @@ from typing import Iterator, Sequence
 from megatron_mhar.data.corpus import prepare_embedded
 from megatron_mhar.data.indexed_writer import write_indexed_dataset
 from megatron_mhar.data.tokenizer import Tokenizer
+from megatron_mhar.errors import command_errors
 from megatron_mhar.files import nearest_existing
 from megatron_mhar.quiet import quiet_known_warnings
 
 
-def iter_documents(paths: Sequence[str], json_key: str = "text", line_docs: bool = False) -> Iterator[str]:
-    """Documents of ``.jsonl`` files (one per line) and text files (one per file or line)."""
+ENCODING_ERRORS = ("strict", "replace", "ignore")
+"""``--encoding-errors``: refuse undecodable bytes, or replace each undecodable sequence
+with U+FFFD, or drop it (both counted)."""
+
+
+class Decoder:
+    """UTF-8 decoding of input files under one ``--encoding-errors`` policy; ``count`` is
+    the number of undecodable byte sequences replaced or dropped so far."""
+
+    def __init__(self, errors: str = "strict"):
+        if errors not in ENCODING_ERRORS:
+            raise ValueError(f"--encoding-errors {errors!r}: use one of {', '.join(ENCODING_ERRORS)}")
+        self.errors = errors
+        self.count = 0
+
+    def decode(self, raw: bytes, path: str, offset: int, where: str = "") -> str:
+        """``raw``, the bytes at ``offset`` of ``path`` (``where``: e.g. its line), as text."""
+        view, parts, start = memoryview(raw), [], 0
+        while True:
+            try:
+                parts.append(str(view[start:], "utf-8"))
+                return "".join(parts)
+            except UnicodeDecodeError as err:
+                if self.errors == "strict":
+                    bad = view[start + err.start]
+                    raise ValueError(
+                        f"{path}: not UTF-8 at byte offset {offset + start + err.start}{where} (byte {bad:#04x}: "
+                        f"{err.reason}); re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or pass "
+                        f"--encoding-errors replace (each undecodable sequence becomes U+FFFD) or ignore "
+                        f"(dropped); both count them"
+                    ) from None
+                parts.append(str(view[start:start + err.start], "utf-8"))
+                parts.append("\ufffd" if self.errors == "replace" else "")
+                self.count += 1
+                start += err.end
+
+
+def _text_lines(path: str, decoder: Decoder) -> Iterator[str]:
+    """The lines of a text file, as Python's text mode splits them (``\\n``, ``\\r\\n``, ``\\r``)."""
+    offset = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            text = decoder.decode(raw, path, offset, f" (line {number})").replace("\r\n", "\n")
+            offset += len(raw)
+            yield from text.split("\r")
+
+
+def iter_documents(paths: Sequence[str], json_key: str = "text", line_docs: bool = False,
+                   decoder: Decoder | None = None) -> Iterator[str]:
+    """Documents of ``.jsonl`` files (one per line) and text files (one per file or line),
+    decoded by ``decoder`` (default: strict UTF-8)."""
+    decoder = decoder or Decoder()
     for path in paths:
         if path.endswith(".jsonl") or path.endswith(".json"):
+            offset = 0
             with open(path, "rb") as f:  # decoded per line, so an error can name its line
                 for lineno, raw in enumerate(f, 1):
-                    try:
-                        line = raw.decode("utf-8")
-                    except UnicodeDecodeError as err:
-                        raise ValueError(
-                            f"{path}:{lineno}: not UTF-8 (byte {raw[err.start]:#04x} at column "
-                            f"{err.start + 1}); re-encode the file as UTF-8 (e.g. iconv -t utf-8)"
-                        ) from None
+                    line = decoder.decode(raw, path, offset, f" (line {lineno})")
+                    offset += len(raw)
                     if not line.strip():
                         continue
                     try:
@@ -69,12 +120,12 @@ def iter_documents(paths: Sequence[str], json_key: str = "text", line_docs: bool
                             f"a string; pass the --json-key of the document text or drop the line"
                         )
                     yield text
+        elif line_docs:
+            yield from (line.rstrip("\n") for line in _text_lines(path, decoder) if line.strip())
         else:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                if line_docs:
-                    yield from (line.rstrip("\n") for line in f if line.strip())
-                else:
-                    yield f.read()
+            with open(path, "rb") as f:
+                text = decoder.decode(f.read(), path, 0)
+            yield text.replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
 
 
 def _json_type(value) -> str:
@@ -141,6 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--embedded-max-bytes", type=int, default=None,
                         help="with --tokenizer builtin: corpus bytes it was trained on "
                              "(data.embedded_max_bytes)")
+    parser.add_argument("--encoding-errors", choices=ENCODING_ERRORS, default="strict",
+                        help="undecodable (non-UTF-8) input: refuse, naming the file and byte offset (strict, "
+                             "the default), or replace each undecodable sequence with U+FFFD, or drop it "
+                             "(both counted in the summary)")
     args = parser.parse_args(argv)
 
     missing = [p for p in args.input if not os.path.isfile(p)]
@@ -149,24 +204,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = _output_problem(args.output_prefix, args.overwrite)
     if problem:
         parser.error(problem)
-    try:
+    with command_errors(parser.prog):  # a bad line or tokenizer file names itself; nothing is left written
         tokenizer = load_tokenizer(
             args.tokenizer, args.eod_token, args.embedded_dir, args.vocab_size, args.embedded_max_bytes
         )
-    except ValueError as err:
-        parser.exit(2, f"error: {err}\n")
-    docs = iter_documents(args.input, args.json_key, args.line_docs)
-    try:  # a bad line or tokenizer file names itself; nothing is left written
+        decoder = Decoder(args.encoding_errors)
+        docs = iter_documents(args.input, args.json_key, args.line_docs, decoder)
         stats = write_indexed_dataset(docs, tokenizer, args.output_prefix)
-    except ValueError as err:
-        parser.exit(2, f"error: {err}\n")
+    undecodable = ""
+    if args.encoding_errors != "strict":
+        done = "replaced with U+FFFD" if args.encoding_errors == "replace" else "dropped"
+        undecodable = f", {decoder.count} undecodable byte sequences {done} (--encoding-errors {args.encoding_errors})"
     print(
         f"wrote {args.output_prefix}.bin/.idx/.meta.json: {stats['documents']} documents, "
         f"{stats['tokens']} tokens, largest id {stats['max_token_id']} (vocab {tokenizer.vocab_size}, "
-        f"eod {tokenizer.eod_token!r})"
+        f"eod {tokenizer.eod_token!r}){undecodable}"
     )
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -95,6 +95,12 @@ class GPTModelConfig:
     attention_backend: str = "sdpa"
     """Core attention of the local spec: ``sdpa`` (torch SDPA, flash on GPU) or ``megatron``."""
 
+    fused_kernels: bool = True
+    """With the Transformer Engine spec, build with the fused kernels Megatron-LM trains with
+    (``models.builder.fused_kernel_fields``); false leaves them out, to measure what they
+    bring (``benchmarks/bench_training.py --no-fusions``). How the model runs, not what it
+    computes: a checkpoint loads under either value."""
+
     num_moe_experts: Optional[int] = None
     """Routed experts of each MoE layer (Megatron-Core's ``MoELayer``: router, token
     dispatcher, experts); ``None``: every MLP is dense."""
@@ -158,6 +164,8 @@ class GPTModelConfig:
             raise ValueError(f"model.normalization must be one of {NORMS}, got {self.normalization!r}")
         if self.spec not in SPECS:
             raise ValueError(f"model.spec must be one of {SPECS}, got {self.spec!r}")
+        if not isinstance(self.fused_kernels, bool):
+            raise ValueError(f"model.fused_kernels must be true or false, got {self.fused_kernels!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"model.attention_backend must be one of {ATTENTION_BACKENDS}, "

@@ -13,8 +13,8 @@ step as in Megatron; the routing over depth adds none.
 * :func:`moe_layer_pattern`: which decoder layers of a pipeline chunk are MoE layers;
 * :func:`store_pre_mlp_norm_unfused`: the local MoE spec's pre-MLP norm under its own
   distributed-checkpoint key, as Transformer Engine's MoE spec stores it;
-* :func:`te_spec_fields`: the TransformerConfig fields of MoE under Transformer Engine
-  (grouped GEMM, fused permutation), the way Megatron-LM trains MoE;
+* :func:`fused_moe_fields`: TE's fused token permutation, among the fused kernels of the
+  Transformer Engine spec (whose MoE layers run the experts as TE's grouped GEMM);
 * :func:`enable_router_gemm_fallback`: megatron-core 0.16.1 without Transformer Engine;
 * :func:`reset_router_loss_tracker`: Megatron's process-global record of the router losses,
   emptied for each MoE model built.
@@ -80,10 +80,11 @@ def store_pre_mlp_norm_unfused(spec: ModuleSpec) -> ModuleSpec:
     return spec
 
 
-def te_spec_fields(model: GPTModelConfig) -> dict:
-    """TransformerConfig fields of an MoE model under Transformer Engine's spec: the experts
-    as TE's grouped GEMM (``TEGroupedMLP``, whose checkpoint is interchangeable with the local
-    spec's ``SequentialMLP``) and TE's fused token permutation, as Megatron-LM trains MoE."""
+def fused_moe_fields(model: GPTModelConfig) -> dict:
+    """TransformerConfig fields of an MoE model's fused kernels under Transformer Engine's
+    spec: TE's fused token permutation and unpermutation, as Megatron-LM trains MoE. (The
+    TE spec's experts are TE's grouped GEMM, ``TEGroupedMLP``, whose checkpoint is
+    interchangeable with the local spec's ``SequentialMLP``.)"""
     if not model.is_moe:
         return {}
-    return dict(moe_grouped_gemm=True, moe_permute_fusion=True)
+    return dict(moe_permute_fusion=True)

@@ -24,7 +24,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Callable, List, Literal, Optional
 
 import torch
 
@@ -34,7 +34,8 @@ from megatron_mhar.runtime.cpu import (
     is_cpu_runtime_enabled,
 )
 
-__all__ = ["DistributedContext", "destroy", "free_port", "initialize_model_parallel_from_env"]
+__all__ = ["DistributedContext", "destroy", "free_port", "initialize_model_parallel_from_env", "on_all_ranks",
+           "on_rank0"]
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,45 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def on_all_ranks(action: Callable[[], Any]) -> List[Any]:
+    """``action()`` on every rank; every rank's result, on every rank (a collective).
+
+    A rank's failure is raised on every rank (the others would otherwise wait for it in
+    the next collective): on that rank as it is, elsewhere as an ``OSError`` of the same
+    code (a full disk), a :class:`~megatron_mhar.errors.PeerFailure` (input or
+    environment: rank 0 prints that rank's message) or a ``RuntimeError`` (a bug).
+    """
+    from megatron_mhar.errors import PeerFailure, is_user_error
+
+    try:
+        local = (action(), None)
+    except Exception as err:  # raised below, here and on the other ranks
+        local = (None, err)
+    outcomes = [local]
+    if torch.distributed.get_world_size() > 1:
+        failure = local[1]
+        shared = (local[0], None if failure is None else (
+            type(failure).__name__, str(failure), getattr(failure, "errno", None), is_user_error(failure)))
+        outcomes = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(outcomes, shared)
+    if local[1] is not None:
+        raise local[1]
+    for rank, (_, failure) in enumerate(outcomes):
+        if failure is not None:
+            kind, message, code, user = failure
+            if code is not None:
+                raise OSError(code, f"rank {rank}: {message}")
+            if user:
+                raise PeerFailure(f"rank {rank}: {message}")
+            raise RuntimeError(f"rank {rank} failed: {kind}: {message}")
+    return [result for result, _ in outcomes]
+
+
+def on_rank0(action: Callable[[], Any]) -> Any:
+    """``action()`` on rank 0; its result (or its failure) on every rank (a collective)."""
+    return on_all_ranks(lambda: action() if torch.distributed.get_rank() == 0 else None)[0]
 
 
 def _check_layout(rank: int, world_size: int, **sizes: Optional[int]) -> None:

@@ -24,9 +24,8 @@ import os
 import random
 import re
 import shutil
-import signal
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy
 import torch
@@ -52,10 +51,10 @@ from megatron_mhar.checkpoint_format import (
     reading,
     staging_dir,
 )
-from megatron_mhar.errors import ConfigError
+from megatron_mhar.errors import PERMISSION_ERRNOS, SPACE_ERRNOS, ConfigError
 from megatron_mhar.files import fsync_dir, write_atomic
+from megatron_mhar.runtime.distributed import on_all_ranks, on_rank0
 from megatron_mhar.training.model import unwrap
-from megatron_mhar.training.signals import SIGNALS as STOP_SIGNALS
 
 # How Megatron's distributed optimizer writes its state: per parameter, in the parameter's
 # own shape (gathered over the data-parallel ranks at a save), so that dist_checkpointing
@@ -107,66 +106,6 @@ def _sharded_state_dict(model, optimizer, is_loading: bool, with_optimizer: bool
     return state
 
 
-def start_checkpoint_writer() -> None:
-    """Start Megatron's checkpoint-writer helper process now, deaf to the stop signals.
-
-    Megatron's filesystem writer keeps a multiprocessing Manager that it spawns at the
-    first save. Slurm delivers a job step's signals to every process of the step, so a
-    helper that can hear SIGTERM/SIGUSR1 dies of the very signal that asks for a save,
-    and that save fails. Blocked (and ignored) signals are inherited by the spawned
-    helper; in this process they stay pending and are delivered when unblocked.
-    """
-    import multiprocessing
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if multiprocessing.current_process().daemon:
-        # A daemonic process (a test harness's rank) may not start children; Megatron
-        # then creates the helper at the first save, as it would without this call.
-        return
-    # megatron-core 0.19 made the helper's getter public; 0.16 has it private.
-    create_helper = getattr(filesystem_async, "get_write_results_queue", None) or getattr(
-        filesystem_async, "_get_write_results_queue"
-    )
-    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
-    try:
-        create_helper()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
-
-
-def _all_ranks(action: Callable[[], Any]) -> List[Any]:
-    """``action()`` on every rank; every rank's result, on every rank. A rank's failure is
-    raised on every rank (the others would otherwise wait for it in the next collective)."""
-    try:
-        local = (action(), None)
-    except Exception as err:  # raised below, here and on the other ranks
-        local = (None, err)
-    outcomes = [local]
-    if torch.distributed.get_world_size() > 1:
-        shared = (local[0], None if local[1] is None else (type(local[1]).__name__, str(local[1]),
-                                                           getattr(local[1], "errno", None)))
-        outcomes = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(outcomes, shared)
-    if local[1] is not None:
-        raise local[1]
-    for rank, (_, failure) in enumerate(outcomes):
-        if failure is not None:
-            kind, message, code = failure
-            if code is not None:
-                raise OSError(code, f"rank {rank}: {message}")
-            raise RuntimeError(f"rank {rank} failed: {kind}: {message}")
-    return [result for result, _ in outcomes]
-
-
-def _on_rank0(action: Callable[[], Any]) -> Any:
-    """``action()`` on rank 0; its result (or its failure) on every rank."""
-    return _all_ranks(lambda: action() if _is_rank0() else None)[0]
-
-
 def remove_leftovers(ckpt_dir: Path) -> None:
     """Delete what interrupted saves and prunes left in ``ckpt_dir`` (``.tmp.*``: never read)."""
     for stale in Path(ckpt_dir).glob(f"{TMP_PREFIX}*"):
@@ -177,7 +116,7 @@ def verified_problem(checkpoint: Path, verify: str) -> Optional[str]:
     """:func:`checkpoint_problem` with the checksum reading divided among the ranks (a
     collective); the same answer on every rank."""
     share = (torch.distributed.get_rank(), torch.distributed.get_world_size())
-    problems = _all_ranks(lambda: checkpoint_problem(checkpoint, verify, share))
+    problems = on_all_ranks(lambda: checkpoint_problem(checkpoint, verify, share))
     return next((p for p in problems if p), None)
 
 
@@ -190,11 +129,11 @@ def _owner(name: str, world: int) -> int:
 def _write_manifest(directory: Path) -> None:
     """Each rank checksums the files it wrote (reading them back), rank 0 writes the manifest."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    described = _all_ranks(lambda: manifest.describe(
+    described = on_all_ranks(lambda: manifest.describe(
         directory, [n for n in manifest.listed_files(directory) if _owner(n, world) == rank]
     ))
     entries = {name: entry for part in described for name, entry in part.items()}
-    _on_rank0(lambda: manifest.write_manifest(directory, entries))
+    on_rank0(lambda: manifest.write_manifest(directory, entries))
 
 
 def save_checkpoint(
@@ -223,7 +162,7 @@ def save_checkpoint(
     name = checkpoint_name(iteration)
     tmp = staging_dir(ckpt_dir / name)
     try:
-        _on_rank0(lambda: _prepare_staging(ckpt_dir, tmp))
+        on_rank0(lambda: _prepare_staging(ckpt_dir, tmp))
         # Before the first step the optimizer holds no state (Megatron's distributed optimizer
         # refuses to describe itself then): a step-0 checkpoint is its weights, like a
         # converted one, and resuming from it is a fresh start from them.
@@ -241,9 +180,9 @@ def save_checkpoint(
         )
         with checksummed_writes():
             dist_checkpointing.save(state, str(tmp))  # ends with a barrier once all ranks wrote
-        _on_rank0(lambda: _write_run_files(tmp, config, tokenizer))
+        on_rank0(lambda: _write_run_files(tmp, config, tokenizer))
         _write_manifest(tmp)
-        final = _on_rank0(lambda: _publish(ckpt_dir, tmp, name))
+        final = on_rank0(lambda: _publish(ckpt_dir, tmp, name))
         # The checksums were taken from the files as written (read back after the writer's
         # fsync); the published directory must still hold exactly those files before
         # `latest` names it and anything older is pruned.
@@ -253,25 +192,21 @@ def save_checkpoint(
                 f"checkpoint {final} was written but fails verification: {problem}. {LATEST} still "
                 f"names the previous checkpoint and nothing was pruned; check the filesystem of {ckpt_dir}"
             )
-        _on_rank0(lambda: write_atomic(ckpt_dir / LATEST, final.name + "\n"))
+        on_rank0(lambda: write_atomic(ckpt_dir / LATEST, final.name + "\n"))
     except BaseException as err:
         code = _errno_of(err)
         if code is None and ckpt_dir.is_dir() and _space_left(ckpt_dir) < _checkpoint_bytes(ckpt_dir):
             # torch's zip writer reports a short write on a full disk as a position
             # mismatch ("unexpected pos"), without the OS error behind it.
             code = errno.ENOSPC
-        if code not in _SPACE_ERRORS + _PERMISSION_ERRORS:
+        if code not in SPACE_ERRNOS + PERMISSION_ERRNOS:
             raise
         if _is_rank0():  # free the space the partial save holds; the message says what remains
             shutil.rmtree(tmp, ignore_errors=True)
         raise OSError(code, _save_failure(ckpt_dir, name, code, err)) from err
     if keep_last:
-        _on_rank0(lambda: _prune(ckpt_dir, keep_last, final, set(failed)))
+        on_rank0(lambda: _prune(ckpt_dir, keep_last, final, set(failed)))
     return final
-
-
-_SPACE_ERRORS = (errno.ENOSPC, errno.EDQUOT)
-_PERMISSION_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def _errno_of(err: BaseException) -> Optional[int]:
@@ -317,7 +252,7 @@ def _save_failure(ckpt_dir: Path, name: str, code: int, err: BaseException) -> s
     detail = (str(err).strip().splitlines() or [type(err).__name__])[-1]
     head = (f"saving checkpoint {name} into {ckpt_dir} failed: {os.strerror(code)} ({detail}). Nothing was "
             f"published (the partial {TMP_PREFIX}{name} is removed); {kept}. ")
-    if code in _SPACE_ERRORS:
+    if code in SPACE_ERRNOS:
         size = manifest.total_bytes(ckpt_dir / previous) if previous else None
         free = _space_left(ckpt_dir) if ckpt_dir.is_dir() else None
         need = f"about {size / 2**20:,.1f} MiB per checkpoint, " if size else ""
@@ -453,8 +388,8 @@ def load_checkpoint(
     checkpoint is of step 0, which holds weights only: saved before the first step, or
     converted).
 
-    Returns ``{"iteration", "train_state"}`` (iteration 0 and an empty train state
-    with ``model_only``).
+    Returns ``{"iteration", "train_state", "config"}``: iteration 0 and an empty train
+    state with ``model_only``; ``config`` is the run config the checkpoint was saved with.
     """
     common = check_config(checkpoint, config)
     model_only = model_only or common.get("iteration") == 0
@@ -495,7 +430,7 @@ def load_checkpoint(
         # construction (this run's own initialisation); without a refresh the first step
         # would write that initialisation back over the loaded weights.
         optimizer.reload_model_params()
-        return {"iteration": 0, "train_state": {}}
+        return {"iteration": 0, "train_state": {}, "config": saved_config}
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     if same_layout:
@@ -507,4 +442,4 @@ def load_checkpoint(
             f"are resharded, the RNG streams are this layout's own",
             flush=True,
         )
-    return {"iteration": state["iteration"], "train_state": state["train_state"]}
+    return {"iteration": state["iteration"], "train_state": state["train_state"], "config": saved_config}

@@ -244,19 +244,26 @@ def check_heldout_data(cfg: TrainConfig) -> None:
 
 def _check_token_ids(path: str, what: str, vocab_size: int) -> None:
     """The largest token id of a pair against the model's vocabulary: from the pair's
-    metadata (O(1)), else from a sample of its first and last ids. Every id is checked
-    again as training reads it (:class:`megatron_mhar.data.datasets.MicroBatches`)."""
+    metadata (O(1)); from every id, read once, where the ``.bin`` changed since its metadata
+    was written (the metadata is then rewritten); else from a sample of its first and last
+    ids. Every id is checked again as training reads it
+    (:class:`megatron_mhar.data.datasets.MicroBatches`)."""
     from megatron_mhar.data.datasets import sampled_max_token
-    from megatron_mhar.data.indexed_writer import read_metadata
+    from megatron_mhar.data.indexed_writer import read_metadata, rescan
 
-    metadata = read_metadata(path)
+    metadata, stale = read_metadata(path)
+    if stale is not None:
+        metadata = rescan(path, metadata, stale, say=lambda line: print(line, flush=True))
     largest = metadata["max_token_id"] if metadata else sampled_max_token(path)
     if largest >= vocab_size:
-        written = f" by a tokenizer of {metadata['vocab_size']} tokens" if metadata else ""
+        if stale is not None:
+            cause = "its .bin changed after preprocessing (edited or regenerated)"
+        else:
+            written = f" by a tokenizer of {metadata['vocab_size']} tokens" if metadata else ""
+            cause = f"it was written{written} with another tokenizer"
         raise ValueError(
-            f"{what} holds token id {largest}, beyond model.vocab_size={vocab_size}: it was written"
-            f"{written} with another tokenizer; rewrite it with mhar-preprocess --tokenizer "
-            f"<data.tokenizer>, or fix the path"
+            f"{what} holds token id {largest}, beyond model.vocab_size={vocab_size}: {cause}; rewrite it "
+            f"with mhar-preprocess --tokenizer <data.tokenizer>, or fix the path"
         )
 
 

@@ -27,7 +27,7 @@ import resource
 import time
 from functools import partial
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, Iterator, List, Optional, Set
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -36,11 +36,15 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_mhar.checkpoint_format import changed_fields
 from megatron_mhar.data.datasets import MicroBatches, build_gpt_datasets
+from megatron_mhar.errors import PeerFailure, UserError, message_of
 from megatron_mhar.files import write_atomic
 from megatron_mhar.models.routing import RoutingRecorder, SiteRouting, make_layout
 from megatron_mhar.parallel import pipeline
-from megatron_mhar.runtime.distributed import DistributedContext, destroy, initialize_model_parallel_from_env
+from megatron_mhar.runtime import lifetime
+from megatron_mhar.runtime.distributed import DistributedContext, destroy, initialize_model_parallel_from_env, on_rank0
+from megatron_mhar.runtime.lock import DirectoryLock
 from megatron_mhar.training import checkpointing, cuda_graphs
 from megatron_mhar.training.launch_checks import expand_path, runs_on_cpu, validate_launch, with_resolved_spec
 from megatron_mhar.training.memory import estimate_memory
@@ -49,6 +53,7 @@ from megatron_mhar.training.model import build_model_chunks, transformer_config,
 from megatron_mhar.training.moe import MoEMetrics
 from megatron_mhar.training.recipes import to_yaml
 from megatron_mhar.training.schema import TrainConfig
+from megatron_mhar.training.signals import SIGNALS as STOP_SIGNALS
 from megatron_mhar.training.signals import StopSignal
 
 SUMMARY_FILE = "summary.json"
@@ -90,6 +95,7 @@ def run(
     cfg = with_resolved_spec(cfg)
     par = cfg.parallel
     on_cpu = runs_on_cpu(cfg)
+    lifetime.install()  # the checkpoint writer's processes die with this one
     ctx = initialize_model_parallel_from_env(
         tp=par.tensor_model_parallel_size,
         pp=par.pipeline_model_parallel_size,
@@ -102,12 +108,37 @@ def run(
         cuda_graph_rng=cfg.training.cuda_graph != "none",
     )
     try:
-        # With CUDA graphs the whole run, from model construction on, is on the capture
-        # stream (megatron_mhar.training.cuda_graphs says why).
-        with cuda_graphs.capture_stream(cfg.training.cuda_graph):
-            return Trainer(cfg, ctx, step_hook).train(stop)
+        with run_lock(cfg):
+            # With CUDA graphs the whole run, from model construction on, is on the capture
+            # stream (megatron_mhar.training.cuda_graphs says why).
+            with cuda_graphs.capture_stream(cfg.training.cuda_graph):
+                return Trainer(cfg, ctx, step_hook).train(stop)
     finally:
         destroy()
+
+
+LOCK_FILE = ".lock"
+"""The lock file of a run directory (:mod:`megatron_mhar.runtime.lock`)."""
+
+
+@contextlib.contextmanager
+def run_lock(cfg: TrainConfig) -> Iterator[None]:
+    """Rank 0 holds the lock of the run directory (and of ``checkpoint.dir`` where it lies
+    elsewhere) for the life of the run; where another run holds it, every rank raises
+    (:class:`~megatron_mhar.runtime.lock.DirectoryInUse` on rank 0) before anything is written."""
+    directories = [cfg.run.dir.absolute()]
+    checkpoints = cfg.checkpoint_dir.absolute()
+    if directories[0] not in (checkpoints, *checkpoints.parents):
+        directories.append(checkpoints)
+    with contextlib.ExitStack() as held:
+        def take() -> None:
+            for directory in directories:
+                what = "run directory" if directory == directories[0] else "checkpoint directory"
+                other = "give this run another run.name" + (" or checkpoint.dir" if what != "run directory" else "")
+                held.enter_context(DirectoryLock(directory / LOCK_FILE, f"{what} {directory}", other))
+
+        on_rank0(take)
+        yield
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -187,10 +218,11 @@ class Trainer:
         self.moe_metrics = (MoEMetrics(cfg.model, self.config, [unwrap(c) for c in self.model], self.num_microbatches)
                             if cfg.model.is_moe else None)
         self._moe_logged: Optional[dict] = None  # the MoE metrics of the step just logged
-        # Training steps through Megatron's full-iteration CUDA graph; evaluation eager.
-        self._train_schedule = (
+        self.train_schedule = (
             cuda_graphs.FullIterationGraph(pipeline.forward_backward) if graphs else pipeline.forward_backward
         )
+        """The schedule training steps run: Megatron's (``pipeline.forward_backward``), or it
+        under the full-iteration CUDA graph (``training.cuda_graph``); evaluation runs eager."""
 
         self.iteration = 0
         self.consumed_samples = 0  # the data position (a resume may change the batch size)
@@ -202,12 +234,15 @@ class Trainer:
         self.routing: Dict[int, SiteRouting] = {}  # routing of the last recorded step, by site
         self.checkpoint: Optional[Path] = None
         self.failed_checkpoints: Set[Path] = set()
+        self.changed_since_checkpoint: List[str] = []
+        """``key old -> new`` of each config field a resume changed (said on the start line)."""
+        self._unwritten_metrics: List[list] = []  # a resumed checkpoint's records its run could not write
         self._resume()
         # A finished run restarted (a requeue after the end) writes nothing: no metrics,
         # events, evaluation, checkpoint or summary.
         self.finished = self.iteration >= tr.train_iters
         if self.is_logger and not self.finished:
-            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+            write_atomic(self.run_dir / "config.yaml", to_yaml(cfg))
 
         eval_samples = cfg.eval.iters * tr.global_batch_size
         self.train_ds, self.valid_ds, self.test_ds = build_gpt_datasets(
@@ -225,7 +260,8 @@ class Trainer:
         )
         self.train_iterators = self._iterators(self.train_ds, self.consumed_samples)
         self.metrics = MetricsWriter(
-            self.run_dir, self.is_logger, cfg.logging.tensorboard, self.iteration, write_files=not self.finished
+            self.run_dir, self.is_logger, cfg.logging.tensorboard, self.iteration, write_files=not self.finished,
+            unwritten=self._unwritten_metrics,
         )
 
     # ---------------------------------------------------------------- setup
@@ -355,6 +391,7 @@ class Trainer:
         self.iteration = loaded["iteration"]
         train_state = loaded["train_state"]
         self.val_losses = [list(v) for v in train_state.get("val_losses", [])]
+        self._unwritten_metrics = train_state.get("unwritten_metrics", [])
         self.loss_window = list(train_state.get("loss_window", []))
         self.test_loss = train_state.get("test_loss")
         # Checkpoints from before consumed_samples was saved ran one batch size throughout.
@@ -362,6 +399,9 @@ class Trainer:
             "consumed_samples", self.iteration * cfg.training.global_batch_size
         )
         self.checkpoint = found
+        if not model_only:  # said on the start line: what this run does otherwise than the saved one
+            self.changed_since_checkpoint = [
+                f"{key} {old!r} -> {new!r}" for key, old, new in changed_fields(loaded["config"], cfg.to_dict())]
         if self.is_logger:
             what = "loaded weights from" if model_only else "resumed from"
             print(f"{what} {found} at step {self.iteration}", flush=True)
@@ -381,7 +421,7 @@ class Trainer:
         training steps go through the CUDA graph when ``training.cuda_graph`` asks.
         """
         tr = self.cfg.training
-        schedule = pipeline.forward_backward if forward_only else self._train_schedule
+        schedule = pipeline.forward_backward if forward_only else self.train_schedule
         return schedule(
             forward_step_func=self._forward_step,
             data_iterator=iterators,
@@ -525,6 +565,7 @@ class Trainer:
                 "consumed_samples": self.consumed_samples,
                 "loss_window": self.loss_window,
                 "test_loss": self.test_loss,
+                "unwritten_metrics": self.metrics.unwritten,
             },
             self.cfg.to_dict(),
             keep_last=self.cfg.checkpoint.keep_last,
@@ -544,6 +585,8 @@ class Trainer:
         self.metrics.console(
             f"training {cfg.run.name}: {tr.train_iters} steps of {tr.global_batch_size} x "
             f"{cfg.model.seq_length} tokens, mhar={cfg.mhar.variant}, {self._layout()}, from step {self.iteration}"
+            + (f"; changed since the checkpoint: {', '.join(self.changed_since_checkpoint)}"
+               if self.changed_since_checkpoint else "")
         )
         if self.finished:
             self.metrics.console(
@@ -557,7 +600,7 @@ class Trainer:
             if not (self.run_dir / SUMMARY_FILE).is_file():  # the first run stopped before writing it
                 self._write_summary(result)
             return result
-        checkpointing.start_checkpoint_writer()
+        lifetime.start_writer_helper(deaf_to=STOP_SIGNALS)
         if cfg.checkpoint.save_initial and self.iteration == 0 and self.checkpoint is None:
             self.save()
             last_saved = 0
@@ -601,10 +644,17 @@ class Trainer:
                     self._run_eval()
                 if done and self.test_ds is not None:
                     self._run_test()
-                signalled = stop.requested(self.device)
+                signalled = stop.requested(self.device, outputs_failed=self.metrics.failure is not None)
                 if signalled or (cfg.checkpoint.interval and self.iteration % cfg.checkpoint.interval == 0):
-                    self.save()
+                    try:
+                        self.save()
+                    except OSError as err:
+                        if not stop.outputs_failed:
+                            raise
+                        self._stop_for_outputs(err)
                     last_saved = self.iteration
+                if stop.outputs_failed:
+                    self._stop_for_outputs()
                 if signalled:
                     self.metrics.console(
                         f"received {stop.name} at step {self.iteration}: checkpoint saved, exiting"
@@ -627,7 +677,24 @@ class Trainer:
         self._write_routing_maps()
         self._write_summary(result)
         self.metrics.close()
+        if self.metrics.failure is not None:  # TensorBoard reports a failed write late: at its close
+            raise UserError(f"{self.metrics.failure}. The run finished and its last checkpoint, {self.checkpoint}, "
+                            f"is saved; only those files lack their last records")
         return result
+
+    def _stop_for_outputs(self, save_error: Optional[OSError] = None) -> None:
+        """Stop the run after rank 0 could not write its metrics: the checkpoint of this step
+        (saved with the records not written) or why it could not be saved either."""
+        self.metrics.close()
+        if not self.is_logger:
+            raise PeerFailure("rank 0 could not write the run's metrics")
+        if save_error is None:
+            then = (f"Saved checkpoint {self.checkpoint} at step {self.iteration} with the "
+                    f"{len(self.metrics.unwritten)} records not written: once there is room, the same command "
+                    f"resumes from it and writes them")
+        else:
+            then = f"The checkpoint could not be saved either: {message_of(save_error)}"
+        raise UserError(f"{self.metrics.failure}. {then}")
 
     def _write_summary(self, result: TrainResult) -> None:
         """``summary.json``: the run's outcome (every rank calls: the parameter count is a collective)."""

@@ -88,14 +88,21 @@ def test_a_recipe_that_does_not_match_the_checkpoint_is_refused(converted, singl
 
 
 def test_measure_counts_the_memory_of_child_processes(tmp_path):
-    """A parent holding 512 MiB starts a child holding 512 MiB: the tree's peak is their sum,
-    the largest single process's peak one of them."""
-    child = "import torch, time; x = torch.ones(2**27); time.sleep(1.5)"
+    """A parent holding 512 MiB starts a child holding 512 MiB and mapping a file of 256 MiB:
+    the tree's peak is their sum, the largest single process's peak one of them; the
+    anonymous figures leave the file's pages out."""
+    data = tmp_path / "mapped"
+    data.write_bytes(bytes(2**28))
+    child = ("import mmap, torch, time; x = torch.ones(2**27); f = open({path!r}, 'rb'); "
+             "m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); sum(m[i] for i in range(0, len(m), 4096)); "
+             "time.sleep(1.5)").format(path=str(data))
     parent = ("import subprocess, sys, torch; x = torch.ones(2**27); "
               f"subprocess.run([sys.executable, '-c', {child!r}], check=True)")
     result = measure([sys.executable, "-c", parent], tmp_path / "log")
     assert "error" not in result and result["memory_samples"] > 5
-    assert result["peak_rss_gib"] >= 0.5 and result["peak_tree_pss_gib"] >= result["peak_rss_gib"] + 0.4
+    assert result["peak_rss_gib"] >= 0.75 and result["peak_tree_pss_gib"] >= 0.5 + 0.4 + 0.2
+    assert 0.5 <= result["peak_rss_anon_gib"] < 0.7  # the child's tensor, not its mapped file
+    assert 0.9 <= result["peak_tree_anon_pss_gib"] < result["peak_tree_pss_gib"] - 0.2
     failed = measure([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "failed")
     assert failed["error"].startswith("exit code 3")
 
@@ -105,7 +112,7 @@ def test_measure_counts_the_memory_of_child_processes(tmp_path):
     (["--work-dir", "{tmp}", "--out", "{tmp}"], "is a directory"),  # refused before any step runs
 ])  # fmt: skip
 def test_arguments_name_their_errors(args, message, tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_conversion.py"),
+    run = subprocess.run([sys.executable, "-m", "benchmarks.bench_conversion",
                           *[a.format(tmp=tmp_path) for a in args]],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]

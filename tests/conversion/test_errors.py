@@ -257,6 +257,80 @@ def test_cli_reports_a_rank_failure_by_name(hf_dirs, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
+def test_export_names_the_checkpoint_it_converts_and_one_it_passed_over(convert, tmp_path, capsys):
+    """``latest`` names a damaged newer checkpoint: the export converts the older intact
+    one, and its first and last lines say which, at what step, and what it passed over."""
+    ckpt = shutil.copytree(convert("qwen3_tied", "none"), tmp_path / "ckpt")
+    shutil.copytree(ckpt / "iter_0000000", ckpt / "iter_0000005")
+    (ckpt / "latest").write_text("iter_0000005\n")
+    _truncate(ckpt / "iter_0000005" / "common.pt", 100)
+    capsys.readouterr()
+    assert _cli("mcore_to_hf_mhar").main(["--ckpt", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    source = (f"{ckpt / 'iter_0000000'} (step 0); the newer iter_0000005 that {ckpt / 'latest'} names fails "
+              f"verification and was passed over")
+    assert lines[-1] == f"wrote {tmp_path / 'hf'} from {source}"
+    assert f"converting {source}" in lines
+    assert not (tmp_path / ".lock.hf").exists()  # the output's lock, released
+
+
+def test_a_second_conversion_into_one_output_refuses(convert, tmp_path, capsys):
+    """While a conversion writes ``--out``, another into it exits 2 naming the holder, and
+    leaves the first one's staging directory alone."""
+    import os
+
+    from megatron_mhar.conversion.checkpoint import output_lock
+
+    out = tmp_path / "hf"
+    staging = tmp_path / ".tmp.hf"
+    staging.mkdir()
+    (staging / "config.json").write_text("{}")  # the first conversion's work in progress
+    with output_lock(out):
+        with pytest.raises(SystemExit) as exit_info:
+            _cli("mcore_to_hf_mhar").main(["--ckpt", str(convert("qwen3_tied", "none")), "--out", str(out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mcore_to_hf_mhar.py: error: output {out} is in use by pid {os.getpid()} on "), err
+    assert "choose another --out" in err and "Traceback" not in err
+    assert (staging / "config.json").read_text() == "{}" and not out.exists()
+
+
+def test_a_killed_conversion_takes_its_ranks_along(hf_dirs, tmp_path):
+    """``hf-to-mcore --pp 2`` killed with SIGKILL while its ranks convert: 5 s later none of
+    the processes it started runs."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    from tests.helpers import LAUNCHER_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(REPO / "checkpoint_tools" / "hf_to_mcore_mhar.py"), "--hf-dir",
+                             str(hf_dirs["llama"]), "--out", str(out), "--variant", "none", "--pp", "2"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / ".tmp.out" / "iter_0000000").exists():  # both ranks past their set-up: converting
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert len(started) >= 2
+        proc.kill()
+        proc.wait()
+        time.sleep(5)
+        alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, [" ".join(p.cmdline()) for p in alive]
+    finally:
+        try:  # whatever is left, should the test fail
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 # ---------------------------------------------------------------- mapping and configs
 
 

@@ -14,6 +14,7 @@ from megatron_mhar.data.corpus import prepare_embedded, stdlib_files
 from megatron_mhar.data.indexed_writer import write_indexed_dataset
 from megatron_mhar.data.preprocess import main as preprocess_main
 from megatron_mhar.data.tokenizer import EOD_TOKEN, Tokenizer
+from megatron_mhar.manifest import file_checksum
 
 VOCAB = 384
 BYTES = 120_000
@@ -106,8 +107,10 @@ def test_preprocess_jsonl_and_text(embedded, tmp_path, capsys):
     assert sorted(os.listdir(prefix.parent)) == ["corpus.bin", "corpus.idx", "corpus.meta.json"]  # no leftovers
     metadata = json.loads((prefix.parent / "corpus.meta.json").read_text())
     ids = [i for doc in kept for i in tokenizer.tokenize(doc) + [tokenizer.eod]]
-    assert metadata == {"format": "megatron_mhar.indexed.v1", "vocab_size": VOCAB, "max_token_id": max(ids),
-                        "documents": 3, "tokens": len(ids), "bin_bytes": os.path.getsize(f"{prefix}.bin")}
+    stat = os.stat(f"{prefix}.bin")
+    assert metadata == {"format": "megatron_mhar.indexed.v2", "vocab_size": VOCAB, "max_token_id": max(ids),
+                        "documents": 3, "tokens": len(ids), "bin_bytes": stat.st_size,
+                        "bin_mtime_ns": stat.st_mtime_ns, "bin_xxh3_64": file_checksum(f"{prefix}.bin")}
 
     text = tmp_path / "lines.txt"
     text.write_text("line one\n\nline two\n")
@@ -172,7 +175,8 @@ def _preprocess(embedded, tmp_path, *inputs, extra=()):
 @pytest.mark.parametrize(
     "line, message",
     [
-        pytest.param(b'{"text": "caf\xe9"}', r"bad.jsonl:2: not UTF-8 \(byte 0xe9 at column 14\)", id="latin1"),
+        pytest.param(b'{"text": "caf\xe9"}', r"bad.jsonl: not UTF-8 at byte offset 30 \(line 2\) \(byte 0xe9: ",
+                     id="latin1"),
         pytest.param(b'["a", "b"]', r"bad.jsonl:2: a JSON array, not an object", id="array-line"),
         pytest.param(b'{"text": null}', r"bad.jsonl:2: 'text' holds a JSON null, not a string", id="null"),
         pytest.param(b'{"text": 7}', r"bad.jsonl:2: 'text' holds a JSON number", id="number"),
@@ -189,6 +193,40 @@ def test_preprocess_names_the_bad_jsonl_line(embedded, tmp_path, capsys, line, m
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")  # nothing half-written
 
+
+
+# Latin-1 text: "café" and "naïve" (0xe9, 0xef undecodable) around a real U+FFFD, and a CRLF
+# and a lone CR line end (read as Python's text mode reads them).
+LATIN1 = "line one caf\xe9\r\nsecond \ufffd na\xefve\rthird".encode("utf-8").replace(
+    b"\xc3\xa9", b"\xe9").replace(b"\xc3\xaf", b"\xef")
+
+
+@pytest.mark.parametrize("line_docs", [False, True], ids=["file-docs", "line-docs"])
+def test_preprocess_refuses_text_that_is_not_utf8(embedded, tmp_path, capsys, line_docs):
+    """Undecodable text is an error naming the file and byte offset, nothing written; with
+    --encoding-errors replace it reads as before (U+FFFD, as Python's text mode with
+    errors='replace' reads it), with ignore the bytes are dropped, and the summary counts them."""
+    text = tmp_path / "latin1.txt"
+    text.write_bytes(LATIN1)
+    extra = ["--line-docs"] if line_docs else []
+    with pytest.raises(SystemExit) as exit_:
+        _preprocess(embedded, tmp_path, text, extra=extra)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    line = " (line 1)" if line_docs else ""
+    assert err.startswith(f"mhar-preprocess: error: {text}: not UTF-8 at byte offset 12{line} (byte 0xe9: "), err
+    assert "--encoding-errors replace" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+    tokenizer = embedded.tokenizer()
+    for errors in ("replace", "ignore"):
+        with open(text, encoding="utf-8", errors=errors) as f:  # replace: how preprocessing read it before
+            documents = [ln.rstrip("\n") for ln in f if ln.strip()] if line_docs else [f.read()]
+        assert _preprocess(embedded, tmp_path, text, extra=[*extra, "--encoding-errors", errors, "--overwrite"]) == 0
+        done = "replaced with U+FFFD" if errors == "replace" else "dropped"
+        assert f", 2 undecodable byte sequences {done} (--encoding-errors {errors})\n" in capsys.readouterr().out
+        dataset = _read_indexed(str(tmp_path / "out" / "p"))
+        assert [list(dataset[i][:-1]) for i in range(len(dataset))] == [tokenizer.tokenize(d) for d in documents]
 
 
 def test_preprocess_output_prefix_misuse(embedded, tmp_path, capsys):

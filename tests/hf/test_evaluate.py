@@ -2,7 +2,7 @@
 
 The harness's log-likelihood of every (context, continuation) pair must be the one
 computed from the model's own logits, those of the export and those of ``load_model``.
-A task whose dataset the Hub would supply fails at once, offline, with one line.
+A task whose dataset the Hub would supply fails at once, offline, with one message.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def test_evaluate_refuses_a_model_without_tokenizer(exports, tmp_path, capsys):
 def test_a_hub_task_offline_fails_at_once_with_one_line(exports, tmp_path):
     """No HF_HUB_OFFLINE set, the Hub's endpoint refuses connections: arc_easy (whose data
     the harness downloads) fails before any model loads, with the dataset and the way to
-    local tasks named on one line."""
+    local tasks named in one message."""
     from megatron_mhar.runtime import free_port
 
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV + ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
@@ -139,9 +139,10 @@ def test_a_hub_task_offline_fails_at_once_with_one_line(exports, tmp_path):
     command = [sys.executable, "-m", "megatron_mhar.evaluate", str(exports["qwen3-full-h8"]), "--tasks", "arc_easy"]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: task 'arc_easy' needs the dataset "
-                                                                       "allenai/ai2_arc from the Hugging Face Hub, "
-                                                                       "which cannot be reached (127.0.0.1:")
+    message, hint = result.stderr.splitlines()  # the error contract: the message alone, then the hint
+    assert message.startswith("python -m megatron_mhar.evaluate: error: task 'arc_easy' needs the dataset "
+                              "allenai/ai2_arc from the Hugging Face Hub, which cannot be reached (127.0.0.1:")
+    assert hint == "(MHAR_TRACEBACK=1 shows where it was raised)"
     assert "--include-path" in result.stderr
 
 

@@ -1,6 +1,8 @@
-"""Fixtures of the training-driver tests: tiny run configs over the embedded corpus."""
+"""Fixtures of the training-driver tests: tiny run configs over the embedded corpus, a small file system."""
 
 from __future__ import annotations
+
+import subprocess
 
 import pytest
 
@@ -21,3 +23,22 @@ def tiny(tmp_path, embedded_dir, single_process):
         return load_config("smoke_cpu", base + list(overrides))
 
     return make
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 20 MiB tmpfs (CI runs as root); ``None`` where mounting is not permitted."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)],
+                              capture_output=True, text=True)
+    except FileNotFoundError:  # no mount command
+        done = None
+    if done is None or done.returncode != 0:
+        yield None
+        return
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)

@@ -42,9 +42,9 @@ def test_every_recipe_has_a_one_line_description():
     [
         pytest.param("model.hiden_size=64", "did you mean 'model.hidden_size'", id="config"),
         # launch checks (data, tokenizer, directories) report the same way
-        pytest.param("data.paths=[/nonexistent/corpus]", "config error: data.paths[0]='/nonexistent/corpus'", id="launch"),
+        pytest.param("data.paths=[/nonexistent/corpus]", "mhar-train: error: data.paths[0]='/nonexistent/corpus'", id="launch"),
         # a single path is a list of one
-        pytest.param("data.paths=/nonexistent/corpus", "config error: data.paths[0]='/nonexistent/corpus'", id="one-path"),
+        pytest.param("data.paths=/nonexistent/corpus", "mhar-train: error: data.paths[0]='/nonexistent/corpus'", id="one-path"),
     ],
 )
 def test_main_reports_errors_before_starting(capsys, override, message):
@@ -90,6 +90,8 @@ def test_a_checkpoint_of_another_model_exits_2_with_the_message_alone(tiny, caps
         main(["smoke_cpu", *TINY, *same, "training.train_iters=4", "mhar.num_heads=2"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"config error: checkpoint {cfg.checkpoint_dir / 'iter_0000003'} was written for a different model")
+    assert err.startswith(f"mhar-train: error: checkpoint {cfg.checkpoint_dir / 'iter_0000003'} was written for a "
+                          f"different model")
     assert "\n  mhar.num_heads: 4 (checkpoint) vs 2 (config)\n" in err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 3
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 4
+    assert err.strip().splitlines()[-1] == "(MHAR_TRACEBACK=1 shows where it was raised)"

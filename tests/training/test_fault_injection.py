@@ -28,8 +28,7 @@ import pytest
 
 from megatron_mhar import manifest
 from megatron_mhar.checkpoint_format import checkpoint_problem
-from megatron_mhar.training.metrics import read_metrics
-from tests.helpers import LAUNCHER_ENV, TINY
+from tests.helpers import LAUNCHER_ENV, TINY, metric_records
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,12 +56,6 @@ def _run(cfg, step_hook=None):
     return run(cfg, step_hook=step_hook)
 
 
-def _records(run_dir):
-    """Every metrics record but the timing fields, by (kind, step)."""
-    timing = {"tokens_per_s", "memory_gb"}
-    return {(r["kind"], r["step"]): {k: v for k, v in r.items() if k not in timing} for r in read_metrics(run_dir)}
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, embedded_dir):
     """The uninterrupted run: its directory (checkpoints at steps 2 and 4) and records."""
@@ -72,7 +65,7 @@ def reference(tmp_path_factory, embedded_dir):
         root = tmp_path_factory.mktemp("reference")
         cfg = _config(embedded_dir, root)
         _run(cfg)
-    records = _records(cfg.run.dir)
+    records = metric_records(cfg.run.dir)
     assert sorted(step for kind, step in records if kind == "train") == [1, 2, 3, 4]
     return cfg.run.dir, records
 
@@ -177,7 +170,7 @@ def test_sigkill_during_a_save_loses_nothing(tmp_path, embedded_dir, reference, 
 
     resumed = _run(_config(embedded_dir, tmp_path, *extra))
     assert resumed.iteration == 4
-    assert _records(cfg.run.dir) == expected  # bitwise: losses, learning rates, evaluations
+    assert metric_records(cfg.run.dir) == expected  # bitwise: losses, learning rates, evaluations
     assert not list(checkpoints.glob(".tmp.*"))  # leftovers cleared
     _assert_intact(checkpoints / (resumed.checkpoint.name))
 
@@ -209,7 +202,7 @@ def test_a_flipped_byte_falls_back_to_the_previous_checkpoint(tmp_path, embedded
     assert "using the newest verified checkpoint, iter_0000002" in out
     assert f"left iter_0000004 in place (failed verification)" in out  # not pruned, not counted
     assert min(resumed.losses) == 3 and resumed.iteration == 4
-    assert _records(cfg.run.dir) == expected
+    assert metric_records(cfg.run.dir) == expected
     assert (cfg.checkpoint_dir / "latest").read_text().strip() == "iter_0000004.2"
     _assert_intact(cfg.checkpoint_dir / "iter_0000002")  # keep_last=2 kept it: the damaged one does not count
     _assert_intact(cfg.checkpoint_dir / "iter_0000004.2")
@@ -235,25 +228,6 @@ def test_a_checkpoint_given_itself_names_the_intact_one(reference, tmp_path):
 
 
 # ---------------------------------------------------------------- full and read-only disks
-
-
-@pytest.fixture
-def small_filesystem(tmp_path):
-    """A 20 MiB tmpfs (CI runs as root); ``None`` where mounting is not permitted."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)],
-                              capture_output=True, text=True)
-    except FileNotFoundError:  # no mount command
-        done = None
-    if done is None or done.returncode != 0:
-        yield None
-        return
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def _inject_writer_error(monkeypatch, code):
@@ -309,4 +283,4 @@ def test_a_failed_save_says_what_to_free_and_loses_nothing(tmp_path, embedded_di
     _assert_intact(checkpoint_dir / "iter_0000002")
     resumed = _run(_config(embedded_dir, tmp_path, f"checkpoint.dir={checkpoint_dir}"))
     assert min(resumed.losses) == 3 and resumed.iteration == 4
-    assert _records(cfg.run.dir) == expected
+    assert metric_records(cfg.run.dir) == expected
