@@ -120,5 +120,5 @@ def test_bad_expert_layouts_exit_2_naming_the_field(recipe, overrides, world, me
         main([recipe, *overrides])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("config error: ") and "Traceback" not in err
+    assert err.startswith("mhar-train: error: ") and "Traceback" not in err
     assert re.search(message, err), err
