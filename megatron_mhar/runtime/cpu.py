@@ -43,8 +43,10 @@ GPTModel (local spec) with TP+SP, PP (1F1B and interleaved), DP with DDP
 (overlapped or not), the non-distributed and the distributed optimizer (Adam;
 gloo provides reduce-scatter and all-gather), ``finalize_model_grads`` and full
 activation recomputation (CI); the training-driver and runtime tests also pass with
-megatron-core 0.19.2 on Python 3.12. Not covered: ``num_distributed_optimizer_instances >
-1`` (needs CUDA streams), NCCL user buffers, FSDP, MoE token dispatchers, TE.
+megatron-core 0.19.2 on Python 3.12. MoE layers with the ``allgather`` token dispatcher,
+under expert parallelism beside TP/SP/DP/PP (CI). Not covered: ``num_distributed_optimizer_instances >
+1`` (needs CUDA streams), NCCL user buffers, FSDP, the ``alltoall`` and ``flex`` MoE token
+dispatchers (their constructors create CUDA streams), TE.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ and ``get_megatron_optimizer`` (SGD, gradient clipping on), starting from the we
 of the single-process reference model (TP slices and pipeline chunks cut from them).
 It returns the global loss of every step and every parameter's gradient at step 1
 (after Megatron's finalize), keyed by the parameter's single-process name.
+
+A variant named ``moe-<variant>`` is the same routing over an MoE model (:data:`MOE`:
+Megatron's MoE layer in every decoder layer, its load-balancing and z-losses on), which
+layouts with expert parallelism (``Layout.ep``, ``Layout.etp``) split by experts.
 """
 
 from __future__ import annotations
@@ -39,6 +43,21 @@ VARIANTS = {
     "delta": dict(variant="delta", delta_block_layers=1, num_heads=2),
 }
 
+# The MoE model of the ``moe-*`` variants: 4 experts of width 16, top-2, the router losses
+# on (their gradients must count once under every layout), the CPU's all-gather dispatcher.
+# ``moe-halfloss-*``: the same model with half the router-loss coefficients.
+AUX_LOSS, Z_LOSS = 1e-2, 1e-3
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_token_dispatcher_type="allgather")
+
+
+def split_variant(variant: str) -> Tuple[dict, str]:
+    """(the MoE fields of the model, or none, and the routing variant) of a variant name such
+    as ``full``, ``moe-full`` or ``moe-halfloss-full``."""
+    for prefix, scale in (("moe-halfloss-", 0.5), ("moe-", 1.0)):
+        if variant.startswith(prefix):
+            return dict(MOE, moe_aux_loss_coeff=scale * AUX_LOSS, moe_z_loss_coeff=scale * Z_LOSS), variant[len(prefix):]
+    return {}, variant
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -57,38 +76,44 @@ class Layout:
     """overlap_p2p_comm (interleaved schedule): receives are posted asynchronously."""
     unmark_routing_sp: bool = False
     """Drop the routing parameters' ``sequence_parallel`` marking (negative test)."""
+    ep: int = 1
+    """expert_model_parallel_size (carved out of the data- and tensor-parallel ranks)."""
+    etp: Optional[int] = None
+    """expert_tensor_parallel_size (``None``: tp)."""
 
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp
 
 
-def model_config():
+def model_config(variant: str = "none"):
     from megatron_mhar.models.gpt_config import GPTModelConfig
 
     return GPTModelConfig(
         num_layers=NUM_LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2,
         ffn_hidden_size=48, vocab_size=VOCAB, make_vocab_size_divisible_by=32, seq_length=SEQ,
-        qk_layernorm=True,
+        qk_layernorm=True, **split_variant(variant)[0],
     )
 
 
 def mhar_config(variant: str):
     from megatron_mhar.models.mhar_config import MHARConfig
 
-    return MHARConfig(**VARIANTS[variant])
+    return MHARConfig(**VARIANTS[split_variant(variant)[1]])
 
 
 def transformer_config(layout: Layout, variant: str):
     from megatron_mhar.models.builder import make_transformer_config
 
     return make_transformer_config(
-        model_config(),
+        model_config(variant),
         mhar_config(variant),
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         sequence_parallel=layout.sp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
         num_layers_in_first_pipeline_stage=layout.first,
         num_layers_in_last_pipeline_stage=layout.last,
         pipeline_dtype=torch.float32,
@@ -109,7 +134,7 @@ def build_chunks(layout: Layout, variant: str, config) -> List[torch.nn.Module]:
         vp = vp_stage if layout.vpp else None
         chunks.append(
             build_gpt_model(
-                model_config(), mhar_config(variant), config,
+                model_config(variant), mhar_config(variant), config,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                 vp_stage=vp,  # with SP, the builder picks the sequence-parallel norm itself
@@ -119,17 +144,39 @@ def build_chunks(layout: Layout, variant: str, config) -> List[torch.nn.Module]:
 
 
 def global_name(chunk: torch.nn.Module, name: str) -> str:
-    """The single-process name of a chunk's parameter (layer indices made global)."""
+    """The single-process name of a chunk's parameter (layer and expert indices made global)."""
     prefix = "decoder.layers."
     if name.startswith(prefix):
         index, rest = name[len(prefix):].split(".", 1)
-        return f"{prefix}{chunk.decoder.layers[int(index)].layer_number - 1}.{rest}"
+        layer = chunk.decoder.layers[int(index)]
+        experts = "mlp.experts.local_experts."
+        if rest.startswith(experts):
+            local, rest = rest[len(experts):].split(".", 1)
+            rest = f"{experts}{layer.mlp.local_expert_indices[int(local)]}.{rest}"
+        return f"{prefix}{layer.layer_number - 1}.{rest}"
     return name
 
 
+def is_expert(param: torch.nn.Parameter) -> bool:
+    """Megatron marks the experts' parameters ``allreduce=False`` (reduced over the
+    expert-data-parallel ranks, sharded over the expert-tensor-parallel ones)."""
+    return not getattr(param, "allreduce", True)
+
+
+def tp_rank_and_size(param: torch.nn.Parameter) -> Tuple[int, int]:
+    """The tensor-parallel rank and size ``param`` is sharded over (expert TP for experts)."""
+    from megatron.core import parallel_state
+
+    if is_expert(param):
+        return (parallel_state.get_expert_tensor_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_world_size())
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
 def _is_glu_fc1(name: str) -> bool:
-    """SwiGLU fc1 weights are [gate; up]; each TP rank holds [gate shard; up shard]."""
-    return name.endswith("mlp.linear_fc1.weight")
+    """SwiGLU fc1 weights (dense MLPs, experts, shared experts) are [gate; up]; each TP rank
+    holds [gate shard; up shard]."""
+    return name.endswith("linear_fc1.weight")
 
 
 def tp_shard(name: str, value: torch.Tensor, tp_size: int, dim: int) -> List[torch.Tensor]:
@@ -150,11 +197,8 @@ def tp_unshard(name: str, shards: List[torch.Tensor], dim: int) -> torch.Tensor:
 
 def load_full_weights(chunk: torch.nn.Module, full: Dict[str, torch.Tensor]) -> None:
     """Copy the reference weights into a chunk (TP slices along ``partition_dim``)."""
-    from megatron.core import parallel_state
-
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     for name, param in chunk.named_parameters():
+        tp_rank, tp_size = tp_rank_and_size(param)
         key = global_name(chunk, name)
         if key == "output_layer.weight" and key not in full:  # tied: the last stage's copy
             key = "embedding.word_embeddings.weight"
@@ -219,8 +263,10 @@ def train(config, chunks, batches, steps: int = STEPS):
         if step == 0:
             for chunk in chunks:
                 for name, param in chunk.named_parameters():
-                    dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
-                    grads[global_name(chunk, name)] = (param.main_grad.detach().clone(), dim)
+                    sharded = getattr(param, "tensor_model_parallel", False) and tp_rank_and_size(param)[1] > 1
+                    dim = param.partition_dim if sharded else None
+                    grads[global_name(chunk, name)] = (param.main_grad.detach().clone(), dim,
+                                                       tp_rank_and_size(param)[0])
         update_ok, _, _ = optimizer.step()
         assert update_ok
         losses.append(_global_loss(reports))
@@ -285,7 +331,7 @@ def reference(variant: str):
     randomize_routers(model)
     full = {name: param.detach().clone() for name, param in model.named_parameters()}
     losses, grads = train(config, [model], global_batches())
-    return full, losses, {name: grad for name, (grad, _) in grads.items()}
+    return full, losses, {name: grad for name, (grad, *_) in grads.items()}
 
 
 def _run_job(layout: Layout, variant: str, full: Dict[str, torch.Tensor]):
@@ -323,14 +369,16 @@ def parallel_worker(jobs: List[Tuple[Layout, str]], weights: Dict[str, Dict[str,
         for index, (layout, variant) in enumerate(jobs):
             if index == 0:
                 initialize_model_parallel_from_env(
-                    tp=layout.tp, pp=layout.pp, vpp=layout.vpp, seed=SEED, device="cpu",
-                    create_gloo_process_groups=False,
+                    tp=layout.tp, pp=layout.pp, vpp=layout.vpp, ep=layout.ep, etp=layout.etp, seed=SEED,
+                    device="cpu", create_gloo_process_groups=False,
                 )
             else:
                 parallel_state.initialize_model_parallel(
                     tensor_model_parallel_size=layout.tp,
                     pipeline_model_parallel_size=layout.pp,
                     virtual_pipeline_model_parallel_size=layout.vpp,
+                    expert_model_parallel_size=layout.ep,
+                    expert_tensor_parallel_size=layout.etp,
                     create_gloo_process_groups=False,
                 )
                 tensor_parallel.model_parallel_cuda_manual_seed(SEED, force_reset_rng=True)
@@ -351,28 +399,31 @@ def gather_grads(rank_results: List[dict]) -> Dict[str, torch.Tensor]:
     """
     shards: Dict[str, Dict[int, Tuple[torch.Tensor, Optional[int]]]] = {}
     for result in rank_results:
-        for name, (grad, dim) in result["grads"].items():
-            key = (result["tp_rank"], result["dp_rank"])
+        for name, (grad, dim, tp_rank) in result["grads"].items():
+            key = (tp_rank, result["dp_rank"])
             shards.setdefault(name, {})[key] = (grad, dim)
     full = {}
     for name, by_rank in shards.items():
         tp_ranks = sorted({tp for tp, _ in by_rank})
-        dim = by_rank[(0, 0)][1]
+        first = {tp: min(dp for t, dp in by_rank if t == tp) for tp in tp_ranks}
+        dim = by_rank[(0, first[0])][1]
         for (tp, dp), (grad, _) in by_rank.items():  # DP replicas hold the same reduced grad
-            torch.testing.assert_close(grad, by_rank[(tp, 0)][0], rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(grad, by_rank[(tp, first[tp])][0], rtol=0, atol=0, msg=name)
         if dim is None:
-            full[name] = by_rank[(0, 0)][0]
+            full[name] = by_rank[(0, first[0])][0]
         else:
-            full[name] = tp_unshard(name, [by_rank[(tp, 0)][0] for tp in tp_ranks], dim)
+            full[name] = tp_unshard(name, [by_rank[(tp, first[tp])][0] for tp in tp_ranks], dim)
     return full
 
 
 def replicated_names(rank_results: List[dict]) -> List[str]:
     """Parameters that are not TP-sharded (norms, routing, replicated on every TP rank)."""
-    return sorted({n for r in rank_results for n, (_, dim) in r["grads"].items() if dim is None})
+    return sorted({n for r in rank_results for n, (_, dim, _) in r["grads"].items() if dim is None})
 
 
 def replicated_grad_spread(rank_results: List[dict], name: str) -> float:
     """Max difference of a replicated parameter's gradient between TP ranks."""
-    grads = [r["grads"][name][0] for r in rank_results if name in r["grads"] and r["dp_rank"] == 0]
+    holding = [r for r in rank_results if name in r["grads"]]
+    first = min(r["dp_rank"] for r in holding)  # an expert is held by some DP ranks only
+    grads = [r["grads"][name][0] for r in holding if r["dp_rank"] == first]
     return max((g - grads[0]).abs().max().item() for g in grads)
