@@ -10,9 +10,10 @@ Layout written by the export (``mcore_to_hf_mhar.py``)::
       README.md                      the model card (megatron_mhar.conversion.model_card)
       model.safetensors              or model-0000k-of-0000n.safetensors + model.safetensors.index.json;
                                      MHAR models hold their routing parameters here too
-      configuration_mhar.py, modeling_mhar.py, depth_route.py
-                                     only for MHAR models: the model's code (megatron_mhar/hf and
-                                     megatron_mhar/ops/depth_route.py, copied verbatim)
+      configuration_mhar.py, modeling_mhar.py, depth_route.py, routing_layout.py
+                                     only for MHAR models: the model's code (megatron_mhar/hf,
+                                     megatron_mhar/ops/depth_route.py and routing_layout.py,
+                                     copied verbatim)
 
 Earlier exports of MHAR models held the routing parameters in a side file that
 transformers ignores, which ``hf_to_mcore_mhar.py`` still reads back:
@@ -48,6 +49,7 @@ REMOTE_CODE = {
     "configuration_mhar.py": "hf/configuration_mhar.py",
     "modeling_mhar.py": "hf/modeling_mhar.py",
     "depth_route.py": "ops/depth_route.py",
+    "routing_layout.py": "ops/routing_layout.py",
 }
 
 TOKENIZER_FILES = (

@@ -68,7 +68,8 @@ def test_export_holds_trained_routing_config_and_code(checkpoints, exports, case
         "AutoModelForCausalLM": f"modeling_mhar.MHAR{family}",
     }
     for name, source in (("configuration_mhar.py", "hf/configuration_mhar.py"),
-                         ("modeling_mhar.py", "hf/modeling_mhar.py"), ("depth_route.py", "ops/depth_route.py")):
+                         ("modeling_mhar.py", "hf/modeling_mhar.py"), ("depth_route.py", "ops/depth_route.py"),
+                         ("routing_layout.py", "ops/routing_layout.py")):
         assert (out / name).read_bytes() == (PACKAGE / source).read_bytes(), name
     assert not (out / "mhar_params.safetensors").exists() and not (out / "mhar_config.json").exists()
 
@@ -77,12 +78,12 @@ def test_export_holds_trained_routing_config_and_code(checkpoints, exports, case
     routers = {n: t for n, t in tensors.items() if "router" in n}
     per_site = ("query", "norm_weight") + (("null_source", "gate") if config["mhar_variant"] == "delta" else ())
     expected = {f"model.layers.{i}.{site}.{p}" for i in range(3)
-                for site in ("attention_router", "mlp_router") for p in per_site}
+                for site in ("input_router", "pre_mlp_router") for p in per_site}
     if config["mhar_variant"] != "delta":
         expected |= {"model.final_router.query", "model.final_router.norm_weight"}
     assert set(routers) == expected
     for name, tensor in routers.items():
-        if name.startswith("model.layers.0.attention_router.") and config["mhar_variant"] != "delta":
+        if name.startswith("model.layers.0.input_router.") and config["mhar_variant"] != "delta":
             continue  # the first site routes over one source: its softmax has no gradient
         initial = torch.ones_like(tensor) if name.endswith("norm_weight") else torch.zeros_like(tensor)
         assert not torch.equal(tensor, initial), f"{name} kept its initial value: the test trains nothing"
