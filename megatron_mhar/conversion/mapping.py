@@ -192,8 +192,7 @@ ROUTING_RULES: Tuple[Rule, ...] = (
 
 # The Megatron names of every routing parameter. A plain HF model has none: on import they
 # keep the values the model is built with (zero queries and gates, unit norms, zero null
-# sources), unless the HF directory is an MHAR export (ROUTING_RULES) or carries the side
-# file of earlier exports (see megatron_mhar.conversion.hf_io).
+# sources), unless the HF directory is an MHAR export (ROUTING_RULES).
 MHAR_PARAMS: Tuple[str, ...] = (
     M + "input_router.query",
     M + "input_router.norm_weight",

@@ -155,18 +155,15 @@ def _legacy_export(export_dir: Path, checkpoint: Path, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["llama-block-h4", "qwen3-delta-h8"])
-def test_side_file_exports_still_convert_back(megatron_world1, checkpoints, exports, tmp_path, case):
-    import megatron_mhar
-    from megatron_mhar.conversion.convert import hf_to_mcore, plan_import
+def test_side_file_exports_are_refused(megatron_world1, checkpoints, exports, tmp_path, case):
+    """An earlier export's side file is not read; the import says to export again rather
+    than convert the model without its routing parameters."""
+    from megatron_mhar.conversion.convert import plan_import
 
     legacy = _legacy_export(exports[case], checkpoints[case], tmp_path / "legacy")
-    plan = plan_import(legacy, tmp_path / "back", None, seq_length=64)
-    assert plan.routing_source == "side_file"
-    original = megatron_mhar.load_model(checkpoints[case]).gpt.state_dict()
-    restored = megatron_mhar.load_model(hf_to_mcore(plan)).gpt.state_dict()
-    for key, value in original.items():
-        if torch.is_tensor(value) and not key.endswith("_extra_state"):
-            assert torch.equal(value, restored[key]), key
+    with pytest.raises(ValueError, match="routing side file of an earlier MHAR export.*export the Megatron "
+                                         "checkpoint again with mcore-to-hf"):
+        plan_import(legacy, tmp_path / "back", None, seq_length=64)
 
 
 def test_export_of_a_trained_checkpoint_carries_its_tokenizer(megatron_world1, checkpoints, tmp_path):
