@@ -46,7 +46,7 @@ from megatron_mhar.runtime import lifetime
 from megatron_mhar.runtime.distributed import DistributedContext, destroy, initialize_model_parallel_from_env, on_rank0
 from megatron_mhar.runtime.lock import DirectoryLock
 from megatron_mhar.training import checkpointing, cuda_graphs
-from megatron_mhar.training.launch_checks import expand_path, runs_on_cpu, validate_launch, with_resolved_spec
+from megatron_mhar.training.launch_checks import runs_on_cpu, validate_launch, with_resolved_spec
 from megatron_mhar.training.metrics import MetricsWriter, StepTimer, format_duration
 from megatron_mhar.training.model import build_model_chunks, transformer_config, unwrap
 from megatron_mhar.training.recipes import to_yaml
@@ -245,7 +245,7 @@ class Trainer:
              eval_samples, eval_samples if cfg.data.has_test_data else 0],
             self.tokenizer,
             cfg.run.seed,
-            cache_dir=expand_path(cfg.data.cache_dir, "data.cache_dir") if cfg.data.cache_dir else None,
+            cache_dir=cfg.data.cache_dir,
             eod_mask_loss=cfg.data.eod_mask_loss,
             heldout=self._heldout_blends(),
         )
@@ -263,8 +263,7 @@ class Trainer:
         if data.embedded or data.tokenizer == "builtin":
             from megatron_mhar.data.corpus import embedded_root, prepare_embedded
 
-            cache = expand_path(data.cache_dir, "data.cache_dir") if data.cache_dir else None
-            root = str(embedded_root(data.embedded_dir, cache))
+            root = str(embedded_root(data.embedded_dir, data.cache_dir))
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one build per node; atomic publish
                 prepare_embedded(root, data.embedded_vocab_size, data.embedded_max_bytes)
             torch.distributed.barrier()
@@ -273,11 +272,11 @@ class Trainer:
         else:
             from megatron_mhar.data.tokenizer import Tokenizer
 
-            tokenizer = Tokenizer.from_dir(expand_path(data.tokenizer, "data.tokenizer"), data.eod_token)
+            tokenizer = Tokenizer.from_dir(data.tokenizer, data.eod_token)
         if data.embedded:
             paths = [embedded.prefix]
         else:
-            paths = [expand_path(p, f"data.paths[{i}]") for i, p in enumerate(data.paths)]
+            paths = list(data.paths)
         return tokenizer, paths
 
     def _heldout_blends(self):
@@ -286,10 +285,8 @@ class Trainer:
         data = self.cfg.data
         if not data.heldout:
             return None
-        valid = ([expand_path(p, f"data.valid_paths[{i}]") for i, p in enumerate(data.valid_paths)],
-                 data.valid_weights)
-        test = ([expand_path(p, f"data.test_paths[{i}]") for i, p in enumerate(data.test_paths)],
-                data.test_weights) if data.test_paths else None
+        valid = (list(data.valid_paths), data.valid_weights)
+        test = (list(data.test_paths), data.test_weights) if data.test_paths else None
         return [valid, test]
 
     def _optimizer_config(self) -> MegatronOptimizerConfig:
@@ -362,7 +359,7 @@ class Trainer:
         found = checkpointing.find_checkpoint(cfg.checkpoint_dir, problem=self._check_checkpoint)
         model_only = False
         if found is None and cfg.checkpoint.load:
-            load = Path(expand_path(cfg.checkpoint.load, "checkpoint.load"))
+            load = Path(cfg.checkpoint.load)
             found = checkpointing.find_checkpoint(load, problem=self._check_checkpoint)
             if found is None:
                 raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r} holds no checkpoint")

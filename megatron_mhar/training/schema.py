@@ -36,6 +36,22 @@ CUDA_GRAPH_MODES = ("none", "full_iteration")
 """Values of ``training.cuda_graph`` (see :mod:`megatron_mhar.training.cuda_graphs`)."""
 
 
+def expand_path(text: str, key: str) -> str:
+    """``~`` and ``${VAR}`` expanded; an unset variable is an error naming ``key``. Every path
+    of a configuration is expanded once, when the configuration is built."""
+    expanded = os.path.expandvars(os.path.expanduser(text))
+    if "$" in expanded:
+        raise ValueError(
+            f"{key}={text!r} uses an environment variable that is not set; export it or "
+            f"override {key}"
+        )
+    return expanded
+
+
+def _expand_list(paths: List[str], key: str) -> List[str]:
+    return [expand_path(p, f"{key}[{i}]") for i, p in enumerate(paths)]
+
+
 @dataclasses.dataclass
 class RunConfig:
     """Where the run writes and how it is seeded."""
@@ -53,6 +69,7 @@ class RunConfig:
     """``auto`` (CUDA when available), ``cuda`` or ``cpu`` (gloo; smoke runs and tests)."""
 
     def __post_init__(self):
+        self.output_dir = expand_path(self.output_dir, "run.output_dir")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"run.device must be auto, cuda or cpu, got {self.device!r}")
         if not self.name or "/" in self.name:
@@ -63,7 +80,7 @@ class RunConfig:
     @property
     def dir(self) -> Path:
         """The run directory."""
-        return Path(os.path.expanduser(self.output_dir)) / self.name
+        return Path(self.output_dir) / self.name
 
 
 @dataclasses.dataclass
@@ -271,8 +288,9 @@ class DataConfig:
     """Token data (Megatron ``.bin/.idx`` prefixes) and the tokenizer that wrote it."""
 
     paths: List[str] = dataclasses.field(default_factory=list)
-    """Dataset prefixes (``path/name`` for ``path/name.bin`` + ``.idx``); ``${VAR}`` is
-    expanded at launch. Empty: the embedded corpus (the standard library's source)."""
+    """Dataset prefixes (``path/name`` for ``path/name.bin`` + ``.idx``); ``~`` and
+    ``${VAR}`` are expanded, as in every path of the configuration, when it is built.
+    Empty: the embedded corpus (the standard library's source)."""
 
     weights: Optional[List[float]] = None
     """Blend weights, one per path; ``None``: proportional to dataset size."""
@@ -322,6 +340,14 @@ class DataConfig:
     """Do not train on predicting the token after an end-of-document token."""
 
     def __post_init__(self):
+        for prefix in ("", "valid_", "test_"):
+            key = f"{prefix}paths"
+            setattr(self, key, _expand_list(getattr(self, key), f"data.{key}"))
+        if self.tokenizer != "builtin":
+            self.tokenizer = expand_path(self.tokenizer, "data.tokenizer")
+        for key in ("cache_dir", "embedded_dir"):
+            if getattr(self, key) is not None:
+                setattr(self, key, expand_path(getattr(self, key), f"data.{key}"))
         for prefix in ("", "valid_", "test_"):
             _check_blend_weights(getattr(self, f"{prefix}paths"), getattr(self, f"{prefix}weights"), prefix)
         if self.test_paths and not self.valid_paths:
@@ -423,6 +449,9 @@ class CheckpointConfig:
     """From ``load``: take only the weights (start a new optimizer, schedule and data order)."""
 
     def __post_init__(self):
+        for key in ("dir", "load"):
+            if getattr(self, key) is not None:
+                setattr(self, key, expand_path(getattr(self, key), f"checkpoint.{key}"))
         if self.interval < 0 or self.keep_last < 0:
             raise ValueError("checkpoint.interval and checkpoint.keep_last must be >= 0")
         if self.verify not in VERIFY_LEVELS:
@@ -588,7 +617,7 @@ class TrainConfig:
     def checkpoint_dir(self) -> Path:
         """Where this run saves checkpoints."""
         if self.checkpoint.dir is not None:
-            return Path(os.path.expanduser(self.checkpoint.dir))
+            return Path(self.checkpoint.dir)
         return self.run.dir / "checkpoints"
 
     def to_dict(self) -> Dict[str, Any]:
