@@ -1,6 +1,6 @@
 """Checksum cost against a checkpoint save of the 1B model's size, on this CPU.
 
-    python benchmarks/bench_checksum.py --out benchmarks/results/checksum/cpu.json
+    python -m benchmarks.bench_checksum --out benchmarks/results/checksum/cpu.json
 
 Every checkpoint carries a manifest of its files' sizes and checksums
 (:mod:`megatron_mhar.manifest`). This measures what that costs against Megatron's
@@ -28,19 +28,15 @@ import argparse
 import contextlib
 import hashlib
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import zlib
 from datetime import datetime, timezone
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.json_out import check_out, write_json  # noqa: E402
+from benchmarks.common import check_out, command, commit, machine, versions, write_json
 
 CHUNK = 1 << 24  # the manifest's read size
 
@@ -187,14 +183,11 @@ def main(argv=None):
     save_s = statistics.median(times["save"])
     medians = {name: statistics.median(values) for name, values in times.items()}
     report = {
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip(),
+        "commit": commit(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "command": "python benchmarks/bench_checksum.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "xxhash": __import__("xxhash").VERSION},
-        "environment": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                        "device": "cpu", "load_average_1m": os.getloadavg()[0]},
+        "command": command("benchmarks.bench_checksum", argv),
+        "versions": versions("xxhash"),
+        "environment": {**machine("cpu"), "device": "cpu", "load_average_1m": os.getloadavg()[0]},
         "note": "Megatron dist_checkpointing.save (fsynced) of bf16 tensors on one process; the same save "
                 "through the driver's writer (files checksummed as written, writeback started early) "
                 "plus the manifest; the driver's writer with a checksum that does nothing; each checksum "

@@ -1,7 +1,7 @@
 """HF -> Megatron (delta) -> HF conversion at Llama-3.1-8B's size on a CPU machine: wall time, peak memory.
 
-    python benchmarks/bench_conversion.py --work-dir /tmp/conversion --out benchmarks/results/conversion/cpu.json
-    python benchmarks/bench_conversion.py --num-layers 4 --work-dir /tmp/conversion   # a smaller run
+    python -m benchmarks.bench_conversion --work-dir /tmp/conversion --out benchmarks/results/conversion/cpu.json
+    python -m benchmarks.bench_conversion --num-layers 4 --work-dir /tmp/conversion   # a smaller run
 
 Each step runs as a process of its own and is measured from outside:
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -47,10 +46,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from benchmarks.json_out import check_out, write_json  # noqa: E402
+from benchmarks.common import ROOT, check_out, command, commit, machine, versions, write_json
 
 LLAMA_31_8B = dict(
     hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -262,10 +258,8 @@ class TreeMemory(threading.Thread):
 
 
 def _shown(part: str) -> str:
-    """A command's word as the report shows it: ``python``, and the script relative to the repository."""
-    if part == sys.executable:
-        return "python"
-    return os.path.relpath(part, ROOT) if part.startswith(ROOT + os.sep) else part
+    """A command's word as the report shows it (``python`` for this interpreter)."""
+    return "python" if part == sys.executable else part
 
 
 def measure(command: List[str], log: Path) -> Dict:
@@ -274,7 +268,7 @@ def measure(command: List[str], log: Path) -> Dict:
     anonymous part), or an error."""
     start = time.perf_counter()
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         sampler = TreeMemory(proc.pid)
         sampler.start()
         _, status, usage = os.wait4(proc.pid, 0)
@@ -298,8 +292,8 @@ def measure(command: List[str], log: Path) -> Dict:
 
 
 def _phase_command(phase: str, args: argparse.Namespace) -> List[str]:
-    return [sys.executable, os.path.abspath(__file__), "--phase", phase, "--work-dir", str(args.work_dir),
-            "--num-layers", str(args.num_layers)]
+    return [sys.executable, "-m", "benchmarks.bench_conversion", "--phase", phase, "--work-dir",
+            str(args.work_dir), "--num-layers", str(args.num_layers)]
 
 
 def run(args: argparse.Namespace) -> Dict:
@@ -364,35 +358,6 @@ def run_phase(phase: str, args: argparse.Namespace) -> None:
     (work / f"{phase.replace('-', '_')}.json").write_text(json.dumps(result, indent=1))
 
 
-def machine() -> Dict:
-    import psutil
-
-    cpu = platform.processor()
-    if os.path.isfile("/proc/cpuinfo"):
-        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / GIB, 1),
-            "platform": platform.platform()}
-
-
-def versions() -> Dict:
-    import megatron.core
-    import safetensors
-    import transformers
-
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "megatron_core": megatron.core.__version__, "safetensors": safetensors.__version__,
-            "transformers": transformers.__version__}
-
-
-def commit() -> Optional[str]:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-layers", type=int, default=32, help="decoder layers (default 32, Llama-3.1-8B's)")
@@ -408,13 +373,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         run_phase(args.phase, args)
         return 0
     check_out(parser, args.out)
-    entry = {"commit": commit(), "command": " ".join(["python", *sys.argv]), **run(args)}
+    entry = {"commit": commit(), "command": command("benchmarks.bench_conversion", argv), **run(args)}
     if args.out:
         report = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {}
         runs = [r for r in report.get("runs", []) if r.get("num_layers") != args.num_layers]
         report.update({
             "benchmark": "conversion", "commit": entry["commit"], "command": entry["command"],
-            "machine": machine(), "versions": versions(), "target_peak_over_weights": TARGET_RATIO,
+            "machine": machine("cpu"), "versions": versions("safetensors", "transformers"),
+            "target_peak_over_weights": TARGET_RATIO,
             "runs": sorted(runs + [entry], key=lambda r: r["num_layers"]),
         })
         write_json(args.out, report)

@@ -1,6 +1,6 @@
 """Host time of the training driver's data path per optimizer step, at a recipe's shapes.
 
-    python benchmarks/bench_data_loader.py    # writes benchmarks/results/data_loader/<device>.json
+    python -m benchmarks.bench_data_loader    # writes benchmarks/results/data_loader/<device>.json
 
 The training loop (``megatron_mhar/training/loop.py``) reads its batches through
 ``megatron_mhar.data.datasets``: ``build_gpt_datasets`` (Megatron's GPTDataset over
@@ -33,66 +33,33 @@ read from the page cache (a step reads 32 x 1025 ids, 128 KiB at 1B).
 
 import argparse
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from datetime import datetime, timezone
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.json_out import check_out, default_out, device_name, write_json  # noqa: E402
+from benchmarks.common import (
+    QWEN3_TOKENIZER_VOCAB,
+    StandInTokenizer,
+    check_out,
+    command,
+    commit,
+    default_out,
+    device_name,
+    machine,
+    shown,
+    versions,
+    write_dataset,
+    write_json,
+)
 
 DEFAULT_RECIPE = "pretrain_1b_baseline"
-
-QWEN3_TOKENIZER_VOCAB = 151669
-"""Tokens of the Qwen3 tokenizer the GPU recipes name (``model.vocab_size`` 151,936 is its
-padded embedding)."""
 
 DEFAULT_STEP_MS = 1108.6
 """The 1B baseline's median step on one H200: ``benchmarks/results/training/h200.json``, run
 ``lookahead_1b`` (33978db, 2026-12-04; local spec, full-iteration CUDA graphs, 29,557
 tokens/s), the latest run there. The eager run of that file (839d038) took 4,404 ms."""
-
-
-class StandInTokenizer:
-    """What Megatron's GPTDataset and the indexed writer read from a tokenizer, for
-    ``vocab_size`` tokens: each document's text is its length, its ids random below
-    ``vocab_size`` (the writer appends the end-of-document id, ``vocab_size - 1``)."""
-
-    def __init__(self, vocab_size: int, seed: int = 0):
-        import numpy
-
-        self.vocab_size = vocab_size
-        self.eod = vocab_size - 1
-        self.path = ""
-        self._rng = numpy.random.default_rng(seed)
-
-    @property
-    def unique_identifiers(self) -> dict:
-        return {"class": type(self).__name__, "vocab_size": self.vocab_size, "eod": self.eod}
-
-    def tokenize_batch(self, texts):
-        return [self._rng.integers(0, self.vocab_size, int(text) - 1).tolist() for text in texts]
-
-
-def write_dataset(prefix: str, tokenizer: StandInTokenizer, tokens: int, seq_length: int, seed: int,
-                  min_documents: int = 1) -> dict:
-    """``prefix.{bin,idx}`` of at least ``tokens`` random ids in at least ``min_documents``
-    documents of [seq/4, 2 seq) tokens (end-of-document included), written by the project's
-    indexed writer."""
-    import numpy
-
-    from megatron_mhar.data.indexed_writer import write_indexed_dataset
-
-    rng = numpy.random.default_rng(seed)
-    low, high = max(2, seq_length // 4), 2 * seq_length
-    lengths = rng.integers(low, high, max(tokens // low + 1, min_documents))
-    count = int(numpy.searchsorted(numpy.cumsum(lengths), tokens)) + 1
-    lengths = lengths[: max(count, min_documents)]
-    return write_indexed_dataset((str(n) for n in lengths), tokenizer, prefix)
 
 
 def next_in_parts(loader, parts: dict, sync) -> dict:
@@ -127,19 +94,6 @@ def summary(values_s) -> dict:
     ms = sorted(1e3 * v for v in values_s)
     p90 = ms[min(len(ms) - 1, int(0.9 * len(ms)))]  # nearest rank at or above the 90th
     return {"median": statistics.median(ms), "p90": p90, "max": ms[-1], "mean": statistics.fmean(ms)}
-
-
-def _shown(path: str) -> str:
-    """``path`` relative to the repository when inside it (a report names no checkout)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    relative = os.path.relpath(os.path.abspath(path), root)
-    return path if relative.startswith("..") else relative
-
-
-def _commit() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
-    return result.stdout.strip() or "unknown"
 
 
 def parse_args(argv):
@@ -193,7 +147,6 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args, cfg = parse_args(argv)
 
-    import megatron.core
     import numpy
     import torch
 
@@ -282,14 +235,12 @@ def main(argv=None) -> int:
         del split["copy"]
     report = {
         "benchmark": "benchmarks/bench_data_loader.py",
-        "commit": _commit(),
+        "commit": commit(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "command": "python benchmarks/bench_data_loader.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
-                     "megatron_core": megatron.core.__version__, "cuda": torch.version.cuda},
+        "command": command("benchmarks.bench_data_loader", argv),
+        "versions": versions(),
         "environment": {
-            "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            **machine(device.type),
             "torch_threads": torch.get_num_threads(),
             "load_average_1m": {"start": load_start, "end": os.getloadavg()[0]},
         },
@@ -299,7 +250,7 @@ def main(argv=None) -> int:
                 "num_microbatches next() calls (on CUDA the host-to-device copies included, synchronised at the "
                 "step's end). split_ms_per_step: a second pass over the same steps, MicroBatches.__next__'s "
                 "parts timed one at a time (on CUDA the copy synchronised per micro-batch).",
-        "args": {**vars(args), "out": _shown(args.out)},
+        "args": {**vars(args), "out": shown(args.out)},
         "shapes": {
             "recipe": args.recipe, "seq_length": seq, "micro_batch_size": micro, "global_batch_size": global_batch,
             "data_parallel": 1, "num_microbatches": num_microbatches, "model_vocab_size": cfg.model.vocab_size,

@@ -1,6 +1,6 @@
 """Generation speed of the transformers MHAR models on CPU: KV cache vs full recomputation.
 
-    python benchmarks/bench_generation.py --out benchmarks/results/generation/cpu.json
+    python -m benchmarks.bench_generation --out benchmarks/results/generation/cpu.json
 
 Each model is the smoke recipe's architecture (Qwen3 with q/k norms: 4 layers, width
 128, 4 heads / 2 KV heads, FFN 384, vocabulary 4096) with random weights, plain
@@ -20,17 +20,13 @@ overhead (the plain model's KV-cache tokens/s over the MHAR model's).
 
 import argparse
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.json_out import check_out, write_json  # noqa: E402
+from benchmarks.common import check_out, command, commit, machine, versions, write_json
 
 ARCHITECTURE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=32, intermediate_size=384, vocab_size=4096, rms_norm_eps=1e-6,
@@ -73,12 +69,6 @@ def tokens_per_second(model, prompt: torch.Tensor, new_tokens: int, mode: str):
     return new_tokens / cpu, new_tokens / wall
 
 
-def _commit() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
-    return result.stdout.strip() or "unknown"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
@@ -109,8 +99,6 @@ def main(argv=None) -> int:
             for mode in MODES:
                 timings[name][mode].append(tokens_per_second(model, prompt, args.new_tokens, mode))
 
-    import transformers
-
     results = {}
     cpu = {name: {mode: [c for c, _ in timings[name][mode]] for mode in MODES} for name in models}
     wall = {name: {mode: [w for _, w in timings[name][mode]] for mode in MODES} for name in models}
@@ -129,11 +117,10 @@ def main(argv=None) -> int:
               f"tok/cpu-s | cache x{results[name]['cache_speedup']:.2f} | overhead vs plain "
               f"x{results[name]['decode_overhead_vs_plain']:.2f}")
     report = {
-        "commit": _commit(),
-        "command": "python benchmarks/bench_generation.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "commit": commit(),
+        "command": command("benchmarks.bench_generation", argv),
         "environment": {
-            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            **versions("transformers"), **machine("cpu"), "threads": torch.get_num_threads(),
             "load_average_at_end": list(os.getloadavg()),
         },
         "args": vars(args),

@@ -1,6 +1,6 @@
 """Memory of one training step of the transformers MHAR models, with and without activation checkpointing.
 
-    python benchmarks/bench_hf_checkpointing.py --out benchmarks/results/hf_checkpointing/cpu.json
+    python -m benchmarks.bench_hf_checkpointing --out benchmarks/results/hf_checkpointing/cpu.json
 
 Each model has the paper's 100M shape (Qwen3 with q/k norms: 12 layers, width 512, 8 heads
 / 4 KV heads, FFN 1536, the Qwen3 vocabulary of 151,936), random weights, fp32, plain
@@ -36,10 +36,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.json_out import check_out, write_json  # noqa: E402
-from megatron_mhar.checkpoint_format import code_provenance  # noqa: E402
+from benchmarks.common import ROOT, check_out, command, write_json
+from megatron_mhar.checkpoint_format import code_provenance
 
 ARCHITECTURE = dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,
                     head_dim=64, intermediate_size=1536, vocab_size=151936, rms_norm_eps=1e-6,
@@ -132,12 +130,12 @@ def main(argv=None) -> int:
 
     import transformers
 
-    command = [sys.executable, os.path.abspath(__file__), "--seq", str(args.seq), "--layers", str(args.layers),
+    child = [sys.executable, "-m", "benchmarks.bench_hf_checkpointing", "--seq", str(args.seq), "--layers", str(args.layers),
                "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--threads", str(args.threads)]
-    command += ["--reentrant"] * args.reentrant
+    child += ["--reentrant"] * args.reentrant
     report = {
         "commit": code_provenance()["commit"] or "unknown",
-        "command": "python benchmarks/bench_hf_checkpointing.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command("benchmarks.bench_hf_checkpointing", argv),
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__, "cpu": platform.processor() or platform.machine(),
                         "threads": args.threads},
@@ -149,7 +147,8 @@ def main(argv=None) -> int:
     for name in models:
         entry = {}
         for mode in MODES:
-            done = subprocess.run(command + ["--child", name, mode], capture_output=True, text=True, check=True)
+            done = subprocess.run(child + ["--child", name, mode], capture_output=True, text=True, check=True,
+                                  cwd=ROOT)
             entry[mode] = json.loads(done.stdout.strip().splitlines()[-1])
         for figure in ("saved_for_backward_mib", "peak_rss_increase_mib", "step_s"):
             entry[f"{figure}_ratio"] = entry["checkpointing"][figure] / entry["off"][figure]

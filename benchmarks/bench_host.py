@@ -1,8 +1,8 @@
 """Host cost of MHAR's routing around its kernels, measured on a CPU machine.
 
-    python benchmarks/bench_host.py      # writes benchmarks/results/host/cpu.json
+    python -m benchmarks.bench_host      # writes benchmarks/results/host/cpu.json
 
-On one H200 the 350M and 1B training steps are host-bound (benchmarks/bench_training.py,
+On one H200 the 350M and 1B training steps are host-bound (``benchmarks.bench_training``,
 ``micro_batch_host_split``): what MHAR adds to a step there is the host time of its
 routing sites, not their kernels. This benchmark isolates that host time without a GPU.
 Every model is built at a size's depth (12 / 24 / 36 layers) with a tiny width, on CPU,
@@ -20,23 +20,17 @@ compare the models of one run, and their op counts, which carry over.
 import argparse
 import collections
 import dataclasses
-import os
-import platform
 import statistics
-import sys
 import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.bench_training import MODELS, SIZES  # noqa: E402
-from benchmarks.json_out import check_out, default_out, write_json  # noqa: E402
-from megatron_mhar.models.builder import build_gpt_model, make_transformer_config  # noqa: E402
-from megatron_mhar.models.gpt_config import GPTModelConfig  # noqa: E402
-from megatron_mhar.ops.history import RoutingBackend  # noqa: E402
-from megatron_mhar.ops.lookahead import LookaheadBackend  # noqa: E402
+from benchmarks.common import MODELS, PAPER_SIZES, check_out, default_out, environment, size_config, write_json
+from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
+from megatron_mhar.models.gpt_config import GPTModelConfig
+from megatron_mhar.ops.history import RoutingBackend
+from megatron_mhar.ops.lookahead import LookaheadBackend
 
 HOST_MODELS = ("baseline", "mhar", "mhar_lookahead")
 
@@ -148,7 +142,7 @@ def _time_model(name, model_cfg, tokens, positions, stubs, steps, warmup) -> dic
 def run_size(size: str, models, steps: int, warmup: int) -> dict:
     import megatron_mhar.models.routing as routing
 
-    layers = SIZES[size].model.num_layers
+    layers = size_config(size).model.num_layers
     model_cfg = _model_config(layers)
     tokens = torch.randint(0, model_cfg.vocab_size, (2, model_cfg.seq_length))
     positions = torch.arange(model_cfg.seq_length).unsqueeze(0).expand_as(tokens)
@@ -181,17 +175,17 @@ def run_size(size: str, models, steps: int, warmup: int) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="100m,350m,1b", help="comma list of 100m, 350m, 1b (their depths)")
+    parser.add_argument("--sizes", default=",".join(PAPER_SIZES), help=f"comma list of {', '.join(PAPER_SIZES)} (their depths)")
     parser.add_argument("--models", default=",".join(HOST_MODELS), help="comma list of " + ",".join(HOST_MODELS))
     parser.add_argument("--steps", type=int, default=30, help="timed micro-batches per model")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=default_out("host", "cpu"), help="JSON report (default: %(default)s)")
     args = parser.parse_args(argv)
     sizes, models = args.sizes.split(","), args.models.split(",")
-    unknown = [s for s in sizes if s not in ("100m", "350m", "1b")]
+    unknown = [s for s in sizes if s not in PAPER_SIZES]
     unknown += [m for m in models if m not in HOST_MODELS]
     if unknown:
-        parser.error(f"unknown sizes/models {unknown}; sizes are 100m, 350m, 1b and models "
+        parser.error(f"unknown sizes/models {unknown}; sizes are {', '.join(PAPER_SIZES)} and models "
                      f"{', '.join(HOST_MODELS)}")  # fmt: skip
     twice = sorted({name for names in (sizes, models) for name in names if names.count(name) > 1})
     if twice:
@@ -205,8 +199,7 @@ def main(argv=None):
     torch.set_num_threads(1)  # the host path is single-threaded Python; keep the ops so too
     initialize_model_parallel_from_env(tp=1, pp=1, seed=1234, device="cpu")
     report = {
-        "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "cpu": platform.processor() or platform.machine(), "device": "cpu"},
+        "environment": environment("cpu"),
         "args": vars(args),
         "sizes": {},
     }  # fmt: skip

@@ -1,8 +1,8 @@
 """Parallel layouts on real process groups: loss trajectories, throughput and memory.
 
-    python benchmarks/bench_parallel.py      # writes benchmarks/results/parallel/<device>.json
-    python benchmarks/bench_parallel.py --layouts tp2,pp2 --variants mhar     # a subset
-    python benchmarks/bench_parallel.py --device cpu --steps 3 --recipe smoke_cpu ...  # CPU smoke
+    python -m benchmarks.bench_parallel      # writes benchmarks/results/parallel/<device>.json
+    python -m benchmarks.bench_parallel --layouts tp2,pp2 --variants mhar     # a subset
+    python -m benchmarks.bench_parallel --device cpu --steps 3 --recipe smoke_cpu ...  # CPU smoke
 
 Every run is the training driver itself (``torchrun -m megatron_mhar.train``: Megatron's
 schedules, DDP, optimizer and GPTDataset), for the plain baseline and for MHAR with the
@@ -41,14 +41,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.bench_training import environment  # noqa: E402
-from benchmarks.json_out import check_out, default_out, device_name, write_json  # noqa: E402
-from megatron_mhar.runtime import free_port  # noqa: E402
-from megatron_mhar.training.launch_checks import validate_launch  # noqa: E402
-from megatron_mhar.training.metrics import read_metrics  # noqa: E402
-from megatron_mhar.training.recipes import load_config  # noqa: E402
+from benchmarks.common import check_out, default_out, device_name, environment, write_json
+from megatron_mhar.runtime import free_port
+from megatron_mhar.training.launch_checks import validate_launch
+from megatron_mhar.training.metrics import read_metrics
+from megatron_mhar.training.recipes import load_config
 
 REFERENCE_LAYOUT = "single"
 
@@ -310,7 +307,7 @@ def main(argv=None):
             job.check()
         except ValueError as err:
             parser.error(f"{job.name}: {err}")
-    env = environment()
+    env = environment(args.device)
 
     def report(records):
         result = {"environment": env, "gpus": gpu_count, "settings": settings,

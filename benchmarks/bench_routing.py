@@ -1,6 +1,6 @@
 """Depth-routing benchmark: fused Triton kernels vs the eager and compiled reference.
 
-    python benchmarks/bench_routing.py      # writes benchmarks/results/routing/<device>.json
+    python -m benchmarks.bench_routing      # writes benchmarks/results/routing/<device>.json
 
 Sections (each written to the JSON as soon as it is measured):
   copy        device-to-device copy bandwidth (bytes read + written / time): the ceiling.
@@ -28,87 +28,34 @@ bandwidth measured in the same run.
 """
 
 import argparse
-import dataclasses
-import os
-import platform
-import sys
 import time
 
 import torch
-import triton
-import triton.testing
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_mhar.ops.depth_route import (  # noqa: E402
-    depth_route_reference,
-    torch_route_backward,
-    torch_route_forward,
+from benchmarks.common import (
+    EPS,
+    HEADS,
+    SiteCase,
+    bench,
+    check_out,
+    copy_bandwidth,
+    default_out,
+    device_name,
+    environment,
+    site_cases,
+    step_cases,
+    write_json,
 )
-from benchmarks.json_out import check_out, default_out, device_name, write_json  # noqa: E402
-from benchmarks.routing_bytes import lookahead as lookahead_bytes  # noqa: E402
-from benchmarks.routing_bytes import per_site as per_site_bytes  # noqa: E402
-from megatron_mhar.ops.schedules import auto_group_size, group_ranges  # noqa: E402
-from mhar_kernels import depth_route as K  # noqa: E402
-from mhar_kernels import lookahead as LA  # noqa: E402
+from benchmarks.routing_bytes import lookahead as lookahead_bytes
+from benchmarks.routing_bytes import per_site as per_site_bytes
+from megatron_mhar.ops.depth_route import depth_route_reference, torch_route_backward, torch_route_forward
+from megatron_mhar.ops.schedules import auto_group_size, group_ranges
+from mhar_kernels import depth_route as K
+from mhar_kernels import lookahead as LA
 
-EPS = 1e-6
-HEADS = 8
 DTYPE = torch.bfloat16
-QUANTILES = [0.5, 0.2, 0.8]
-
-
-@dataclasses.dataclass
-class SiteCase:
-    name: str
-    d: int
-    n: int
-    t: int  # tokens = micro-batch x sequence
-
-
-SITE_CASES = [
-    SiteCase("100M-final", 512, 25, 8 * 2048),
-    SiteCase("350M-final", 1024, 49, 4 * 1024),
-    SiteCase("1B-final", 1280, 73, 2 * 1024),
-    SiteCase("8B-delta", 4096, 9, 2 * 4096),
-    SiteCase("100M-N9", 512, 9, 8 * 2048),
-    SiteCase("350M-N9", 1024, 9, 4 * 1024),
-    SiteCase("1B-N9", 1280, 9, 2 * 1024),
-]
-
-
-@dataclasses.dataclass
-class StepCase:
-    name: str
-    d: int
-    layers: int
-    t: int
-    variant: str  # "full" or "delta"
-
-    def site_sources(self):
-        sites = 2 * self.layers
-        if self.variant == "full":
-            return list(range(1, sites + 2))
-        # null + embedding + one source per completed block of 4 layers (8 sublayers).
-        return [2 + (j - 1) // 8 for j in range(1, sites + 1)]
-
-
-STEP_CASES = [
-    StepCase("100M", 512, 12, 8 * 2048, "full"),
-    StepCase("350M", 1024, 24, 4 * 1024, "full"),
-    StepCase("1B", 1280, 36, 2 * 1024, "full"),
-    StepCase("8B-delta", 4096, 32, 2 * 4096, "delta"),
-]
-
-
-def bench(fn, graph=False):
-    """do_bench quantiles; with ``graph`` the calls replay from a CUDA graph, which times
-    the kernels without the host's launch cost."""
-    if graph:
-        ms = triton.testing.do_bench_cudagraph(fn, rep=100, quantiles=QUANTILES)
-    else:
-        ms = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=QUANTILES)
-    return {"ms": ms[0], "ms_p20": ms[1], "ms_p80": ms[2]}
+STEP_CASES = step_cases()
+SITE_CASES = site_cases(STEP_CASES)
 
 
 def peak_bytes(fn):
@@ -118,15 +65,6 @@ def peak_bytes(fn):
     fn()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
-
-
-def copy_bandwidth():
-    x = torch.randn(2**30 // 2, device="cuda", dtype=DTYPE)
-    y = torch.empty_like(x)
-    r = bench(lambda: y.copy_(x))
-    r["bytes"] = 2 * x.numel() * x.element_size()
-    r["gbps"] = r["bytes"] / r["ms"] / 1e6
-    return r
 
 
 def saved_bytes(fwd, inputs):
@@ -152,32 +90,9 @@ def compiled_reference(tau, dynamic):
     return torch.compile(ref, dynamic=dynamic)
 
 
-def site_inputs(case, tau):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    kw = dict(device="cuda", generator=g)
-    sources = torch.randn(case.n, case.t, case.d, **kw).to(DTYPE)
-    query = (2.0 / (tau * (case.d // HEADS) ** 0.5) * torch.randn(case.d, **kw)).to(DTYPE)
-    norm_weight = (1 + 0.3 * torch.randn(case.d, **kw)).to(DTYPE)
-    grad_out = torch.randn(case.t, case.d, **kw).to(DTYPE)
-    return sources, query, norm_weight, grad_out
-
-
-def site_bytes(case):
-    es = torch.tensor([], dtype=DTYPE).element_size()
-    src, tok = case.n * case.t * case.d * es, case.t * case.d * es
-    lse = case.t * HEADS * 4
-    return {
-        "fwd": {"min": src + tok, "moved": src + tok + lse},
-        "bwd": {"min": src + tok + src, "moved": 2 * src + tok + lse + src},
-        "fwd+bwd": {"min": 2 * src + 2 * tok, "moved": 4 * src + 2 * tok + 2 * lse},
-        # route_backward reads and writes an fp32 gradient buffer (8 bytes per element).
-        "bwd_history": {"min": src + tok + 4 * src, "moved": 2 * src + tok + lse + 4 * src},
-    }
-
-
 def run_site(case, tau, impls, copy_gbps):
-    sources, query, norm_weight, grad_out = site_inputs(case, tau)
-    nbytes = site_bytes(case)
+    sources, query, norm_weight, grad_out = case.inputs(HEADS, tau, DTYPE)
+    nbytes = case.bytes(HEADS, DTYPE)
     rows = []
 
     def record(impl, mode, timing, byte_key=None, **extra):
@@ -367,7 +282,7 @@ def run_host(calls=2000):
     """Host µs per backend call at a tiny 1B-width site (the GPU keeps up), next to one
     plain CUDA op: what a routing site costs the host in a host-bound training step."""
     case = SiteCase("host-1B-N9", 1280, 9, 64)
-    sources, query, norm_weight, grad_out = site_inputs(case, 1.0)
+    sources, query, norm_weight, grad_out = case.inputs(HEADS, 1.0, DTYPE)
     view = sources.transpose(0, 1)
     grad = torch.zeros(sources.shape, device="cuda").transpose(0, 1)
     _, lse = K.route_forward(view, None, query, norm_weight, HEADS, EPS, 1.0)
@@ -424,18 +339,12 @@ def main():
         parser.error("nothing to run: --sections is empty")
     check_out(parser, args.out)
     if not torch.cuda.is_available():
-        parser.error("bench_routing.py times CUDA kernels: run it on a GPU")
+        parser.error("benchmarks.bench_routing times CUDA kernels: run it on a GPU")
     torch._dynamo.config.cache_size_limit = 256
     # Inductor's donated buffers forbid retain_graph, which the backward-only timing needs.
     torch._functorch.config.donated_buffer = False
-    props = torch.cuda.get_device_properties(0)
     report = {
-        "gpu": torch.cuda.get_device_name(0),
-        "sms": props.multi_processor_count,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
+        "environment": environment(),
         "dtype": str(DTYPE),
         "heads": HEADS,
         "logit_scale": args.logit_scale,
@@ -447,7 +356,7 @@ def main():
 
     report["copy"] = copy_bandwidth()
     copy_gbps = report["copy"]["gbps"]
-    print(f"copy bandwidth {copy_gbps:.0f} GB/s on {report['gpu']}", flush=True)
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s on {report['environment']['gpu']}", flush=True)
     save()
     sections = args.sections.split(",")
     if "host" in sections:

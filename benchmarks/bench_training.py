@@ -1,18 +1,26 @@
-"""End-to-end training throughput: plain Megatron GPT vs AttnRes (H=1) vs MHAR (H=8).
+"""End-to-end training throughput of the training driver: plain Megatron GPT vs AttnRes (H=1) vs MHAR (H=8).
 
-    python benchmarks/bench_training.py      # writes benchmarks/results/training/<device>.json
-    python benchmarks/bench_training.py --sizes tiny --steps 2 --out /tmp/tiny.json   # CPU smoke
+    python -m benchmarks.bench_training      # writes benchmarks/results/training/<device>.json
+    python -m benchmarks.bench_training --sizes tiny --steps 2 --out /tmp/tiny.json   # CPU smoke
+    python -m tools.perf.base_kernels HEAD~1 /tmp/mhar_base    # another revision's kernels, then:
+    python -m benchmarks.bench_training --base-kernels /tmp/mhar_base --cuda-graph full_iteration \\
+        --models baseline,mhar_lookahead,mhar_lookahead@kernels=base --out /tmp/ab.json
 
-One process, one run, one GPU: every model of a size is built with the same builder,
-trained with the same Megatron components (bf16 params, Megatron DDP with fp32 grad
-buffers, Megatron's optimizer with fp32 main weights, Adam (0.9, 0.95), clip 1.0, the
-non-pipelined forward/backward schedule) at the paper's per-GPU micro-batch and
-gradient-accumulation counts (the paper's configurations), on random tokens. ``--spec``
-picks the layers of every model: ``transformer_engine`` (the default where TE imports on a
-GPU: TE's fused norm+linear layers and attention, with gradient-accumulation fusion, fused
-cross-entropy, RoPE and SwiGLU, as Megatron-LM runs them) or ``local`` (Megatron's torch
-layers, attention through torch SDPA's flash backend). ``--precision fp8`` runs TE's FP8
-linear layers; the routing and its history stay bf16.
+Every model is the training driver's, built and stepped by it: the size's recipe
+(``benchmarks.common.SIZE_RECIPES``: the paper's configurations, ``recipes/base/scale_*.yaml``;
+``tiny`` is ``smoke_cpu``) with the model's routing as its ``mhar`` section, loaded by
+``megatron_mhar.training.recipes`` and checked by its launch checks; one
+``megatron_mhar.training.loop.Trainer`` per model (the TransformerConfig, model chunks and
+DDP of ``training/model.py``, Megatron's optimizer with fp32 main weights and its
+scheduler, the data path, the schedule and, with ``--cuda-graph``, its full-iteration
+graph); a timed step is ``Trainer.train_step``. The models train on one GPU at the paper's
+per-GPU micro-batch and gradient-accumulation counts (the recipes' global batch on one
+rank), on random ids written with the project's indexed writer (``benchmarks.common``'s
+stand-in tokenizer). ``--spec`` picks the layers of every model (``model.spec``:
+``transformer_engine``, the default where TE imports on a GPU, with the fused kernels
+Megatron-LM trains with, or ``local``); ``--no-fusions`` leaves those kernels out
+(``model.fused_kernels``); ``--precision fp8`` is ``training.precision: fp8``. On CPU the
+models train in fp32.
 
 Timing is interleaved, because the steps are host-bound and the host's speed drifts
 (~10% over a run on the H200): timing the models one after another would fold that
@@ -32,131 +40,49 @@ before the first reading so that no model is charged for them.
 
 Also reported: the baseline's MFU, memory ratios to the baseline, and, after the timed
 rounds, per model the forward and backward of one micro-batch timed apart (as issued by
-the host and as completed: ``micro_batch_host_split``) and one profiled step that splits
-CUDA time into the routing kernels' forward and backward and everything else, next to the
-step's wall time (their ratio shows how far the host, not the GPU, bounds the step),
-and one profiled micro-batch's host time by operator and CUDA runtime call
-(``host_profile``).
+the host and as completed: ``micro_batch_host_split``) and one profiled step, run eagerly
+also under graphs, that splits CUDA time into the routing kernels' forward and backward
+and everything else, next to the step's wall time (their ratio shows how far the host, not
+the GPU, bounds the step), and one profiled micro-batch's host time by operator and CUDA
+runtime call (``host_profile``).
+
+A model marked ``@kernels=base`` trains on the ``mhar_kernels`` tree of ``--base-kernels``
+(``tools/perf/base_kernels.py`` writes one from a git revision) beside the same model on
+this checkout's kernels, which reports ``throughput_vs_base_kernels`` (above 1: this
+checkout's kernels are faster) and its median over the rounds. The report names both
+trees (revision and a hash of their files); such a run is no report of record.
 """
 
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
-import os
-import platform
+import shutil
 import statistics
-import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import common
 
-from benchmarks.json_out import check_out, default_out, device_name, write_json  # noqa: E402
-from megatron_mhar.models.mhar_config import MHARConfig  # noqa: E402
-from megatron_mhar.models.builder import build_gpt_model, fused_kernel_fields, make_transformer_config  # noqa: E402
-from megatron_mhar.models.gpt_config import GPTModelConfig  # noqa: E402
-from megatron_mhar.models.specs import resolve_spec  # noqa: E402
-from megatron_mhar.training.cuda_graphs import (  # noqa: E402
-    CUDA_GRAPH_MODES,
-    FullIterationGraph,
-    capture_stream,
-    reset_static_inputs,
-)
-
-QWEN3_VOCAB = 151936
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12}
-
-
-@dataclasses.dataclass
-class SizeCase:
-    name: str
-    model: GPTModelConfig
-    micro_batch: int
-    num_microbatches: int  # global batch / micro-batch on one GPU
-
-
-def _qwen3(d, layers, heads, kv, ffn, seq, vocab=QWEN3_VOCAB):
-    return GPTModelConfig(num_layers=layers, hidden_size=d, num_attention_heads=heads,
-                          num_query_groups=kv, ffn_hidden_size=ffn, vocab_size=vocab,
-                          seq_length=seq, qk_layernorm=True, attention_backend="sdpa")
-
-
-SIZES = {
-    "100m": SizeCase("100m", _qwen3(512, 12, 8, 4, 1536, 2048), 8, 8),
-    "350m": SizeCase("350m", _qwen3(1024, 24, 16, 8, 4096, 1024), 4, 8),
-    "1b": SizeCase("1b", _qwen3(1280, 36, 16, 8, 5120, 1024), 2, 16),
-    "tiny": SizeCase("tiny", _qwen3(64, 2, 4, 2, 128, 32, vocab=256), 2, 2),
-}
-
-MODELS = {
-    "baseline": MHARConfig(variant="none"),
-    "attnres": MHARConfig(variant="full", num_heads=1),
-    "mhar": MHARConfig(variant="full", num_heads=8),
-    "mhar_lookahead": MHARConfig(variant="full", num_heads=8, routing_schedule="lookahead"),
-    # The same schedule with phase 1 on one kernel family each (the default, ``auto``,
-    # picks per group and direction), and AttnRes on the lookahead schedule.
-    "mhar_lookahead_row_loop": MHARConfig(variant="full", num_heads=8, routing_schedule="lookahead",
-                                          lookahead_kernels="row_loop"),
-    "mhar_lookahead_tensor_cores": MHARConfig(variant="full", num_heads=8, routing_schedule="lookahead",
-                                              lookahead_kernels="tensor_cores"),
-    "attnres_lookahead": MHARConfig(variant="full", num_heads=1, routing_schedule="lookahead"),
-    # Blocks of 8 sublayers (4 decoder layers): the variant the Attention Residuals paper
-    # reports under 4% overhead for.
-    "mhar_block": MHARConfig(variant="block", num_heads=8, block_size=8),
-}
+SIZES = {**{size: common.SIZE_RECIPES[size] for size in common.PAPER_SIZES}, "tiny": "smoke_cpu"}
+"""The sizes this benchmark trains: the paper's three, and ``smoke_cpu``'s tiny model (CPU smoke)."""
 
 SPECS = ("local", "transformer_engine")  # the resolved values of model.spec
 PRECISIONS = ("bf16", "fp8")
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12}
+BASE_KERNELS = "kernels=base"
+"""A ``--models`` entry's token that runs the model with ``--base-kernels``' tree."""
+EXTRA_STEPS = 4
+"""Data beyond the warmup and timed steps: the micro-batches of the host split, the profiled
+step and the host profile."""
 
 
-def speed_overrides(spec: str, fusions: bool, precision: str) -> dict:
-    """TransformerConfig fields of the baseline a Megatron-LM user runs, as the training
-    driver builds it: with Transformer Engine, its fused kernels
-    (:func:`~megatron_mhar.models.builder.fused_kernel_fields`); with ``fp8``, the driver's
-    FP8 formats and scaling (``training.precision: fp8``)."""
-    from megatron_mhar.training.model import FP8_FORMAT, FP8_RECIPE
-
-    overrides = fused_kernel_fields(GPTModelConfig(spec=spec)) if fusions else {}
-    if precision == "fp8":
-        overrides.update(fp8=FP8_FORMAT, fp8_recipe=FP8_RECIPE)
-    return overrides
-
-
-def parse_model(spec: str) -> MHARConfig:
-    """A ``--models`` entry: a name of MODELS, optionally followed by ``@field=value``
-    overrides of its MHARConfig (``mhar_lookahead@lookahead_group=8``), so that variants of
-    one schedule can be timed in the same run. Unknown names, fields or values raise
-    ValueError naming them."""
-    name, *overrides = spec.split("@")
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose from {list(MODELS)}")
-    fields = {f.name: f for f in dataclasses.fields(MHARConfig)}
-    changes = {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields:
-            raise ValueError(f"model {spec!r}: override {item!r} is not field=value with a field "
-                             f"of MHARConfig ({', '.join(fields)})")
-        default = getattr(MODELS[name], key)
-        if isinstance(default, bool):
-            if value not in ("true", "false"):
-                raise ValueError(f"model {spec!r}: {key} takes true or false, got {value!r}")
-            changes[key] = value == "true"
-        elif isinstance(default, (int, float)):
-            try:
-                changes[key] = type(default)(value)
-            except ValueError:
-                kind = "an integer" if isinstance(default, int) else "a number"
-                raise ValueError(f"model {spec!r}: {key} takes {kind}, got {value!r}") from None
-        else:
-            changes[key] = value
-    return dataclasses.replace(MODELS[name], **changes)  # MHARConfig validates the values
-
-
-def flops_per_token(model: GPTModelConfig, vocab: int) -> float:
+def flops_per_token(model, vocab: int) -> float:
     """Training FLOPs per token: 6 x matmul params + causal attention (fwd + bwd)."""
     d, layers, seq = model.hidden_size, model.num_layers, model.seq_length
     kv_dim = d // model.num_attention_heads * (model.num_query_groups or model.num_attention_heads)
@@ -167,69 +93,171 @@ def flops_per_token(model: GPTModelConfig, vocab: int) -> float:
     return 6 * matmul_params + attention
 
 
-def _train_setup(case: SizeCase, mhar: MHARConfig, device: str, overrides=None):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    bf16 = device == "cuda"
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    config = make_transformer_config(case.model, mhar, bf16=bf16, params_dtype=dtype,
-                                     pipeline_dtype=dtype, use_cpu_initialization=not bf16,
-                                     **(overrides or {}))
-    model = build_gpt_model(case.model, mhar, config)
-    if bf16:
-        model = model.cuda()
-    ddp = DistributedDataParallel(
-        config=config,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-        module=model,
-    )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=5e-4, weight_decay=0.1, adam_beta1=0.9,
-                        adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0, bf16=bf16,
-                        params_dtype=dtype),
-        [ddp],
-    )
-    return ddp, optimizer
+# ------------------------------------------------------------------ the runs' configurations
 
 
-def _batches(case: SizeCase, device: str, vocab: int):
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    seq, mb = case.model.seq_length, case.micro_batch
-    tokens = torch.randint(0, vocab, (case.num_microbatches, mb, seq + 1), generator=generator)
-    tokens = tokens.to(device)
-    positions = torch.arange(seq, device=device).unsqueeze(0).expand(mb, seq)
-    # Dicts: Megatron's full-iteration CUDA graph copies each micro-batch's dict of
-    # tensors into static buffers.
-    return [{"tokens": t[:, :-1], "labels": t[:, 1:], "positions": positions} for t in tokens]
+def split_kernels(spec: str):
+    """(the ``--models`` entry without its ``@kernels=base`` token, whether it had one)."""
+    name, *tokens = spec.split("@")
+    bad = [t for t in tokens if t.startswith("kernels=") and t != BASE_KERNELS]
+    if bad:
+        raise ValueError(f"model {spec!r}: {bad[0]!r}: the kernels token takes only base "
+                         f"(the --base-kernels tree)")  # fmt: skip
+    kept = [t for t in tokens if t != BASE_KERNELS]
+    return "@".join([name, *kept]), len(kept) != len(tokens)
 
 
-def _micro_batch_loss(ddp, batch):
-    return ddp(batch["tokens"], batch["positions"], None, labels=batch["labels"])
+def size_overrides(args, size: str, device: str, work: Path, data: dict) -> list:
+    """The recipe overrides every model of ``size`` shares: the device, layers, precision and
+    graphs asked for, the random data and its stand-in tokenizer, steps enough for the
+    benchmark (the recipe's learning-rate schedule kept: these are its first steps), no
+    evaluation or event file."""
+    from megatron_mhar.training.recipes import load_config
+
+    precision = args.precision if device == "cuda" else "fp32"
+    steps = args.warmup + args.steps + EXTRA_STEPS
+    return [
+        f"run.device={device}", f"run.output_dir={work / 'runs'}", f"model.spec={args.spec}",
+        f"model.fused_kernels={str(not args.no_fusions).lower()}", f"training.precision={precision}",
+        f"training.cuda_graph={args.cuda_graph}", f"training.train_iters={steps}",
+        f"optimizer.lr_decay_iters={load_config(SIZES[size]).lr_decay_iters}",
+        f"data.paths=[{data['prefix']}]", f"data.tokenizer={data['tokenizer']}",
+        f"data.eod_token={common.STAND_IN_EOD}", "eval.interval=0", "eval.iters=1",
+        "logging.tensorboard=false", "logging.routing_entropy=false", "logging.routing_interval=0",
+    ]
 
 
-def _step(trainer, case: SizeCase, schedule=None):
-    """Loss of one optimizer step with the trainer's schedule (or ``schedule``)."""
-    def forward_step(data_iterator, model):
-        losses = _micro_batch_loss(model, next(data_iterator))
-        return losses, lambda out: (out.float().mean(), {"loss": out.float().mean().detach()})
+def model_config(size: str, name: str, mhar, overrides: list):
+    """The driver's configuration of model ``name`` (routing ``mhar``) at ``size``, resolved
+    and checked as ``mhar-train`` does before a launch."""
+    from megatron_mhar.training.launch_checks import validate_launch, with_resolved_spec
+    from megatron_mhar.training.recipes import load_config
 
-    ddp, optimizer, batches = trainer.ddp, trainer.optimizer, trainer.batches
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    with trainer.context():
-        result = (schedule or trainer.schedule)(
-            forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
-            num_microbatches=case.num_microbatches, seq_length=case.model.seq_length,
-            micro_batch_size=case.micro_batch, forward_only=False,
-        )
-    optimizer.step()
-    return sum(r["loss"].item() for r in result) / len(result)
+    run_name = f"{size}_{name}".replace("@", "_").replace("=", "_")
+    cfg = load_config(SIZES[size], [*overrides, f"run.name={run_name}"])
+    cfg = with_resolved_spec(dataclasses.replace(cfg, mhar=mhar))
+    validate_launch(cfg, 1)
+    return cfg
+
+
+def write_data(size: str, work: Path, args) -> dict:
+    """Random ids for every model of ``size``, written once: enough for the warmup, timed
+    and extra steps and the validation split the driver builds, below the vocabulary of the
+    tokenizer the recipe names (Qwen3's; a tiny model's own)."""
+    from megatron_mhar.training.recipes import load_config
+
+    cfg = load_config(SIZES[size])
+    tr, model = cfg.training, cfg.model
+    vocab = min(model.vocab_size, common.QWEN3_TOKENIZER_VOCAB)
+    steps = args.warmup + args.steps + EXTRA_STEPS
+    tokens = int(1.1 * (steps + 1) * tr.global_batch_size * (model.seq_length + 1))
+    directory = work / f"data_{size}"
+    directory.mkdir(parents=True)
+    written = common.write_dataset(str(directory / "random"), common.StandInTokenizer(vocab), tokens,
+                                   model.seq_length, seed=0, min_documents=100)  # fmt: skip
+    return {"prefix": str(directory / "random"), "tokenizer": common.stand_in_tokenizer_dir(directory, vocab),
+            "documents": written["documents"], "tokens": written["tokens"], "vocab": vocab}
+
+
+# ------------------------------------------------------------------ building and stepping
 
 
 def _sync(device):
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def _prime_cublas():
+    """One bf16 linear forward and backward before any memory reading: cuBLAS takes its
+    workspaces (per handle and stream, and backward runs on autograd's own thread, hence
+    handle) from the caching allocator on first use and keeps them, which would charge them
+    all to the first model built."""
+    x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.zeros(64, device="cuda", dtype=torch.bfloat16)
+    (torch.nn.functional.linear(x, x, bias) @ x).sum().backward()
+    torch.cuda.synchronize()
+
+
+def _reset_graph_inputs() -> None:
+    """Drop the static input buffers of Megatron's full-iteration graphs (shared by every
+    graph of the process) before graphs of other input shapes, the next size's, are captured."""
+    from megatron.core.full_cuda_graph import StaticBufferLoader
+
+    StaticBufferLoader.static_buffers = {"training": [], "validation": []}
+
+
+def _timed_step(trainer, device: str):
+    """(wall seconds, loss) of one optimizer step of the driver."""
+    _sync(device)
+    start = time.perf_counter()
+    loss, _, _ = trainer.train_step()
+    _sync(device)
+    return time.perf_counter() - start, loss
+
+
+def _build_and_warm(cfg, ctx, device: str, warmup: int, context):
+    """Builds one model's Trainer and runs its warmup steps: (trainer, warmup losses, own
+    peak GiB or None on CPU). The models built before stay idle, so the peak over this
+    phase minus the bytes allocated before it is this model's own."""
+    from megatron_mhar.training.loop import Trainer
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    with context():
+        trainer = Trainer(cfg, ctx)
+        losses = [_timed_step(trainer, device)[1] for _ in range(warmup)]
+    if device != "cuda":
+        return trainer, losses, None
+    torch.cuda.synchronize()
+    return trainer, losses, (torch.cuda.max_memory_allocated() - before) / 2**30
+
+
+def _timed_rounds(trainers: dict, contexts: dict, device: str, steps: int):
+    """{name: step times}, {name: losses} over ``steps`` rounds of one step per model;
+    round r starts at model r % M so that no model always follows the same one."""
+    names = list(trainers)
+    times = {name: [] for name in names}
+    losses = {name: [] for name in names}
+    for r in range(steps):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            with contexts[name]():
+                seconds, loss = _timed_step(trainers[name], device)
+            times[name].append(seconds)
+            losses[name].append(loss)
+    return times, losses
+
+
+def _micro_batch_loss(trainer, batch):
+    """One micro-batch's summed token loss through the trainer's first model chunk (the
+    driver's forward step without the schedule around it)."""
+    model = trainer.model[0]
+    losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return (losses.float() * batch["loss_mask"]).sum()
+
+
+def _host_split(trainer, device: str, repeats: int = 3):
+    """Median ms of one micro-batch's forward and of its backward, as issued (when the
+    host returns) and as completed (after synchronising). Issued close to completed means
+    the host bounds that phase; their difference between two models is host time."""
+    batch = next(trainer.train_iterators[0])
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        loss = _micro_batch_loss(trainer, batch)
+        issued = time.perf_counter()
+        _sync(device)
+        done = time.perf_counter()
+        loss.backward()
+        back_issued = time.perf_counter()
+        _sync(device)
+        times.append((issued - start, done - start, back_issued - done, time.perf_counter() - done))
+    trainer.model[0].zero_grad_buffer()  # the next step starts from zero gradients anyway
+    names = ("forward_issued_ms", "forward_ms", "backward_issued_ms", "backward_ms")
+    return {name: statistics.median(column) * 1e3 for name, column in zip(names, zip(*times))}
 
 
 def routing_kernel_phases():
@@ -250,18 +278,29 @@ def routing_kernel_phases():
     return phases
 
 
-def _profile_step(trainer, case, top_other: int = 40):
+@contextlib.contextmanager
+def _eager(trainer):
+    """The trainer's steps launched eagerly (Megatron's schedule, not its graph) inside."""
+    from megatron_mhar.parallel import pipeline
+
+    graph, trainer.train_schedule = trainer.train_schedule, pipeline.forward_backward
+    try:
+        yield
+    finally:
+        trainer.train_schedule = graph
+
+
+def _profile_step(trainer, top_other: int = 40):
     """CUDA time of one step (ms): routing kernels forward and backward, everything else,
     and the step's wall time (CUDA busy time / wall time < 1 means the host is the bound).
     Launched eagerly under graphs too: the kernels are the same, and each is profiled."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from torch.profiler import ProfilerActivity, profile
 
     phases = routing_kernel_phases()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with _eager(trainer), profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        _step(trainer, case, get_forward_backward_func())
+        trainer.train_step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     totals = {"fwd": 0.0, "bwd": 0.0, "other": 0.0}
@@ -288,29 +327,6 @@ def _by_time(kernels, top=None):
     return dict(sorted(kernels.items(), key=lambda kv: -kv[1]["ms"])[:top])
 
 
-def _host_split(trainer, device: str, repeats: int = 3):
-    """Median ms of one micro-batch's forward and of its backward, as issued (when the
-    host returns) and as completed (after synchronising). Issued close to completed means
-    the host bounds that phase; their difference between two models is host time."""
-    batch = trainer.batches[0]
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        with trainer.context():
-            loss = _micro_batch_loss(trainer.ddp, batch).float().mean()
-            issued = time.perf_counter()
-            _sync(device)
-            done = time.perf_counter()
-            loss.backward()
-            back_issued = time.perf_counter()
-        _sync(device)
-        times.append((issued - start, done - start, back_issued - done, time.perf_counter() - done))
-    trainer.ddp.zero_grad_buffer()  # the next step starts from zero gradients anyway
-    names = ("forward_issued_ms", "forward_ms", "backward_issued_ms", "backward_ms")
-    return {name: statistics.median(column) * 1e3 for name, column in zip(names, zip(*times))}
-
-
 def _host_profile(trainer, top: int = 40):
     """Host time of one micro-batch's forward and backward by operator (profiler CPU
     events, inflated alike for every model by the profiler's per-op cost): the ops with
@@ -318,11 +334,12 @@ def _host_profile(trainer, top: int = 40):
     synchronisations) with their counts. Where one model's host time goes beyond another's."""
     from torch.profiler import ProfilerActivity, profile
 
+    batch = next(trainer.train_iterators[0])
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, trainer.context():
-        _micro_batch_loss(trainer.ddp, trainer.batches[0]).float().mean().backward()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _micro_batch_loss(trainer, batch).backward()
         torch.cuda.synchronize()
-    trainer.ddp.zero_grad_buffer()
+    trainer.model[0].zero_grad_buffer()
     rows = [{"name": e.key, "count": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
              "cpu_total_ms": e.cpu_time_total / 1e3} for e in prof.key_averages()]
     rows.sort(key=lambda r: -r["self_cpu_ms"])
@@ -332,77 +349,7 @@ def _host_profile(trainer, top: int = 40):
             "top_self_cpu": rows[:top], "runtime_calls": runtime}
 
 
-@dataclasses.dataclass
-class _Trainer:
-    ddp: object
-    optimizer: object
-    batches: list
-    schedule: object  # Megatron's forward/backward function, or a FullIterationGraph
-    # Entered around everything that runs the model (run_size's ``contexts``).
-    context: object = contextlib.nullcontext
-
-
-def _timed_step(trainer: _Trainer, case: SizeCase, device: str):
-    """(wall seconds, loss) of one optimizer step."""
-    _sync(device)
-    start = time.perf_counter()
-    loss = _step(trainer, case)
-    _sync(device)
-    return time.perf_counter() - start, loss
-
-
-def _prime_cublas():
-    """One bf16 linear forward and backward before any memory reading: cuBLAS takes its
-    workspaces (per handle and stream, and backward runs on autograd's own thread, hence
-    handle) from the caching allocator on first use and keeps them, which would charge them
-    all to the first model built."""
-    x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    bias = torch.zeros(64, device="cuda", dtype=torch.bfloat16)
-    (torch.nn.functional.linear(x, x, bias) @ x).sum().backward()
-    torch.cuda.synchronize()
-
-
-def _schedule(cuda_graph: str):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    if cuda_graph == "full_iteration":
-        return FullIterationGraph(get_forward_backward_func(), warmup_steps=1)
-    return get_forward_backward_func()
-
-
-def _build_and_warm(case: SizeCase, mhar: MHARConfig, device: str, warmup: int,
-                    cuda_graph: str = "none", context=contextlib.nullcontext, overrides=None):
-    """Builds one model and runs its warmup steps: (trainer, warmup losses, own peak GiB
-    or None on CPU). The models built before stay idle, so the peak over this phase minus
-    the bytes allocated before it is this model's own."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(0)
-    trainer = _Trainer(*_train_setup(case, mhar, device, overrides),
-                       _batches(case, device, case.model.padded_vocab_size()),
-                       _schedule(cuda_graph), context)
-    losses = [_timed_step(trainer, case, device)[1] for _ in range(warmup)]
-    if device != "cuda":
-        return trainer, losses, None
-    torch.cuda.synchronize()
-    return trainer, losses, (torch.cuda.max_memory_allocated() - before) / 2**30
-
-
-def _timed_rounds(trainers: dict, case: SizeCase, device: str, steps: int):
-    """{name: step times}, {name: losses} over ``steps`` rounds of one step per model;
-    round r starts at model r % M so that no model always follows the same one."""
-    names = list(trainers)
-    times = {name: [] for name in names}
-    losses = {name: [] for name in names}
-    for r in range(steps):
-        for k in range(len(names)):
-            name = names[(r + k) % len(names)]
-            seconds, loss = _timed_step(trainers[name], case, device)
-            times[name].append(seconds)
-            losses[name].append(loss)
-    return times, losses
+# ------------------------------------------------------------------ one size, the report
 
 
 def round_ratios(reference, times):
@@ -428,23 +375,28 @@ def _add_ratios(results: dict, times: dict):
             attnres["throughput_vs_mhar"] = results[mhar_name]["step_s_median"] / attnres["step_s_median"]
             attnres["throughput_vs_mhar_round_median"] = statistics.median(
                 round_ratios(times[mhar_name], times[attnres_name]))
+    # A model on this checkout's kernels against its twin on the base tree's.
+    for name, entry in results.items():
+        twin, on_base = split_kernels(name)
+        if on_base and twin in results:
+            mine = results[twin]
+            mine["throughput_vs_base_kernels"] = entry["step_s_median"] / mine["step_s_median"]
+            mine["throughput_vs_base_kernels_round_median"] = statistics.median(
+                round_ratios(times[name], times[twin]))
 
 
-def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profile: bool,
-             cuda_graph: str = "none", contexts=None, overrides=None):
-    """Trains ``models`` ({name: MHARConfig}) of one size; ``contexts`` ({name: context
-    manager factory}) is entered around everything that runs that model; ``overrides``
-    are TransformerConfig fields for every model (:func:`speed_overrides`)."""
-    contexts = contexts or {}
-    vocab = case.model.padded_vocab_size()
-    if cuda_graph != "none":
-        reset_static_inputs()
-    tokens = case.micro_batch * case.model.seq_length * case.num_microbatches
+def run_size(size: str, configs: dict, contexts: dict, ctx, args, device: str, data: dict):
+    """Trains the models ``configs`` ({name: TrainConfig}) of one size, each inside its
+    ``contexts`` entry; the size's report."""
+    if args.cuda_graph != "none":
+        _reset_graph_inputs()
     trainers, warm_losses, peaks = {}, {}, {}
-    for name, mhar in models.items():
-        trainers[name], warm_losses[name], peaks[name] = _build_and_warm(
-            case, mhar, device, warmup, cuda_graph, contexts.get(name, contextlib.nullcontext), overrides)
-    times, losses = _timed_rounds(trainers, case, device, steps)
+    for name, cfg in configs.items():
+        trainers[name], warm_losses[name], peaks[name] = _build_and_warm(cfg, ctx, device, args.warmup, contexts[name])
+    times, losses = _timed_rounds(trainers, contexts, device, args.steps)
+    any_cfg = next(iter(configs.values()))
+    model, tr = any_cfg.model, any_cfg.training
+    vocab, tokens = model.padded_vocab_size(), tr.global_batch_size * model.seq_length
     results = {}
     for name, trainer in trainers.items():
         entry = {
@@ -452,16 +404,17 @@ def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profi
             "step_s_median": statistics.median(times[name]),
             "step_s_all": times[name],
             "losses": warm_losses[name] + losses[name],
-            "params": sum(p.numel() for p in trainer.ddp.module.parameters()),
+            "params": sum(p.numel() for p in trainer.model[0].module.parameters()),
         }
         if peaks[name] is not None:
             entry["peak_memory_gib"] = peaks[name]
-        entry["micro_batch_host_split"] = _host_split(trainer, device)
-        if profile and device == "cuda":
-            entry["profile"] = _profile_step(trainer, case)
-            entry["host_profile"] = _host_profile(trainer)
+        with contexts[name]():
+            entry["micro_batch_host_split"] = _host_split(trainer, device)
+            if not args.no_profile and device == "cuda":
+                entry["profile"] = _profile_step(trainer)
+                entry["host_profile"] = _host_profile(trainer)
         results[name] = entry
-        print(f"[{case.name}] {name}: {entry['tokens_per_s']:.0f} tok/s, "
+        print(f"[{size}] {name}: {entry['tokens_per_s']:.0f} tok/s, "
               f"peak {entry.get('peak_memory_gib', 0):.1f} GiB, loss {entry['losses'][-1]:.3f}",
               flush=True)
     # Free this size's models before the next size is built, so its memory readings start
@@ -474,9 +427,11 @@ def run_size(case: SizeCase, models, steps: int, warmup: int, device: str, profi
     base = results.get("baseline")
     peak = _peak_flops()
     if base and peak:
-        base["mfu"] = flops_per_token(case.model, vocab) * base["tokens_per_s"] / peak
-    return {"case": dataclasses.asdict(case), "flops_per_token": flops_per_token(case.model, vocab),
-            "models": results}
+        base["mfu"] = flops_per_token(model, vocab) * base["tokens_per_s"] / peak
+    case = {"name": size, "recipe": SIZES[size], "model": dataclasses.asdict(model),
+            "micro_batch": tr.micro_batch_size, "num_microbatches": tr.global_batch_size // tr.micro_batch_size,
+            "data": {k: data[k] for k in ("documents", "tokens", "vocab")}}  # fmt: skip
+    return {"case": case, "flops_per_token": flops_per_token(model, vocab), "models": results}
 
 
 def _peak_flops():
@@ -486,32 +441,15 @@ def _peak_flops():
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def environment():
-    import megatron.core
+def build_parser() -> argparse.ArgumentParser:
+    from megatron_mhar.training.schema import CUDA_GRAPH_MODES
 
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "megatron_core": megatron.core.__version__}
-    if torch.cuda.is_available():
-        import triton
-
-        env.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda,
-                   triton=triton.__version__, peak_bf16_flops=_peak_flops())
-        try:
-            import transformer_engine
-
-            env["transformer_engine"] = transformer_engine.__version__
-        except ImportError:
-            pass
-    return env
-
-
-def build_parser(description=None) -> argparse.ArgumentParser:
-    """The benchmark's options (tools/perf/ab_training.py adds its own to them)."""
-    parser = argparse.ArgumentParser(description=description or __doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100m,350m,1b", help="comma list of " + ",".join(SIZES))
     parser.add_argument("--models", default="baseline,attnres,mhar",
-                        help="comma list of " + ",".join(MODELS) + "; a name may carry "
-                             "MHARConfig overrides: mhar_lookahead@lookahead_group=8")
+                        help="comma list of " + ",".join(common.MODELS) + "; a name may carry "
+                             "MHARConfig overrides: mhar_lookahead@lookahead_group=8, and "
+                             f"@{BASE_KERNELS} to train on --base-kernels' tree")
     parser.add_argument("--steps", type=int, default=8,
                         help="timed rounds (one optimizer step per model each)")
     parser.add_argument("--warmup", type=int, default=3,
@@ -533,14 +471,20 @@ def build_parser(description=None) -> argparse.ArgumentParser:
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
                         help="fp8: TE's FP8 linear layers (TE spec, CUDA); the routing and "
                              "its history stay bf16")
-    parser.add_argument("--out", default=default_out("training", device_name()),
-                        help="JSON report (default: %(default)s)")
+    parser.add_argument("--base-kernels", metavar="DIR",
+                        help="another revision's mhar_kernels (python -m tools.perf.base_kernels REV DIR) "
+                             f"for the models marked @{BASE_KERNELS}")  # fmt: skip
+    parser.add_argument("--out", default=None,
+                        help="JSON report (default: benchmarks/results/training/<device>.json; "
+                             "none with --base-kernels)")
     return parser
 
 
 def check_args(parser, args):
-    """The sizes to run; ``parser.error`` for options that cannot run (the models are
-    parsed by the caller: :func:`parse_model`)."""
+    """(sizes, {entry: (MHARConfig, on the base tree)}); ``parser.error`` for options that
+    cannot run."""
+    from megatron_mhar.models.specs import resolve_spec
+
     sizes = args.sizes.split(",")
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
@@ -562,45 +506,85 @@ def check_args(parser, args):
                      "the GPU); use --spec local on CPU")
     if args.precision == "fp8" and args.spec != "transformer_engine":
         parser.error("--precision fp8 needs --spec transformer_engine (FP8 GEMMs are TE's)")
-    check_out(parser, args.out)
-    return sizes
+    try:
+        models = {}
+        for entry in args.models.split(","):
+            spec, on_base = split_kernels(entry)
+            models[entry] = (common.parse_model(spec), on_base)
+    except ValueError as err:
+        parser.error(str(err))
+    on_base = [entry for entry, (_, base) in models.items() if base]
+    if on_base and not args.base_kernels:
+        parser.error(f"the models {on_base} are marked @{BASE_KERNELS}: give --base-kernels DIR")
+    if args.base_kernels and not on_base:
+        parser.error(f"--base-kernels is given but no model is marked @{BASE_KERNELS}: mark the ones to "
+                     "run on its tree")
+    if args.out is None and not args.base_kernels:  # an A/B is no report of record
+        args.out = common.default_out("training", common.device_name())
+    common.check_out(parser, args.out)
+    return sizes, models
 
 
-def run(args, sizes, models, contexts=None, annotate=None, extra=None):
-    """Trains ``models`` ({name: MHARConfig}) at each size and returns the report, written
-    to ``args.out`` after every size. ``contexts``: :func:`run_size`'s; ``annotate(entry)``
-    is called on each size's report before it is written; ``extra``: more report fields."""
+def kernel_contexts(parser, args, models: dict):
+    """{entry: context factory}: the base tree's kernels for the models marked for it."""
+    contexts = {entry: contextlib.nullcontext for entry in models}
+    if not args.base_kernels:
+        return contexts, {}
+    from tools.perf import base_kernels
+
+    try:
+        tree = base_kernels.load(args.base_kernels)
+    except ValueError as err:
+        parser.error(str(err))
+    for entry, (_, on_base) in models.items():
+        if on_base:
+            contexts[entry] = functools.partial(base_kernels.active, tree)
+    trees = {"base": base_kernels.describe(args.base_kernels), "checkout": base_kernels.describe(common.ROOT)}
+    return contexts, {"kernel_trees": trees}
+
+
+def run(parser, args, sizes, models, contexts, extra=None):
+    """Trains ``models`` ({entry: (MHARConfig, _)}) at each size and returns the report,
+    written to ``args.out`` after every size. A configuration the driver refuses ends the
+    run with its message (exit 2), as ``mhar-train`` does."""
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
+    from megatron_mhar.training import cuda_graphs
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    initialize_model_parallel_from_env(seed=1234, device=device,
-                                       cuda_graph_rng=args.cuda_graph != "none")
-    models = {m: dataclasses.replace(mhar, kernel_impl=args.kernel_impl) if mhar.enabled else mhar
-              for m, mhar in models.items()}
-    overrides = speed_overrides(args.spec, not args.no_fusions, args.precision)
-    report = {"environment": environment(), "args": vars(args), **(extra or {}), "sizes": {}}
+    ctx = initialize_model_parallel_from_env(seed=1234, device=device, create_gloo_process_groups=device == "cuda",
+                                             cuda_graph_rng=args.cuda_graph != "none")  # fmt: skip
+    mhars = {entry: dataclasses.replace(mhar, kernel_impl=args.kernel_impl, logit_scale=args.logit_scale)
+             if mhar.enabled else mhar for entry, (mhar, _) in models.items()}  # fmt: skip
+    report = {"commit": common.commit(), "command": common.command("benchmarks.bench_training"),
+              "args": vars(args), **(extra or {}), "sizes": {}}  # fmt: skip
+    work = Path(tempfile.mkdtemp(prefix="bench_training_"))
     try:
-        with capture_stream(args.cuda_graph):
+        # With CUDA graphs everything from model construction on runs on the capture stream
+        # (megatron_mhar.training.cuda_graphs says why), as in the driver.
+        with cuda_graphs.capture_stream(args.cuda_graph):
             if device == "cuda":  # on the stream the models run on: cuBLAS keys its workspaces by stream
                 _prime_cublas()
             for size in sizes:
-                case = dataclasses.replace(SIZES[size], model=dataclasses.replace(
-                    SIZES[size].model, spec=args.spec))
-                entry = run_size(case, models, args.steps, args.warmup, device,
-                                 profile=not args.no_profile, cuda_graph=args.cuda_graph,
-                                 contexts=contexts, overrides=overrides)
-                if annotate is not None:
-                    annotate(entry)
-                report["sizes"][size] = entry
+                data = write_data(size, work, args)
+                overrides = size_overrides(args, size, device, work, data)
+                try:
+                    configs = {entry: model_config(size, entry, mhar, overrides) for entry, mhar in mhars.items()}
+                except ValueError as err:
+                    parser.exit(2, f"config error: {err}\n")
+                report["sizes"][size] = run_size(size, configs, contexts, ctx, args, device, data)
+                # After the first models: the packages they imported (Transformer Engine) are named.
+                report["environment"] = {**common.environment(device), "peak_bf16_flops": _peak_flops()}
                 if args.out:
-                    write_json(args.out, report)
+                    common.write_json(args.out, report)
     finally:
         destroy()
+        shutil.rmtree(work, ignore_errors=True)
     return report
 
 
 SUMMARY_KEYS = ("tokens_per_s", "throughput_ratio", "throughput_ratio_round_median", "throughput_vs_mhar",
-                "throughput_vs_mhar_round_median", "memory_ratio", "mfu", "peak_memory_gib")
+                "throughput_vs_mhar_round_median", "memory_ratio", "mfu", "peak_memory_gib",
+                "throughput_vs_base_kernels", "throughput_vs_base_kernels_round_median")
 
 
 def print_summary(report, keys=SUMMARY_KEYS):
@@ -611,12 +595,15 @@ def print_summary(report, keys=SUMMARY_KEYS):
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    sizes = check_args(parser, args)
-    try:
-        models = {spec: parse_model(spec) for spec in args.models.split(",")}
-    except ValueError as err:
-        parser.error(str(err))
-    print_summary(run(args, sizes, models))
+    sizes, models = check_args(parser, args)
+    contexts, extra = kernel_contexts(parser, args, models)
+    if args.base_kernels:
+        from megatron_mhar.ops.depth_route import resolve_impl
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if resolve_impl(args.kernel_impl, device) == "torch":
+            print("the routing runs the torch reference here, so both trees' models run the same code", flush=True)
+    print_summary(run(parser, args, sizes, models, contexts, extra))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Bytes crossing each pipeline boundary per micro-batch, for the 1B recipe (analytic).
 
-    python benchmarks/pipeline_bytes.py      # writes benchmarks/results/pipeline_bytes/analytic.json
+    python -m benchmarks.pipeline_bytes      # writes benchmarks/results/pipeline_bytes/analytic.json
 
 An MHAR chunk sends its depth history packed along the hidden dimension,
 ``[s, b, width * h]``, and receives the gradient of the same shape back. The width of
@@ -27,30 +27,21 @@ gradients must be routed back to the earlier chunk outside Megatron's schedule).
 
 import argparse
 import dataclasses
-import os
-import platform
-import sys
 from typing import List, Optional
 
 import torch
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: E402
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # noqa: E402
-
-from benchmarks.json_out import check_out, default_out, write_json  # noqa: E402
-from megatron_mhar.models.mhar_config import MHARConfig  # noqa: E402
-from megatron_mhar.models.builder import make_transformer_config  # noqa: E402
-from megatron_mhar.models.gpt_config import GPTModelConfig  # noqa: E402
-from megatron_mhar.models.routing import DepthLayout  # noqa: E402
+from benchmarks.common import check_out, default_out, size_config, versions, write_json
+from megatron_mhar.models.mhar_config import MHARConfig
+from megatron_mhar.models.builder import make_transformer_config
+from megatron_mhar.models.routing import DepthLayout
 
 BYTES_PER_ELEMENT = 2  # bf16 pipeline_dtype
-MICRO_BATCH = 2
-MODEL_1B = GPTModelConfig(
-    num_layers=36, hidden_size=1280, num_attention_heads=16, num_query_groups=8,
-    ffn_hidden_size=5120, vocab_size=151936, seq_length=1024, qk_layernorm=True,
-)
+_RECIPE_1B = size_config("1b")
+MICRO_BATCH = _RECIPE_1B.training.micro_batch_size
+MODEL_1B = _RECIPE_1B.model
 VARIANTS = {
     "none": MHARConfig(variant="none"),
     "full": MHARConfig(variant="full", num_heads=8),
@@ -154,17 +145,10 @@ def main():
                     bytes_per_element=BYTES_PER_ELEMENT),
         slice_bytes=MODEL_1B.seq_length * MICRO_BATCH * MODEL_1B.hidden_size * BYTES_PER_ELEMENT,
         cross_stage_caching="analytic bound only; not implemented",
-        versions=dict(python=platform.python_version(), torch=torch.__version__,
-                      megatron_core=_megatron_version()),
+        versions=versions(),
         cases=cases,
     )
     write_json(args.out, result, indent=2)
-
-
-def _megatron_version() -> str:
-    from megatron.core import package_info
-
-    return package_info.__version__
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Bytes the routing of one training step moves: per-site vs two-phase ("lookahead").
 
-    python benchmarks/routing_bytes.py      # writes benchmarks/results/routing_bytes/analytic.json
+    python -m benchmarks.routing_bytes      # writes benchmarks/results/routing_bytes/analytic.json
 
 Analytic, no GPU: full variant at the paper shapes (the paper's configurations, micro-batch x sequence
 tokens), bf16 sources, one pipeline stage. Site j = 1 .. 2L+1 reads rows [0, j).
@@ -35,24 +35,13 @@ per-site routing); ``moved_bytes`` adds every other read and write listed above.
 
 import argparse
 import math
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import HEADS, check_out, default_out, step_cases, write_json
+from megatron_mhar.ops.schedules import auto_group_size, group_ranges
+from mhar_kernels.launch import dot_heads, use_tensor_cores
 
-from benchmarks.json_out import check_out, default_out, write_json  # noqa: E402
-from megatron_mhar.ops.schedules import auto_group_size, group_ranges  # noqa: E402
-from mhar_kernels.launch import dot_heads, use_tensor_cores  # noqa: E402
-
-MODELS = [
-    # name, decoder layers, width, tokens per micro-batch (micro-batch x sequence)
-    ("100M", 12, 512, 8 * 2048),
-    ("350M", 24, 1024, 4 * 1024),
-    ("1B", 36, 1280, 2 * 1024),
-]
-HEADS = 8
 ES = 2  # bf16 activations
 F32 = 4
 
@@ -129,7 +118,10 @@ def report() -> dict:
         "dtype": "bfloat16", "heads": HEADS, "variant": "full", "pipeline_stages": 1,
         "auto_group": "integer nearest sqrt(0.84 (2L + 1))", "models": [],
     }  # fmt: skip
-    for name, layers, d, t in MODELS:
+    for case in step_cases():
+        if case.variant != "full":
+            continue
+        name, layers, d, t = case.name, case.layers, case.d, case.t
         sites = 2 * layers + 1
         base = per_site(sites, t, d, HEADS)
         auto = auto_group_size(sites)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Convert a Hugging Face Llama / Qwen3 checkpoint (safetensors) into a Megatron
-distributed checkpoint with MHAR routing parameters: ``mhar-convert hf-to-mcore``,
-runnable from a checkout without installing the package.
+distributed checkpoint with MHAR routing parameters: ``mhar-convert hf-to-mcore`` as a
+script (where the package is installed, as the README's set-up leaves it).
 
     python checkpoint_tools/hf_to_mcore_mhar.py --hf-dir Llama-3.1-8B --out ckpt/llama8b_delta \
         --variant delta --tp 2 --pp 2 --seq-length 4096
@@ -13,9 +13,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from megatron_mhar.conversion.cli import command_main  # noqa: E402
+from megatron_mhar.conversion.cli import command_main
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

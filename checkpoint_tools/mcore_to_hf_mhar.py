@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Convert a Megatron distributed checkpoint (converted or trained with megatron_mhar)
-back to a Hugging Face directory: ``mhar-convert mcore-to-hf``, runnable from a checkout
-without installing the package.
+back to a Hugging Face directory: ``mhar-convert mcore-to-hf`` as a script (where the
+package is installed, as the README's set-up leaves it).
 
     python checkpoint_tools/mcore_to_hf_mhar.py --ckpt runs/cpt/checkpoints --out hf_out
 
@@ -17,9 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from megatron_mhar.conversion.cli import command_main  # noqa: E402
+from megatron_mhar.conversion.cli import command_main
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

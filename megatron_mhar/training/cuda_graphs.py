@@ -75,11 +75,3 @@ def capture_stream(mode: str):
     stream = get_shared_capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
     return torch.cuda.stream(stream)
-
-
-def reset_static_inputs() -> None:
-    """Drop the wrapper's static input buffers (shared by every graph of the process),
-    before graphs of other input shapes are captured."""
-    from megatron.core.full_cuda_graph import StaticBufferLoader
-
-    StaticBufferLoader.static_buffers = {"training": [], "validation": []}

@@ -1,5 +1,6 @@
-"""tools/perf/base_kernels.py and tools/perf/ab_training.py: another revision's kernels
-beside this checkout's, swapped in per model in one training run (on CPU, at the tiny size)."""
+"""tools/perf/base_kernels.py and ``benchmarks.bench_training --base-kernels``: another
+revision's kernels beside this checkout's, swapped in per model in one training run (on CPU,
+at the tiny size)."""
 
 import json
 import os
@@ -47,7 +48,7 @@ def test_base_kernels_export_and_swap(tmp_path, base_kernels_module, monkeypatch
         bk.export("HEAD", tmp_path)
     with pytest.raises(ValueError, match="'no-such-revision' is not a commit"):
         bk.export("no-such-revision", tmp_path / "other")
-    with pytest.raises(ValueError, match="tools/perf/base_kernels.py REV"):
+    with pytest.raises(ValueError, match="python -m tools.perf.base_kernels REV"):
         bk.load(tmp_path / "other")
     tree = bk.load(tmp_path)
     assert tree["mhar_kernels.lookahead"].__name__ == "mhar_kernels_base.lookahead"
@@ -90,7 +91,7 @@ def test_a_tree_of_flat_modules_loads_beside_the_package(tmp_path, base_kernels_
 
 
 def _ab(*args, env=None):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "perf" / "ab_training.py"), "--sizes", "tiny",
+    return subprocess.run([sys.executable, "-m", "benchmarks.bench_training", "--sizes", "tiny",
                            "--steps", "2", "--warmup", "1", "--no-profile", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
 
@@ -133,7 +134,7 @@ def test_base_kernels_model_routes_with_the_other_tree(tmp_path, base_kernels_mo
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--models", "baseline,mhar@kernels=base"), "the following arguments are required: --base-kernels"),
+    (("--models", "baseline,mhar@kernels=base"), "are marked @kernels=base: give --base-kernels DIR"),
     (("--models", "baseline,mhar", "--base-kernels", "."), "no model is marked @kernels=base"),
     (("--models", "mhar@kernels=old", "--base-kernels", "."), "takes only base"),
     (("--models", "mhar@kernels=base", "--base-kernels", "no-such-dir"), "holds no mhar_kernels/__init__.py"),

@@ -112,7 +112,7 @@ def test_measure_counts_the_memory_of_child_processes(tmp_path):
     (["--work-dir", "{tmp}", "--out", "{tmp}"], "is a directory"),  # refused before any step runs
 ])  # fmt: skip
 def test_arguments_name_their_errors(args, message, tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_conversion.py"),
+    run = subprocess.run([sys.executable, "-m", "benchmarks.bench_conversion",
                           *[a.format(tmp=tmp_path) for a in args]],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]

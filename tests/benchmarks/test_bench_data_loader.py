@@ -11,20 +11,20 @@ import torch
 from benchmarks import bench_data_loader
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "bench_data_loader.py"
+MODULE = ["-m", "benchmarks.bench_data_loader"]
 
 
 def test_tiny_run_at_the_1b_shapes_writes_the_report(tmp_path):
     out = tmp_path / "data_loader.json"
     subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--steps", "3", "--warmup", "1", "--step-ms", "500",
+        [sys.executable, *MODULE, "--device", "cpu", "--steps", "3", "--warmup", "1", "--step-ms", "500",
          "--dir", str(tmp_path), "--out", str(out)],
         check=True, cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     report = json.loads(out.read_text())
     for key in ("commit", "date", "command", "versions"):
         assert report[key], key
-    assert report["command"].startswith("python benchmarks/bench_data_loader.py --device cpu")
+    assert report["command"].startswith("python -m benchmarks.bench_data_loader --device cpu")
     shapes = report["shapes"]
     assert (shapes["recipe"], shapes["seq_length"], shapes["micro_batch_size"], shapes["global_batch_size"]) == (
         "pretrain_1b_baseline", 1024, 2, 32)
@@ -46,7 +46,7 @@ def test_tiny_run_at_the_1b_shapes_writes_the_report(tmp_path):
 
 def test_a_builtin_tokenizer_recipe_draws_ids_below_its_vocabulary(tmp_path):
     out = tmp_path / "smoke.json"
-    subprocess.run([sys.executable, str(SCRIPT), "--recipe", "smoke_cpu", "--device", "cpu", "--steps", "1",
+    subprocess.run([sys.executable, *MODULE, "--recipe", "smoke_cpu", "--device", "cpu", "--steps", "1",
                     "--warmup", "0", "--out", str(out)],
                    check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     report = json.loads(out.read_text())
@@ -98,13 +98,13 @@ def test_default_step_time_is_the_latest_1b_baseline_of_the_training_results():
 ])  # fmt: skip
 def test_arguments_name_their_errors(args, message, tmp_path):
     (tmp_path / "file").write_text("")
-    run = subprocess.run([sys.executable, str(SCRIPT), *[a.format(tmp=tmp_path) for a in args]],
+    run = subprocess.run([sys.executable, *MODULE, *[a.format(tmp=tmp_path) for a in args]],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_is_refused_without_a_device():
-    run = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda"], cwd=ROOT, capture_output=True,
+    run = subprocess.run([sys.executable, *MODULE, "--device", "cuda"], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     assert run.returncode == 2 and "--device cuda: torch sees no CUDA device here" in run.stderr, run.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""``benchmarks/bench_hf_checkpointing.py``: a training step's memory with and without activation checkpointing."""
+"""``benchmarks.bench_hf_checkpointing``: a training step's memory with and without activation checkpointing."""
 
 import json
 import subprocess
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_hf_checkpointing_bench_reports_both_modes(tmp_path):
     out = tmp_path / "hf_checkpointing.json"
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_hf_checkpointing.py"), "--models", "mhar_full",
+        [sys.executable, "-m", "benchmarks.bench_hf_checkpointing", "--models", "mhar_full",
          "--seq", "32", "--layers", "2", "--hidden", "64", "--vocab", "512", "--out", str(out)],
         check=True, cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_host_bench_runs_every_site_through_the_stubs(tmp_path):
     out = tmp_path / "host.json"
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_host.py"), "--sizes", "100m",
+        [sys.executable, "-m", "benchmarks.bench_host", "--sizes", "100m",
          "--steps", "2", "--warmup", "1", "--out", str(out)],
         check=True, cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -49,7 +49,7 @@ def test_host_bench_runs_every_site_through_the_stubs(tmp_path):
 ])  # fmt: skip
 def test_arguments_name_their_errors(args, message, tmp_path):
     (tmp_path / "file").write_text("")
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_host.py"),
+    run = subprocess.run([sys.executable, "-m", "benchmarks.bench_host",
                           *[a.format(tmp=tmp_path) for a in args]],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]

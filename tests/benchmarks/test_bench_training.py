@@ -1,4 +1,5 @@
-"""``benchmarks/bench_training.py`` on CPU: the report a GPU run fills, at the tiny size."""
+"""``benchmarks.bench_training`` on CPU: the training driver's models, the report a GPU run
+fills, at the tiny size."""
 
 import json
 import subprocess
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_throughput_bench_reports_every_model(tmp_path):
     out = tmp_path / "training.json"
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--sizes", "tiny",
+        [sys.executable, "-m", "benchmarks.bench_training", "--sizes", "tiny",
          "--models", "baseline,attnres,mhar,attnres_lookahead,mhar_lookahead", "--steps", "2", "--warmup", "1",
          "--out", str(out)],
         check=True, cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -32,16 +33,37 @@ def test_throughput_bench_reports_every_model(tmp_path):
     # AttnRes and MHAR are other models than the baseline: their parameters and losses differ.
     assert models["mhar"]["params"] > models["baseline"]["params"]
     assert models["mhar"]["losses"] != models["baseline"]["losses"]
+    # The models are the driver's: the recipe's, built by its functions, and so their
+    # parameters (the smoke recipe's MHAR model here).
+    report = json.loads(out.read_text())["sizes"]["tiny"]
+    assert report["case"]["recipe"] == "smoke_cpu"
+    assert models["mhar"]["params"] == _driver_parameters("smoke_cpu")
     # Each AttnRes is compared with MHAR on its own schedule.
     assert 0 < models["attnres"]["throughput_vs_mhar"]
     assert 0 < models["attnres_lookahead"]["throughput_vs_mhar"]
     assert "throughput_vs_mhar" not in models["mhar_lookahead"]
 
 
+def _driver_parameters(recipe: str) -> int:
+    """Parameters of the model the training driver builds from ``recipe`` on CPU."""
+    from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
+    from megatron_mhar.training.launch_checks import with_resolved_spec
+    from megatron_mhar.training.model import build_model_chunks, transformer_config
+    from megatron_mhar.training.recipes import load_config
+
+    cfg = with_resolved_spec(load_config(recipe, ["run.device=cpu"]))
+    initialize_model_parallel_from_env(device="cpu")
+    try:
+        (chunk,) = build_model_chunks(cfg, transformer_config(cfg, on_cpu=True), on_cpu=True)
+        return sum(p.numel() for p in chunk.module.parameters())
+    finally:
+        destroy()
+
+
 def _bench_losses(tmp_path, name, *extra):
     out = tmp_path / f"{name}.json"
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--sizes", "tiny",
+        [sys.executable, "-m", "benchmarks.bench_training", "--sizes", "tiny",
          "--models", "baseline,mhar,mhar_lookahead", "--steps", "2", "--warmup", "3",
          "--no-profile", "--out", str(out), *extra],
         check=True, cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -65,24 +87,8 @@ def test_full_iteration_graph_replays_the_eager_steps(tmp_path):
     assert len(set(graphed["mhar"])) == 5
 
 
-def test_model_overrides_name_their_errors():
-    from benchmarks.bench_training import MODELS, parse_model
-
-    assert parse_model("mhar_lookahead") == MODELS["mhar_lookahead"]
-    g8 = parse_model("mhar_lookahead@lookahead_group=8@lookahead_kernels=tensor_cores")
-    assert (g8.lookahead_group, g8.lookahead_kernels) == (8, "tensor_cores")
-    with pytest.raises(ValueError, match="unknown model 'mhr'"):
-        parse_model("mhr@lookahead_group=8")
-    with pytest.raises(ValueError, match="'group=8' is not field=value"):
-        parse_model("mhar_lookahead@group=8")
-    with pytest.raises(ValueError, match="lookahead_group takes an integer, got 'eight'"):
-        parse_model("mhar_lookahead@lookahead_group=eight")
-    with pytest.raises(ValueError, match="lookahead_kernels"):  # MHARConfig's own check
-        parse_model("mhar_lookahead@lookahead_kernels=dots")
-
-
 def _bench(*args, env=None):
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--sizes", "tiny",
+    return subprocess.run([sys.executable, "-m", "benchmarks.bench_training", "--sizes", "tiny",
                            "--steps", "2", "--warmup", "1", "--no-profile", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
 
@@ -105,40 +111,53 @@ def test_arguments_name_their_errors(args, message, tmp_path):
     assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
 
 
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_transformer_engine_spec_needs_cuda():
     run = _bench("--spec", "transformer_engine")
     assert run.returncode == 2 and "--spec transformer_engine needs CUDA" in run.stderr, run.stderr[-2000:]
 
 
-def test_te_baseline_overrides_are_megatron_fields():
-    """The strong baseline's fusions and FP8 are TransformerConfig fields Megatron accepts,
-    only with the TE spec (the local spec's gradient-accumulation fusion needs apex)."""
+def test_te_baseline_overrides_are_megatron_fields(tmp_path):
+    """The strong baseline's fusions and FP8 reach the driver's configuration as recipe
+    fields; its fused kernels are TransformerConfig fields Megatron accepts, only with the TE
+    spec (the local spec's gradient-accumulation fusion needs apex)."""
     import dataclasses as dc
     import importlib.util
 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from benchmarks.bench_training import speed_overrides
+    from benchmarks.bench_training import SIZES, build_parser, size_overrides
+    from megatron_mhar.models.builder import fused_kernel_fields
+    from megatron_mhar.training.recipes import load_config
+
+    data = {"prefix": str(tmp_path / "ids"), "tokenizer": str(tmp_path / "tokenizer")}
+
+    def model_of(argv):
+        args = build_parser().parse_args(["--sizes", "tiny", *argv])
+        return load_config(SIZES["tiny"], size_overrides(args, "tiny", "cuda", tmp_path, data))
 
     fields = {f.name for f in dc.fields(TransformerConfig)}
-    te = speed_overrides("transformer_engine", fusions=True, precision="fp8")
+    cfg = model_of(["--spec", "transformer_engine", "--precision", "fp8"])
+    assert cfg.training.precision == "fp8" and cfg.model.fused_kernels
+    te = fused_kernel_fields(cfg.model)
     assert te["cross_entropy_loss_fusion"] and te["apply_rope_fusion"] and te["bias_activation_fusion"]
     # Megatron's output layer refuses gradient-accumulation fusion without apex's extension;
     # TE's cross-entropy cannot be captured by the full-iteration graph.
     apex = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
     assert te["gradient_accumulation_fusion"] == apex and te["cross_entropy_fusion_impl"] == "native"
-    assert te["fp8"] == "hybrid" and set(te) <= fields
-    assert speed_overrides("transformer_engine", fusions=False, precision="bf16") == {}
-    assert speed_overrides("local", fusions=True, precision="bf16") == {}
+    assert set(te) <= fields
+    assert fused_kernel_fields(model_of(["--spec", "transformer_engine", "--no-fusions"]).model) == {}
+    assert fused_kernel_fields(model_of(["--spec", "local"]).model) == {}
 
 
 def test_default_report_is_the_file_of_record():
-    """Without --out the report goes to benchmarks/results/training/<device>.json."""
-    from benchmarks.bench_training import build_parser
+    """Without --out the report goes to benchmarks/results/training/<device>.json (an A/B
+    against --base-kernels writes none unless asked)."""
+    from benchmarks.bench_training import build_parser, check_args
 
-    out = Path(build_parser().parse_args([]).out)
+    parser = build_parser()
+    args = parser.parse_args(["--sizes", "tiny"])
+    check_args(parser, args)
+    out = Path(args.out)
     device = "cpu" if not torch.cuda.is_available() else out.stem
     assert out == ROOT / "benchmarks" / "results" / "training" / f"{device}.json"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.bench_routing import StepCase
+from benchmarks.common import StepCase
 from tools.perf import base_kernels, compare_kernels
 
 ROOT = Path(__file__).resolve().parents[2]

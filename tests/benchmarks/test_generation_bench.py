@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_generation_bench_reports_every_model_and_mode(tmp_path):
     out = tmp_path / "generation.json"
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_generation.py"), "--models", "plain,mhar_delta",
+        [sys.executable, "-m", "benchmarks.bench_generation", "--models", "plain,mhar_delta",
          "--prompt", "4", "--new-tokens", "8", "--rounds", "2", "--out", str(out)],
         check=True, cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -17,7 +17,7 @@ def test_tensor_core_kernels_fit_shared_memory():
     pytest.importorskip("triton.backends.nvidia", reason="needs Triton's CUDA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "perf" / "kernel_resources.py")],
+        [sys.executable, "-m", "tools.perf.kernel_resources"],
         check=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]

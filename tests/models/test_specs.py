@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import sys
 
 import pytest
@@ -173,3 +174,26 @@ def test_a_layer_spec_without_routers_is_refused(megatron_world1, monkeypatch):
     monkeypatch.setattr(builder, "get_mhar_block_spec", user_spec)
     with pytest.raises(ValueError, match="spec names no pre_mlp_router"):
         build_gpt(tiny_gpt_config(), MHARConfig(variant="full", num_heads=4))
+
+
+def test_te_fused_kernels_are_megatron_fields():
+    """The fused kernels of TE-spec models are TransformerConfig fields Megatron accepts,
+    only with the TE spec (the local spec's gradient-accumulation fusion needs apex), and
+    ``model.fused_kernels: false`` leaves them out."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_mhar.models.builder import fused_kernel_fields
+    from megatron_mhar.models.gpt_config import GPTModelConfig
+
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    te = fused_kernel_fields(GPTModelConfig(spec="transformer_engine"))
+    assert te["cross_entropy_loss_fusion"] and te["apply_rope_fusion"] and te["bias_activation_fusion"]
+    # Megatron's output layer refuses gradient-accumulation fusion without apex's extension;
+    # TE's cross-entropy cannot be captured by the full-iteration graph.
+    apex = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    assert te["gradient_accumulation_fusion"] == apex and te["cross_entropy_fusion_impl"] == "native"
+    assert set(te) <= fields
+    assert fused_kernel_fields(GPTModelConfig(spec="transformer_engine", fused_kernels=False)) == {}
+    assert fused_kernel_fields(GPTModelConfig(spec="local")) == {}
+    with pytest.raises(ValueError, match="model.fused_kernels must be true or false"):
+        GPTModelConfig(fused_kernels="yes")

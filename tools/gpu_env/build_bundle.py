@@ -1,6 +1,6 @@
 """Build the Transformer Engine bundle for the GPU machine (H200, sm_90, no package index).
 
-    python tools/gpu_env/build_bundle.py --out /work/gpuenv-build/bundle
+    python -m tools.gpu_env.build_bundle --out /work/gpuenv-build/bundle
 
 downloads the pinned inputs from PyPI, prunes ``libtransformer_engine.so`` to the kept
 architectures (other payloads zeroed in place), proves the kept cubins unchanged,
@@ -24,12 +24,9 @@ import tarfile
 import venv
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tools.gpu_env import cubins, fatbin, linkcheck, parts, wheels  # noqa: E402
-from tools.gpu_env.extension import build_extension_wheel  # noqa: E402
-from tools.gpu_env.manifest import MANIFEST_NAME, Manifest  # noqa: E402
+from tools.gpu_env import cubins, fatbin, linkcheck, parts, wheels
+from tools.gpu_env.extension import build_extension_wheel
+from tools.gpu_env.manifest import MANIFEST_NAME, Manifest
 
 # Pinned inputs. torch is the GPU machine's own (2.11.0+cu130, the PyPI Linux wheel);
 # it is installed here only to build the extension, resolve dependencies and check

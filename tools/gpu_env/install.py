@@ -1,7 +1,7 @@
 """Install the Transformer Engine bundle on the GPU machine, from parts uploaded over
 one or several runs.
 
-    python tools/gpu_env/install.py --bundle DIR
+    python -m tools.gpu_env.install --bundle DIR
 
 DIR holds manifest.json and some or all of the parts. Each part found is checked
 against the manifest (size, sha256) and copied into ``--store``, a folder on the GPU
@@ -22,12 +22,9 @@ import tarfile
 from importlib import metadata
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tools.gpu_env import parts  # noqa: E402
-from tools.gpu_env.extension import build_extension_wheel  # noqa: E402
-from tools.gpu_env.manifest import MANIFEST_NAME, Manifest, ManifestError  # noqa: E402
+from tools.gpu_env import parts
+from tools.gpu_env.extension import build_extension_wheel
+from tools.gpu_env.manifest import MANIFEST_NAME, Manifest, ManifestError
 
 DEFAULT_STORE = Path("/var/tmp/mhar_gpu_env")
 EXIT_MISSING = 3

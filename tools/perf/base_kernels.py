@@ -1,9 +1,9 @@
 """Another revision's fused kernels beside this checkout's, for timing a kernel change in one run.
 
-    python tools/perf/base_kernels.py REV DIR     # in the git checkout: REV's kernels into DIR
-    python tools/perf/ab_training.py --base-kernels DIR --cuda-graph full_iteration \\
+    python -m tools.perf.base_kernels REV DIR     # in the git checkout: REV's kernels into DIR
+    python -m benchmarks.bench_training --base-kernels DIR --cuda-graph full_iteration \\
         --models baseline,mhar_lookahead,mhar_lookahead@kernels=base ...
-    python tools/perf/compare_kernels.py DIR      # kernel by kernel, times and bits
+    python -m tools.perf.compare_kernels DIR      # kernel by kernel, times and bits
 
 A kernel change worth a few milliseconds per step is smaller than the spread between runs
 on different GPUs of one model, so it shows only where both kernels train in one run,
@@ -93,7 +93,7 @@ def load(directory) -> Dict[str, ModuleType]:
     init = package_dir / "__init__.py"
     if not init.is_file():
         raise ValueError(f"{directory} holds no {PACKAGE}/__init__.py; write another revision's kernels "
-                         f"there with: python tools/perf/base_kernels.py REV {directory}")
+                         f"there with: python -m tools.perf.base_kernels REV {directory}")
     if ALIAS in sys.modules:
         raise RuntimeError(f"{ALIAS} is already imported: one other kernel tree per process")
     names = _module_names(package_dir)

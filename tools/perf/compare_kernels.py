@@ -1,7 +1,7 @@
 """This checkout's lookahead kernels against another revision's, in one process: times and bits.
 
-    python tools/perf/base_kernels.py HEAD~1 /tmp/mhar_base      # in the git checkout
-    python tools/perf/compare_kernels.py /tmp/mhar_base --out /tmp/kernels_ab.json
+    python -m tools.perf.base_kernels HEAD~1 /tmp/mhar_base      # in the git checkout
+    python -m tools.perf.compare_kernels /tmp/mhar_base --out /tmp/kernels_ab.json
 
 At each model's deepest lookahead group (``tools/perf/groups.py``: the auto group size,
 random bf16 rows), every entry point of ``mhar_kernels.lookahead`` that a training
@@ -10,8 +10,8 @@ turn, ``--rounds`` times each, timed from CUDA graphs; the reported time is each
 fastest round. The two trees' outputs on the same inputs are compared: ``bitwise`` (every
 output tensor ``torch.equal``) and the largest absolute difference. A kernel change that
 is meant to move only time should come out bitwise; one that reorders sums shows its
-rounding here before it reaches a training run (``tools/perf/ab_training.py``, the
-measure of record).
+rounding here before it reaches a training run (``benchmarks.bench_training
+--base-kernels``, the measure of record).
 
 Kernels (``--kernels``), each as a training step runs it over one group of G sites:
   group_forward    phase 1 over the group's old rows (``lookahead_kernels="auto"``)
@@ -30,22 +30,16 @@ trees is reported with the error and skipped.
 
 import argparse
 import json
-import os
-import platform
-import sys
 import time
 from typing import Callable, Dict, List, Sequence
 
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from benchmarks.bench_routing import EPS, STEP_CASES  # noqa: E402
-from benchmarks.json_out import check_out, write_json  # noqa: E402
-from mhar_kernels import lookahead as LA  # noqa: E402
-from tools.perf import base_kernels  # noqa: E402
-from tools.perf.groups import OWING_GROUPS, deepest_group  # noqa: E402
+from benchmarks.common import EPS, check_out, environment, step_cases, write_json
+from mhar_kernels import lookahead as LA
+from tools.perf import base_kernels
+from tools.perf.groups import OWING_GROUPS, deepest_group
 
 KERNELS = ("group_forward", "group_backward", "merges_forward", "merges_backward", "new_row_grads", "row_grads")
 
@@ -185,14 +179,14 @@ def compare(base, cases, heads_list, kernels, device, dtype, timer, rounds: int 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("base", metavar="DIR", help="the other revision's kernels (tools/perf/base_kernels.py REV DIR)")
+    parser.add_argument("base", metavar="DIR", help="the other revision's kernels (python -m tools.perf.base_kernels REV DIR)")
     parser.add_argument("--cases", default="100M,350M,1B", help="comma list of the full-variant cases")
     parser.add_argument("--heads", default="8,1", help="comma list of routing head counts")
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma list of {', '.join(KERNELS)}")
     parser.add_argument("--rounds", type=int, default=2, help="timings per tree, interleaved")
     parser.add_argument("--out", help="JSON report")
     args = parser.parse_args(argv)
-    full = {c.name: c for c in STEP_CASES if c.variant == "full"}
+    full = {c.name: c for c in step_cases() if c.variant == "full"}
     cases = [full.get(name) for name in args.cases.split(",")]
     if None in cases:
         parser.error(f"--cases {args.cases}: the cases are {', '.join(full)}")
@@ -217,8 +211,7 @@ def main(argv=None):
     report = {
         "note": "this checkout's lookahead kernels against --base's at each model's deepest group, default launches, "
                 "CUDA graphs; speedup = base ms / checkout ms; bitwise: every output equal",
-        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-        "cuda": torch.version.cuda, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "environment": environment(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "trees": {"checkout": base_kernels.describe(base_kernels.ROOT), "base": base_kernels.describe(args.base)},
         "rows": compare(base, cases, heads, kernels, "cuda", torch.bfloat16, graph_ms, args.rounds),
     }  # fmt: skip

@@ -15,7 +15,7 @@ OWING_GROUPS = 5
 def deepest_group(case, heads: int, device="cuda", dtype=torch.bfloat16):
     """(G, n0, rows [T, n0, D], their fp32 gradients (zeros), queries, norm weights [G, D],
     output gradients [G, T, D]) of the deepest lookahead group of ``case`` (a
-    ``benchmarks.bench_routing.StepCase``) with the auto group size, random in ``dtype``
+    ``benchmarks.common.StepCase``) with the auto group size, random in ``dtype``
     (seeded); the queries scaled for ``heads``."""
     sites = len(case.site_sources())
     group = auto_group_size(sites)

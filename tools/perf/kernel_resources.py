@@ -1,7 +1,7 @@
 """Shared memory of the tensor-core phase-1 kernels and the deferred backward's row-gradient
 kernel, compiled for sm_90 on any machine.
 
-    python tools/perf/kernel_resources.py [--out FILE]
+    python -m tools.perf.kernel_resources [--out FILE]
 
 Triton's CUDA backend compiles without a GPU. Each kernel is compiled as its JIT would
 compile a launch with the given sizes: an integer argument of value 1 becomes a constant and
@@ -16,17 +16,15 @@ import argparse
 import inspect
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 if os.environ.get("TRITON_INTERPRET") == "1":
-    raise SystemExit("kernel_resources.py compiles kernels: unset TRITON_INTERPRET")
+    raise SystemExit("tools.perf.kernel_resources compiles kernels: unset TRITON_INTERPRET")
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from benchmarks.json_out import check_out, write_json  # noqa: E402
+from benchmarks.common import check_out, write_json  # noqa: E402
 from mhar_kernels import launch  # noqa: E402
 from mhar_kernels.lookahead import phase1_dots, row_grads  # noqa: E402
 

@@ -3,7 +3,7 @@
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats \
         --section SchedulerStats --section MemoryWorkloadAnalysis -o lookahead \
-        python tools/perf/profile_lookahead.py [--sizes 100M,350M,1B]
+        python -m tools.perf.profile_lookahead [--sizes 100M,350M,1B]
     ncu --import lookahead.ncu-rep --page details
 
 The launches are those of a training step with the default (``auto``) kernels: phase 1
@@ -15,16 +15,12 @@ holds one launch of each.
 """
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from benchmarks.bench_routing import EPS, HEADS, STEP_CASES  # noqa: E402
-from mhar_kernels import lookahead as LA  # noqa: E402
-from tools.perf.groups import OWING_GROUPS, deepest_group  # noqa: E402
+from benchmarks.common import EPS, HEADS, step_cases
+from mhar_kernels import lookahead as LA
+from tools.perf.groups import OWING_GROUPS, deepest_group
 
 
 def group_launches(case):
@@ -64,12 +60,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="100M,350M,1B", help="comma list of 100M, 350M, 1B")
     args = parser.parse_args()
-    cases = {case.name: case for case in STEP_CASES if case.variant == "full"}
+    cases = {case.name: case for case in step_cases() if case.variant == "full"}
     unknown = sorted(set(args.sizes.split(",")) - set(cases))
     if unknown:
         parser.error(f"--sizes: unknown {unknown}; choose from {sorted(cases)}")
     if not torch.cuda.is_available():
-        parser.error("profile_lookahead.py launches CUDA kernels: run it on a GPU (under ncu)")
+        parser.error("tools.perf.profile_lookahead launches CUDA kernels: run it on a GPU (under ncu)")
     runs = [(name, group_launches(cases[name])) for name in args.sizes.split(",")]
     for _, launches in runs:
         launches()  # compile outside the profiled range

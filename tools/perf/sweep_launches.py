@@ -1,10 +1,10 @@
 """Launch sweeps of the routing kernels around their launch rules (mhar_kernels.launch).
 
-    python tools/perf/sweep_launches.py --sweep site --out /tmp/sweep.json
-    python tools/perf/sweep_launches.py --sweep lookahead --kernels group_bwd,row_grads
+    python -m tools.perf.sweep_launches --sweep site --out /tmp/sweep.json
+    python -m tools.perf.sweep_launches --sweep lookahead --kernels group_bwd,row_grads
 
-``site``: the per-site forward and history backward at the paper shapes (benchmarks/
-bench_routing.py's cases): tiles, warps, pipeline stages, L2 hints and programs per SM.
+``site``: the per-site forward and history backward at the paper shapes (the routing
+cases of ``benchmarks.common``): tiles, warps, pipeline stages, L2 hints and programs per SM.
 ``lookahead``: the lookahead kernels at each model's deepest group (tools/perf/groups.py):
 phase 1 forward and backward on both kernel families, the merges, a new row's gradient
 and the deferred row gradients. Every variant is timed from a CUDA graph (the kernels
@@ -14,34 +14,30 @@ shows the new choice faster at every model shape it moves.
 """
 
 import argparse
-import os
-import platform
-import sys
 import time
 
 import torch
-import triton
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from benchmarks import bench_routing as BR  # noqa: E402
-from benchmarks.bench_routing import (  # noqa: E402
+from benchmarks.common import (
     EPS,
-    SITE_CASES,
-    STEP_CASES,
     SiteCase,
     bench,
+    check_out,
     copy_bandwidth,
-    site_bytes,
-    site_inputs,
+    environment,
+    site_cases,
+    step_cases,
+    write_json,
 )
-from benchmarks.json_out import check_out, write_json  # noqa: E402
-from mhar_kernels import depth_route as K  # noqa: E402
-from mhar_kernels import launch  # noqa: E402
-from mhar_kernels import lookahead as LA  # noqa: E402
-from tools.perf.groups import OWING_GROUPS, deepest_group  # noqa: E402
+from mhar_kernels import depth_route as K
+from mhar_kernels import launch
+from mhar_kernels import lookahead as LA
+from tools.perf.groups import OWING_GROUPS, deepest_group
 
-
+HEADS = 8
+"""Routing heads of every case (``--heads``)."""
+STEP_CASES = step_cases()
+SITE_CASES = site_cases(STEP_CASES)
 SWEEP_CASES = SITE_CASES[:4] + SITE_CASES[5:] + [
     # Same tokens and depth as 1B-final at a power-of-two width: isolates the cost of
     # padding 1280 (head width 160) to a 2048-wide register tile.
@@ -55,14 +51,14 @@ def run_sweep(copy_gbps):
     and, backward, programs per SM."""
     rows = []
     for case in SWEEP_CASES:
-        sources, query, norm_weight, grad_out = site_inputs(case, 1.0)
-        width = launch.tile_width(case.d, BR.HEADS)
+        sources, query, norm_weight, grad_out = case.inputs(HEADS, 1.0)
+        width = launch.tile_width(case.d, HEADS)
         view = sources.transpose(0, 1)
         gsrc = torch.zeros(sources.shape, device="cuda").transpose(0, 1)
-        nb = site_bytes(case)
-        _, lse = K.route_forward(view, None, query, norm_weight, BR.HEADS, EPS, 1.0)
-        _, bh, bhd = launch.tile(case.d, BR.HEADS)
-        fwd, bwd = launch.route_fwd_config(width), launch.route_bwd_config(bh * bhd, BR.HEADS == 1)
+        nb = case.bytes(HEADS)
+        _, lse = K.route_forward(view, None, query, norm_weight, HEADS, EPS, 1.0)
+        _, bh, bhd = launch.tile(case.d, HEADS)
+        fwd, bwd = launch.route_fwd_config(width), launch.route_bwd_config(bh * bhd, HEADS == 1)
         # The default first, then one change at a time, then the tiles of twice and half
         # the tokens, and two neighbours: forward at 2 warps and three stages (it differs
         # at the 1B width only), backward 2K fp32 per tile at 4 warps and 4 programs per
@@ -83,10 +79,10 @@ def run_sweep(copy_gbps):
                      launch.LoopConfig(max(1, 2048 // (bh * bhd)), 4, 2)]  # fmt: skip
         fwd_loops, bwd_loops = list(dict.fromkeys(fwd_loops)), list(dict.fromkeys(bwd_loops))
         variants = [("fwd", "fwd", loop, lambda loop: K.route_forward(
-            view, None, query, norm_weight, BR.HEADS, EPS, 1.0, **loop._asdict()))
+            view, None, query, norm_weight, HEADS, EPS, 1.0, **loop._asdict()))
             for loop in fwd_loops]  # fmt: skip
         variants += [("bwd_history", "bwd_history", loop, lambda loop: K.route_backward(
-            grad_out, view, None, query, norm_weight, lse, BR.HEADS, EPS, 1.0, gsrc,
+            grad_out, view, None, query, norm_weight, lse, HEADS, EPS, 1.0, gsrc,
             **loop._asdict())) for loop in bwd_loops]  # fmt: skip
         for mode, key, loop, call in variants:
             t = bench(lambda: call(loop), graph=True)
@@ -113,17 +109,17 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
     for case in STEP_CASES:
         if case.variant != "full":
             continue
-        group, n0, buf, gbuf, qs, ws, grad_outs = deepest_group(case, BR.HEADS)
-        m, l, acc = LA.group_forward(buf, qs, ws, BR.HEADS, EPS, 1.0, lookahead_kernels="row_loop")
+        group, n0, buf, gbuf, qs, ws, grad_outs = deepest_group(case, HEADS)
+        m, l, acc = LA.group_forward(buf, qs, ws, HEADS, EPS, 1.0, lookahead_kernels="row_loop")
         lse = (m + l.log()).contiguous()
         seeded = torch.Generator(device="cuda").manual_seed(1)
-        deltas = torch.randn(group, case.t, BR.HEADS, device="cuda", generator=seeded)
-        _, bh, bhd = launch.tile(case.d, BR.HEADS)
+        deltas = torch.randn(group, case.t, HEADS, device="cuda", generator=seeded)
+        _, bh, bhd = launch.tile(case.d, HEADS)
         spp, fwd = launch.group_fwd_config(bh * bhd, group)
         bwd_spp, bwd = launch.group_bwd_config(bh * bhd, group, bh)
         es = buf.element_size()
         read = n0 * case.t * case.d * es
-        partials = group * case.t * (case.d + 2 * BR.HEADS) * 4
+        partials = group * case.t * (case.d + 2 * HEADS) * 4
         fwd_bytes = read + partials
         # rows, their fp32 gradient read and written, the grad outputs (one launch's bytes).
         bwd_bytes = read + 8 * n0 * case.t * case.d + group * case.t * case.d * es
@@ -132,7 +128,7 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
             (spp, dict(stages=4)), (spp, dict(block_t=2 * fwd.block_t, num_warps=4)),
             (spp, dict(num_warps=1)), (spp, dict(num_warps=1, stages=4)), (1, dict(num_warps=1))]  # fmt: skip
         # The tensor-core forward around its launch config (none where it does not fit).
-        dots = launch.group_fwd_dots_config(bh, case.d // BR.HEADS)
+        dots = launch.group_fwd_dots_config(bh, case.d // HEADS)
         dots_fwd = [] if dots is None else [
             {}, dict(num_warps=12 - dots.num_warps), dict(stages=2), dict(stages=3),
             dict(programs_per_sm=1), dict(programs_per_sm=4), dict(programs_per_sm=8)]  # fmt: skip
@@ -153,7 +149,7 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
         fwd_variants += [(None, dict(lookahead_kernels="tensor_cores", **o)) for o in dots_fwd]
         bwd_variants += [dict(lookahead_kernels="tensor_cores", num_warps=k) for k in (4, 8)]
         variants = [("group_fwd", fwd_bytes, dict(sites_per_program=k, **o), lambda k=k, o=o: LA.group_forward(
-            buf, qs, ws, BR.HEADS, EPS, 1.0, sites_per_program=k, **o)) for k, o in fwd_variants]  # fmt: skip
+            buf, qs, ws, HEADS, EPS, 1.0, sites_per_program=k, **o)) for k, o in fwd_variants]  # fmt: skip
         variants += [("group_bwd", bwd_bytes, o, lambda o=o: group_backward(
             grad_outs, buf, qs, ws, lse, deltas, gbuf, **o)) for o in bwd_variants]  # fmt: skip
         variants += merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, bh * bhd, group)
@@ -171,7 +167,7 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
 
 def group_backward(grad_outs, buf, qs, ws, lse, deltas, gbuf, **options):
     """Phase 1's backward of one group with its rows' gradients added at once."""
-    _, _, deferred = LA.group_backward_deferred(grad_outs, buf, qs, ws, lse, deltas, BR.HEADS, EPS, 1.0, gbuf, **options)
+    _, _, deferred = LA.group_backward_deferred(grad_outs, buf, qs, ws, lse, deltas, HEADS, EPS, 1.0, gbuf, **options)
     LA.add_row_grads([(deferred, buf.shape[1])], buf, gbuf, 0)
 
 
@@ -185,7 +181,7 @@ def row_grads_sweep_variants(case, buf, gbuf, qs, ws, lse, deltas, grad_outs, gr
     n0, es = buf.shape[1], buf.element_size()
     owed = []
     for entry in range(OWING_GROUPS):
-        _, _, deferred = LA.group_backward_deferred((1 + entry) * grad_outs, buf, qs, ws, lse, deltas, BR.HEADS, EPS,
+        _, _, deferred = LA.group_backward_deferred((1 + entry) * grad_outs, buf, qs, ws, lse, deltas, HEADS, EPS,
                                                     1.0, gbuf, lookahead_kernels="auto")  # fmt: skip
         if not deferred:
             return []
@@ -194,7 +190,7 @@ def row_grads_sweep_variants(case, buf, gbuf, qs, ws, lse, deltas, grad_outs, gr
     # Per entry: its factors of the block's rows and its sites' output gradients; the rows
     # once and their fp32 gradient read and written once.
     factor_cols = deferred[0].z.shape[-1]  # 2 x SLOTS per head
-    nbytes = (OWING_GROUPS * len(deferred) * case.t * (group * (BR.HEADS * factor_cols + 1) * 4 + group * case.d * es)
+    nbytes = (OWING_GROUPS * len(deferred) * case.t * (group * (HEADS * factor_cols + 1) * 4 + group * case.d * es)
               + group * case.t * case.d * (es + 8))  # fmt: skip
     configs = [dict(num_warps=w, stages=s) for s in (2, 1, 3) for w in (4, 8, 2)] + [
         dict(programs_per_sm=p) for p in (2, 6, 8, 12)]  # fmt: skip
@@ -210,16 +206,16 @@ def merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, padded_d, grou
     t, d, es = case.t, case.d, buf.element_size()
     new = buf[:, : group - 1]
     gnew = torch.zeros(new.shape, device="cuda")
-    factors = torch.zeros((group, t, group - 1, BR.HEADS, 2), device="cuda")
+    factors = torch.zeros((group, t, group - 1, HEADS, 2), device="cuda")
     kv = torch.zeros((group, t, group - 1), device="cuda")
-    lse = torch.empty((group, t, BR.HEADS), device="cuda")
-    outs = [LA.merge_forward(m[k], l[k], acc[k], new[:, :k], qs[k], ws[k], BR.HEADS, EPS, 1.0, lse[k])
+    lse = torch.empty((group, t, HEADS), device="cuda")
+    outs = [LA.merge_forward(m[k], l[k], acc[k], new[:, :k], qs[k], ws[k], HEADS, EPS, 1.0, lse[k])
             for k in range(group)]  # fmt: skip
     rows = sum(range(group))  # (site, new row) pairs
-    fwd_bytes = group * t * (4 * d + 8 * BR.HEADS + es * d + 4 * BR.HEADS) + rows * t * d * es
+    fwd_bytes = group * t * (4 * d + 8 * HEADS + es * d + 4 * HEADS) + rows * t * d * es
     # A pair's factors: (p, tau r ds) per head and tau r c, fp32.
-    pair_factors = t * (8 * BR.HEADS + 4)
-    bwd_bytes = group * t * (2 * es * d + 8 * BR.HEADS) + rows * (t * d * es + pair_factors)
+    pair_factors = t * (8 * HEADS + 4)
+    bwd_bytes = group * t * (2 * es * d + 8 * HEADS) + rows * (t * d * es + pair_factors)
     # Each new row: its fp32 gradient read, the row read and its gradient written in the
     # rows' dtype; per pair the site's output gradient and the pair's factors.
     row_grad_bytes = (group - 1) * t * d * (4 + 2 * es) + rows * (t * d * es + pair_factors)
@@ -242,7 +238,7 @@ def merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, padded_d, grou
 
     def merges_fwd(loop):
         for k in range(group):
-            LA.merge_forward(m[k], l[k], acc[k], new[:, :k], qs[k], ws[k], BR.HEADS, EPS, 1.0, lse[k],
+            LA.merge_forward(m[k], l[k], acc[k], new[:, :k], qs[k], ws[k], HEADS, EPS, 1.0, lse[k],
                              **loop._asdict())  # fmt: skip
 
     mr = launch.merge_row_grad_config(padded_d)
@@ -251,13 +247,13 @@ def merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, padded_d, grou
 
     def merges_bwd(loop):
         for k in range(group):
-            LA.merge_backward(grad_outs[k], outs[k], new[:, :k], qs[k], ws[k], lse[k], BR.HEADS, EPS, 1.0,
+            LA.merge_backward(grad_outs[k], outs[k], new[:, :k], qs[k], ws[k], lse[k], HEADS, EPS, 1.0,
                               (factors[k, :, :k], kv[k, :, :k]), **loop._asdict())  # fmt: skip
 
     def row_grads(loop):
         for i in reversed(range(group - 1)):
             LA.merge_row_grad(new[:, i], gnew[:, i], gnew[:, i], grad_outs, qs, ws, factors, kv, i, (i + 1, group),
-                              BR.HEADS, **loop._asdict())  # fmt: skip
+                              HEADS, **loop._asdict())  # fmt: skip
 
     variants = [("merge_fwd", fwd_bytes, loop._asdict(), lambda loop=loop: merges_fwd(loop))
                 for loop in dict.fromkeys(fwd_loops)]  # fmt: skip
@@ -269,11 +265,12 @@ def merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, padded_d, grou
 
 
 def main(argv=None):
+    global HEADS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", required=True, choices=("site", "lookahead"))
     parser.add_argument("--kernels", default=",".join(LOOKAHEAD_SWEEP_MODES),
                         help=f"--sweep lookahead: comma list of {', '.join(LOOKAHEAD_SWEEP_MODES)}")
-    parser.add_argument("--heads", type=int, default=BR.HEADS, help="routing heads H of every case (1 = AttnRes)")
+    parser.add_argument("--heads", type=int, default=HEADS, help="routing heads H of every case (1 = AttnRes)")
     parser.add_argument("--out", help="JSON report")
     args = parser.parse_args(argv)
     kernels = args.kernels.split(",")
@@ -285,11 +282,10 @@ def main(argv=None):
         parser.error(f"--heads {args.heads} must divide every case's width {widths}")
     check_out(parser, args.out)
     if not torch.cuda.is_available():
-        parser.error("sweep_launches.py times CUDA kernels: run it on a GPU")
-    BR.HEADS = args.heads
-    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-              "cuda": torch.version.cuda, "python": platform.python_version(), "heads": args.heads,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "copy": copy_bandwidth()}  # fmt: skip
+        parser.error("tools.perf.sweep_launches times CUDA kernels: run it on a GPU")
+    HEADS = args.heads
+    report = {"environment": environment(), "heads": args.heads, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "copy": copy_bandwidth()}  # fmt: skip
     copy_gbps = report["copy"]["gbps"]
     if args.sweep == "site":
         report["sweep"] = run_sweep(copy_gbps)
