@@ -31,6 +31,7 @@ Importing this module does not import Megatron.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import re
 import subprocess
@@ -57,12 +58,14 @@ TOKENIZER_DIR = "tokenizer"
 """The run's tokenizer inside a trained checkpoint (converted ones carry theirs in ``hf/``)."""
 # Config sections that define the network; any difference makes a checkpoint unusable.
 MODEL_SECTIONS = ("model", "mhar")
-MODEL_EXECUTION_FIELDS = ("spec", "fused_kernels")
+MODEL_EXECUTION_FIELDS = ("spec", "fused_kernels", "moe_token_dispatcher_type", "moe_router_dtype",
+                          "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type")
 """``model`` fields a resume may change: the local and the Transformer Engine spec store the
 same tensors under the same distributed-checkpoint keys (TE's fused pre-norms as the local
 spec's norms, mapped by Megatron's ``sharded_state_dict_keys_map``), so a run saved with
 one resumes with the other (``model.spec: auto`` on another machine); the fused kernels
-of the TE spec change no tensor."""
+of the TE spec change no tensor; an MoE model's token dispatcher, router precision and
+router losses change how it runs and trains, not its weights."""
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
 
 _SAVE_NAME = re.compile(r"iter_(\d+)(?:\.(\d+))?")  # checkpoint_name, and a repeated save's suffix
@@ -338,9 +341,10 @@ def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:
         old, new = saved.get(section, {}), config.get(section, {})
         if section == "mhar":  # how routing runs may change between runs
             old, new = function_fields(old), function_fields(new)
-        else:  # and which layers run it
-            old = {k: v for k, v in old.items() if k not in MODEL_EXECUTION_FIELDS}
-            new = {k: v for k, v in new.items() if k not in MODEL_EXECUTION_FIELDS}
+        else:  # and which layers run it; fields a checkpoint predates hold their defaults
+            defaults = dataclasses.asdict(GPTModelConfig())
+            old = {k: v for k, v in {**defaults, **old}.items() if k not in MODEL_EXECUTION_FIELDS}
+            new = {k: v for k, v in {**defaults, **new}.items() if k not in MODEL_EXECUTION_FIELDS}
         diffs += config_differences(old, new, f"{section}.")
     if diffs:
         raise ConfigError(

@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.models.block import MHARTransformerBlock
 from megatron_mhar.models.gpt_config import GPTModelConfig
+from megatron_mhar.models.moe import enable_router_gemm_fallback, reset_router_loss_tracker, fused_moe_fields
 from megatron_mhar.models.norms import SequenceParallelTorchNorm
 from megatron_mhar.models.specs import get_mhar_block_spec, resolve_spec
 
@@ -21,7 +22,6 @@ from megatron_mhar.models.specs import get_mhar_block_spec, resolve_spec
 # value that is fine, what to do instead).
 UNSUPPORTED = (
     ("context_parallel_size", 1, "set context_parallel_size=1"),
-    ("num_moe_experts", None, "MoE layers are not supported; use a dense MLP"),
     ("mtp_num_layers", None, "multi-token prediction is not supported"),
     ("cpu_offloading", False, "set cpu_offloading=False"),
     ("fine_grained_activation_offloading", False, "disable activation offloading"),
@@ -64,7 +64,8 @@ class MHARTransformerConfig(TransformerConfig):
 def fused_kernel_fields(model: GPTModelConfig) -> dict:
     """TransformerConfig fields of the fused kernels Megatron-LM trains with under
     Transformer Engine: Megatron's fused vocabulary-parallel cross-entropy, fused RoPE, the
-    fused SwiGLU and, where apex's ``fused_weight_gradient_mlp_cuda`` is installed,
+    fused SwiGLU, for MoE TE's fused token permutation
+    (:func:`~megatron_mhar.models.moe.fused_moe_fields`) and, where apex's ``fused_weight_gradient_mlp_cuda`` is installed,
     weight-gradient accumulation into ``main_grad`` inside the GEMMs. Empty for the local
     spec and with ``model.fused_kernels`` false. ``model.spec`` must be resolved
     (:func:`resolve_spec`).
@@ -78,7 +79,8 @@ def fused_kernel_fields(model: GPTModelConfig) -> dict:
         return {}
     apex_wgrad = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
     return dict(gradient_accumulation_fusion=apex_wgrad, cross_entropy_loss_fusion=True,
-                cross_entropy_fusion_impl="native", apply_rope_fusion=True, bias_activation_fusion=True)
+                cross_entropy_fusion_impl="native", apply_rope_fusion=True, bias_activation_fusion=True,
+                **fused_moe_fields(model))
 
 
 def make_transformer_config(model: GPTModelConfig, mhar: MHARConfig, **overrides) -> TransformerConfig:
@@ -177,6 +179,9 @@ def build_gpt_model(
     model_class = MHARGPTModel if mhar.enabled else GPTModel
     if layer_norm is None and config.sequence_parallel and model.spec == "local":
         layer_norm = SequenceParallelTorchNorm
+    if model.is_moe:
+        enable_router_gemm_fallback()
+        reset_router_loss_tracker()
     return model_class(
         config=config,
         transformer_layer_spec=get_mhar_block_spec(model, mhar, config, vp_stage, layer_norm),

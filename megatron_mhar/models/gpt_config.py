@@ -2,13 +2,16 @@
 
 import dataclasses
 import math
-from typing import Optional
+from typing import List, Optional, Union
 
 import torch
 
 NORMS = ("RMSNorm", "LayerNorm")
 SPECS = ("local", "transformer_engine", "auto")
 ATTENTION_BACKENDS = ("sdpa", "megatron")
+MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+MOE_DISPATCHERS = ("allgather", "alltoall")
+MOE_ROUTER_DTYPES = ("fp32", "fp64")
 
 
 @dataclasses.dataclass
@@ -98,6 +101,46 @@ class GPTModelConfig:
     bring (``benchmarks/bench_training.py --no-fusions``). How the model runs, not what it
     computes: a checkpoint loads under either value."""
 
+    num_moe_experts: Optional[int] = None
+    """Routed experts of each MoE layer (Megatron-Core's ``MoELayer``: router, token
+    dispatcher, experts); ``None``: every MLP is dense."""
+
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+
+    moe_ffn_hidden_size: Optional[int] = None
+    """Width of each routed expert's MLP; ``None`` means ffn_hidden_size."""
+
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Width of the shared expert every token also passes through (Qwen2-MoE, DeepSeek);
+    ``None``: no shared expert."""
+
+    moe_layer_freq: Union[int, List[int]] = 1
+    """Which decoder layers have an MoE MLP: every N-th layer from the first (an int; 1 is
+    all), or a list of num_layers flags, 1 for MoE and 0 for dense (Megatron's)."""
+
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts, then the top-k (weights not renormalised); False: softmax
+    over the top-k logits, which is Qwen3-MoE's renormalised top-k (``norm_topk_prob``)."""
+
+    moe_router_dtype: Optional[str] = None
+    """``fp32`` or ``fp64``: the router's logits and softmax in that precision (Megatron-LM
+    trains bf16 MoE with fp32); ``None``: the activations' dtype."""
+
+    moe_router_load_balancing_type: str = "aux_loss"
+    """Megatron's load-balancing loss: ``aux_loss`` (per micro-batch), ``seq_aux_loss`` (per
+    sequence), ``global_aux_loss`` (over the global batch) or ``none``."""
+
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (Qwen3-MoE: 0.001); 0 adds none."""
+
+    moe_z_loss_coeff: Optional[float] = None
+    """Weight of the router z-loss (1e-3 is Megatron's suggested start); ``None`` adds none."""
+
+    moe_token_dispatcher_type: str = "allgather"
+    """How tokens reach their experts' ranks: ``allgather`` or ``alltoall`` (Megatron-LM's
+    choice with expert parallelism on GPUs; on CPU only ``allgather`` runs)."""
+
     def __post_init__(self):
         positive = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                     "make_vocab_size_divisible_by", "seq_length")
@@ -147,6 +190,69 @@ class GPTModelConfig:
                 f"model.rotary_percent={self.rotary_percent}), an odd number; RoPE rotates pairs. "
                 f"Change model.kv_channels (or hidden_size / num_attention_heads) or rotary_percent"
             )
+        self._check_moe()
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any decoder layer has an MoE MLP."""
+        return self.num_moe_experts is not None
+
+    def moe_layer_pattern(self) -> List[bool]:
+        """For each decoder layer (0-based, global), whether its MLP is an MoE layer."""
+        if not self.is_moe:
+            return [False] * self.num_layers
+        if isinstance(self.moe_layer_freq, int):
+            return [layer % self.moe_layer_freq == 0 for layer in range(self.num_layers)]
+        return [bool(flag) for flag in self.moe_layer_freq]
+
+    def _check_moe(self) -> None:
+        """The MoE fields: valid values, and none set on a dense model (where they would do nothing)."""
+        if not self.is_moe:
+            defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("moe_")}
+            set_ = [name for name, default in defaults.items() if getattr(self, name) != default]
+            if set_:
+                raise ValueError(
+                    f"model.{set_[0]} is set but model.num_moe_experts is null (a dense model); set "
+                    f"model.num_moe_experts or remove model.{set_[0]}"
+                )
+            return
+        _require_int("num_moe_experts", self.num_moe_experts, "must be positive, or null for dense MLPs")
+        _require_int("moe_router_topk", self.moe_router_topk, "must be positive")
+        if self.moe_router_topk > self.num_moe_experts:
+            raise ValueError(
+                f"model.moe_router_topk={self.moe_router_topk} exceeds model.num_moe_experts="
+                f"{self.num_moe_experts}; route each token to at most that many experts"
+            )
+        if self.moe_router_topk == 1 and not self.moe_router_pre_softmax:
+            raise ValueError(
+                "model.moe_router_topk=1 needs model.moe_router_pre_softmax=true (a softmax over one "
+                "top-k logit is 1 and passes no gradient to the router)"
+            )
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            if getattr(self, name) is not None:
+                _require_int(name, getattr(self, name), "must be positive, or null")
+        freq = self.moe_layer_freq
+        if isinstance(freq, int) and not isinstance(freq, bool):
+            _require_int("moe_layer_freq", freq, "must be a positive integer or a list of 0/1 flags")
+        elif (not isinstance(freq, list) or len(freq) != self.num_layers
+              or any(flag not in (0, 1) or isinstance(flag, bool) for flag in freq) or not any(freq)):
+            raise ValueError(
+                f"model.moe_layer_freq must be a positive integer or a list of num_layers={self.num_layers} "
+                f"flags (1: MoE, 0: dense) with at least one 1, got {freq!r}"
+            )
+        _require_choice("moe_router_load_balancing_type", self.moe_router_load_balancing_type, MOE_LOAD_BALANCING)
+        _require_choice("moe_token_dispatcher_type", self.moe_token_dispatcher_type, MOE_DISPATCHERS)
+        if self.moe_router_dtype is not None:
+            _require_choice("moe_router_dtype", self.moe_router_dtype, MOE_ROUTER_DTYPES)
+        _require_number("moe_aux_loss_coeff", self.moe_aux_loss_coeff, lambda v: v >= 0, "must be non-negative")
+        if self.moe_aux_loss_coeff > 0 and self.moe_router_load_balancing_type == "none":
+            raise ValueError(
+                f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} with moe_router_load_balancing_type="
+                f"none adds no loss; set a load-balancing type (aux_loss) or the coefficient to 0"
+            )
+        if self.moe_z_loss_coeff is not None:
+            _require_number("moe_z_loss_coeff", self.moe_z_loss_coeff, lambda v: v >= 0,
+                            "must be non-negative, or null for no z-loss")
 
     def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
         """Vocab size padded as Megatron pads it, so every TP rank holds an equal slice."""
@@ -178,6 +284,20 @@ class GPTModelConfig:
             persist_layer_norm=False,
             apply_rope_fusion=False,
         )
+        if self.is_moe:
+            kwargs.update(
+                num_moe_experts=self.num_moe_experts,
+                moe_router_topk=self.moe_router_topk,
+                moe_ffn_hidden_size=self.moe_ffn_hidden_size or kwargs["ffn_hidden_size"],
+                moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+                moe_layer_freq=self.moe_layer_freq,
+                moe_router_pre_softmax=self.moe_router_pre_softmax,
+                moe_router_dtype=self.moe_router_dtype,
+                moe_router_load_balancing_type=self.moe_router_load_balancing_type,
+                moe_aux_loss_coeff=self.moe_aux_loss_coeff,
+                moe_z_loss_coeff=self.moe_z_loss_coeff,
+                moe_token_dispatcher_type=self.moe_token_dispatcher_type,
+            )
         return kwargs
 
 
@@ -186,6 +306,11 @@ def _require_int(field: str, value, rule: str) -> None:
         raise ValueError(f"model.{field} must be an integer, got {type(value).__name__} {value!r}")
     if value < 1:
         raise ValueError(f"model.{field} {rule}, got {value!r}")
+
+
+def _require_choice(field: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"model.{field} must be one of {choices}, got {value!r}")
 
 
 def _require_number(field: str, value, ok, rule: str) -> None:

@@ -1,6 +1,7 @@
 """MHARTransformerLayer: Megatron's TransformerLayer with routed sublayer inputs."""
 
 import dataclasses
+import functools
 from typing import Any, Optional, Union
 
 import torch
@@ -146,10 +147,13 @@ class MHARTransformerLayer(TransformerLayer):
         normed, checkpoint = self._normed(
             self.pre_mlp_layernorm, routed, self.recompute_pre_mlp_layernorm
         )
+        # padding_mask reaches an MoE router (tokens it leaves out of the load-balancing loss).
         if self.recompute_mlp:
-            output_with_bias = tensor_parallel.checkpoint(self.mlp, False, normed)
+            output_with_bias = tensor_parallel.checkpoint(
+                functools.partial(self.mlp, padding_mask=padding_mask), False, normed
+            )
         else:
-            output_with_bias = self.mlp(normed)
+            output_with_bias = self.mlp(normed, padding_mask=padding_mask)
         if checkpoint is not None:
             checkpoint.discard_output_and_register_recompute(output_with_bias[0])
         output = self._bias_dropout(output_with_bias)

@@ -29,11 +29,12 @@ from megatron_mhar.models.block import MHARTransformerBlockSubmodules
 from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.layer import MHARTransformerLayer, MHARTransformerLayerSubmodules
 from megatron_mhar.models.mhar_config import MHARConfig
+from megatron_mhar.models.moe import moe_layer_pattern, store_pre_mlp_norm_unfused
 from megatron_mhar.models.routing import DeltaRouter, DepthRouter
 
 
 def get_mhar_layer_local_spec(
-    model: GPTModelConfig, mhar: MHARConfig, layer_norm: Optional[type] = None
+    model: GPTModelConfig, mhar: MHARConfig, layer_norm: Optional[type] = None, moe: bool = False
 ) -> ModuleSpec:
     """Megatron's local (torch) GPT layer spec, with MHAR layers when routing is on.
 
@@ -42,10 +43,16 @@ def get_mhar_layer_local_spec(
         mhar: ``variant='none'`` keeps Megatron's ``TransformerLayer``.
         layer_norm: optional norm class for every norm of the layer (e.g. one that accepts
             sequence parallelism without apex).
+        moe: the layer's MLP is Megatron's MoE layer of ``model.num_moe_experts`` experts
+            (``SequentialMLP`` experts), its pre-MLP norm stored under its own key
+            (:func:`~megatron_mhar.models.moe.store_pre_mlp_norm_unfused`).
     """
     spec = get_gpt_layer_local_spec(
-        qk_layernorm=model.qk_layernorm, normalization=model.normalization
+        num_experts=model.num_moe_experts if moe else None,
+        qk_layernorm=model.qk_layernorm, normalization=model.normalization,
     )
+    if moe:
+        store_pre_mlp_norm_unfused(spec)
     attention = spec.submodules.self_attention.submodules
     if model.attention_backend == "sdpa":
         attention.core_attention = SDPACoreAttention
@@ -58,11 +65,12 @@ def get_mhar_layer_local_spec(
     return _with_mhar_layer(spec, mhar)
 
 
-def get_mhar_layer_te_spec(model: GPTModelConfig, mhar: MHARConfig) -> ModuleSpec:
+def get_mhar_layer_te_spec(model: GPTModelConfig, mhar: MHARConfig, moe: bool = False) -> ModuleSpec:
     """Megatron's Transformer Engine GPT layer spec, with MHAR layers when routing is on.
 
-    The TE spec fuses the pre-norms into the following linear layers; the MHAR layer
-    has no TE-specific logic, so TE users run exactly the layer code tested locally.
+    The TE spec fuses the pre-norms into the following linear layers (an MoE layer keeps a
+    separate pre-MLP norm; its experts are TE's grouped GEMM); the MHAR layer has no
+    TE-specific logic, so TE users run exactly the layer code tested locally.
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,
@@ -75,17 +83,21 @@ def get_mhar_layer_te_spec(model: GPTModelConfig, mhar: MHARConfig) -> ModuleSpe
             f"model.spec='transformer_engine' needs Transformer Engine ({err}): pip install "
             f"'megatron_mhar[te]', or use model.spec='local' (or 'auto')"
         ) from err
-    spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+    spec = get_gpt_layer_with_transformer_engine_spec(
+        num_experts=model.num_moe_experts if moe else None, moe_grouped_gemm=moe,
+        qk_layernorm=model.qk_layernorm,
+    )
     return _with_mhar_layer(spec, mhar)
 
 
 def get_mhar_layer_spec(
-    model: GPTModelConfig, mhar: MHARConfig, layer_norm: Optional[type] = None
+    model: GPTModelConfig, mhar: MHARConfig, layer_norm: Optional[type] = None, moe: bool = False
 ) -> ModuleSpec:
-    """The layer spec ``model.spec`` names (``auto`` resolved by :func:`resolve_spec`)."""
+    """The layer spec ``model.spec`` names (``auto`` resolved by :func:`resolve_spec`), with an
+    MoE MLP when ``moe``."""
     if resolve_spec(model.spec).spec == "transformer_engine":
-        return get_mhar_layer_te_spec(model, mhar)
-    return get_mhar_layer_local_spec(model, mhar, layer_norm)
+        return get_mhar_layer_te_spec(model, mhar, moe)
+    return get_mhar_layer_local_spec(model, mhar, layer_norm, moe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +158,9 @@ def get_mhar_block_spec(
     model: GPTModelConfig, mhar: MHARConfig, config, vp_stage: Optional[int] = None,
     layer_norm: Optional[type] = None,
 ) -> TransformerBlockSubmodules:
-    """The decoder block spec of one pipeline chunk: its layers (:func:`get_mhar_layer_spec`),
-    the final norm and, when routing is on, the final site's router
+    """The decoder block spec of one pipeline chunk: its layers (:func:`get_mhar_layer_spec`;
+    MoE or dense as ``model.moe_layer_freq`` says, Megatron's ``get_gpt_decoder_block_spec``
+    rule), the final norm and, when routing is on, the final site's router
     (:class:`MHARTransformerBlockSubmodules`); for ``variant: none`` the block Megatron builds
     from its own layer spec.
 
@@ -158,7 +171,7 @@ def get_mhar_block_spec(
         config: the model's TransformerConfig (how many layers this chunk builds).
         vp_stage: virtual pipeline stage of the chunk.
     """
-    layer = get_mhar_layer_spec(model, mhar, layer_norm)
+    specs = {moe: get_mhar_layer_spec(model, mhar, layer_norm, moe) for moe in {False, model.is_moe}}
     if resolve_spec(model.spec).spec == "local":
         # The local layers' own norm, as Megatron's local decoder spec takes it: the block's
         # default (``LayerNormImpl``) is TE's norm wherever TE is installed, CPU runs included.
@@ -166,7 +179,7 @@ def get_mhar_block_spec(
     else:
         final_norm = transformer_block.LayerNormImpl
     block = dict(
-        layer_specs=[layer] * transformer_block.get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_specs=[specs[moe] for moe in moe_layer_pattern(model, config, vp_stage)],
         layer_norm=final_norm,
     )
     if not mhar.enabled:

@@ -74,6 +74,7 @@ def initialize_model_parallel_from_env(
     vpp: Optional[int] = None,
     cp: int = 1,
     ep: int = 1,
+    etp: Optional[int] = None,
     seed: int = 1234,
     device: Literal["auto", "cuda", "cpu"] = "auto",
     timeout_minutes: int = 10,
@@ -88,6 +89,7 @@ def initialize_model_parallel_from_env(
         vpp: virtual pipeline stages per pipeline rank (``None``: no interleaving).
         cp: context-parallel size.
         ep: expert-model-parallel size.
+        etp: expert-tensor-parallel size (``None``: ``tp``, Megatron's default).
         seed: seed for ``model_parallel_cuda_manual_seed`` (data-parallel stream
             ``seed``, tensor-parallel stream ``seed + 2718 + tp_rank``). On the
             CPU runtime the "CUDA" generator is the CPU default generator, so
@@ -131,7 +133,7 @@ def initialize_model_parallel_from_env(
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", rank)
     # Checked before anything is initialised, so a mistake leaves no process group behind.
-    _check_layout(rank, world_size, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep)
+    _check_layout(rank, world_size, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp)
     if world_size > 1 and "MASTER_ADDR" not in os.environ:
         raise RuntimeError(
             f"WORLD_SIZE={world_size} but MASTER_ADDR is not set; launch with torchrun"
@@ -167,6 +169,7 @@ def initialize_model_parallel_from_env(
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=timeout_minutes,
         create_gloo_process_groups=create_gloo_process_groups,
     )
@@ -236,7 +239,7 @@ def _check_layout(rank: int, world_size: int, **sizes: Optional[int]) -> None:
             f"(need 0 <= RANK < WORLD_SIZE); launch with torchrun or unset them"
         )
     for name, size in sizes.items():
-        if name == "vpp" and size is None:
+        if name in ("vpp", "etp") and size is None:
             continue
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{name} must be a positive integer, got {size!r}")

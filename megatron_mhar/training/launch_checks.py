@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from megatron_mhar.files import nearest_existing
+from megatron_mhar.training.moe import check_moe_launch
 from megatron_mhar.training.schema import TrainConfig
 
 TE_INSTALL = "pip install 'megatron_mhar[te]'"
@@ -60,6 +61,7 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
     if cfg.run.device == "cuda" and not _cuda_available():
         raise ValueError("run.device=cuda but CUDA is not available; set run.device=cpu")
     on_cpu = runs_on_cpu(cfg)
+    check_moe_launch(cfg, world_size, on_cpu)
     _check_spec_and_precision(cfg, on_cpu)
     _check_distributed_optimizer(cfg)
     if on_cpu and cfg.mhar.kernel_impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":

@@ -47,8 +47,10 @@ from megatron_mhar.runtime.distributed import DistributedContext, destroy, initi
 from megatron_mhar.runtime.lock import DirectoryLock
 from megatron_mhar.training import checkpointing, cuda_graphs
 from megatron_mhar.training.launch_checks import runs_on_cpu, validate_launch, with_resolved_spec
+from megatron_mhar.training.memory import estimate_memory
 from megatron_mhar.training.metrics import MetricsWriter, StepTimer, format_duration
 from megatron_mhar.training.model import build_model_chunks, transformer_config, unwrap
+from megatron_mhar.training.moe import MoEMetrics
 from megatron_mhar.training.recipes import to_yaml
 from megatron_mhar.training.schema import TrainConfig
 from megatron_mhar.training.signals import SIGNALS as STOP_SIGNALS
@@ -98,6 +100,8 @@ def run(
         tp=par.tensor_model_parallel_size,
         pp=par.pipeline_model_parallel_size,
         vpp=par.virtual_pipeline_model_parallel_size,
+        ep=par.expert_model_parallel_size,
+        etp=par.expert_tensor_parallel_size,
         seed=cfg.run.seed,
         device="cpu" if on_cpu else "cuda",
         create_gloo_process_groups=not on_cpu,
@@ -190,6 +194,8 @@ class Trainer:
             )
 
         self.config = transformer_config(cfg, self.on_cpu)
+        if self.is_logger:
+            print(estimate_memory(cfg, ctx.world_size).describe(self._layout()), flush=True)
         self.model = build_model_chunks(cfg, self.config, self.on_cpu)
         self.optimizer = get_megatron_optimizer(
             self._optimizer_config(), self.model, use_gloo_process_groups=not self.on_cpu
@@ -209,6 +215,9 @@ class Trainer:
             wd_incr_style="constant",
         )
         self._wire_model_config()
+        self.moe_metrics = (MoEMetrics(cfg.model, self.config, [unwrap(c) for c in self.model], self.num_microbatches)
+                            if cfg.model.is_moe else None)
+        self._moe_logged: Optional[dict] = None  # the MoE metrics of the step just logged
         self.train_schedule = (
             cuda_graphs.FullIterationGraph(pipeline.forward_backward) if graphs else pipeline.forward_backward
         )
@@ -256,6 +265,13 @@ class Trainer:
         )
 
     # ---------------------------------------------------------------- setup
+
+    def _layout(self) -> str:
+        """``dp=.. tp=.. pp=..`` (and ``ep=..`` for MoE)."""
+        par = self.cfg.parallel
+        ep = f" ep={par.expert_model_parallel_size}" if self.cfg.model.is_moe else ""
+        return (f"dp={self.dp_size} tp={par.tensor_model_parallel_size} "
+                f"pp={par.pipeline_model_parallel_size}{ep}")
 
     def _prepare_data(self):
         """The tokenizer and the dataset prefixes (building the embedded corpus if needed)."""
@@ -453,11 +469,14 @@ class Trainer:
 
     # ---------------------------------------------------------------- outputs
 
+    def _logged(self, step: int) -> bool:
+        """Whether training step ``step`` is logged (same on every rank)."""
+        return step % self.cfg.logging.interval == 0 or step == self.cfg.training.train_iters
+
     def _records_routing(self, step: int) -> bool:
         """Whether training step ``step`` records the routing diagnostics (same on every rank)."""
         log = self.cfg.logging
-        logged = step % log.interval == 0 or step == self.cfg.training.train_iters
-        return self.cfg.mhar.enabled and ((log.routing_entropy and logged) or self._maps_step(step))
+        return self.cfg.mhar.enabled and ((log.routing_entropy and self._logged(step)) or self._maps_step(step))
 
     def _maps_step(self, step: int) -> bool:
         """Whether step ``step`` logs the routing maps to TensorBoard (``logging.routing_interval``)."""
@@ -562,9 +581,7 @@ class Trainer:
         last_saved = self.iteration if self.checkpoint is not None else -1
         self.metrics.console(
             f"training {cfg.run.name}: {tr.train_iters} steps of {tr.global_batch_size} x "
-            f"{cfg.model.seq_length} tokens, mhar={cfg.mhar.variant}, dp={self.dp_size} "
-            f"tp={cfg.parallel.tensor_model_parallel_size} pp={cfg.parallel.pipeline_model_parallel_size}"
-            f", from step {self.iteration}"
+            f"{cfg.model.seq_length} tokens, mhar={cfg.mhar.variant}, {self._layout()}, from step {self.iteration}"
             + (f"; changed since the checkpoint: {', '.join(self.changed_since_checkpoint)}"
                if self.changed_since_checkpoint else "")
         )
@@ -588,10 +605,15 @@ class Trainer:
             while self.iteration < tr.train_iters:
                 recorder = RoutingRecorder() if self._records_routing(self.iteration + 1) else None
                 self._attach_routing_recorder(recorder)
+                logged = self._logged(self.iteration + 1)
+                if self.moe_metrics is not None:
+                    self.moe_metrics.start_step(logged)
                 timer.start()
                 loss, grad_norm, lr = self.train_step()
                 timer.stop()
                 self._attach_routing_recorder(None)
+                if self.moe_metrics is not None:
+                    self._moe_logged = self.moe_metrics.end_step(logged)
                 self.iteration += 1
                 if recorder is not None:
                     self.routing = self._gather_routing(recorder)
@@ -605,7 +627,7 @@ class Trainer:
                 if grad_norm is not None and not math.isfinite(grad_norm):
                     raise FloatingPointError(f"grad norm is {grad_norm} at step {self.iteration}")
 
-                if self.iteration % cfg.logging.interval == 0 or self.iteration == tr.train_iters:
+                if logged:
                     self._log_train(self.loss_window, grad_norm, lr, timer)
                     self.loss_window = []
                     timer.reset()
@@ -727,6 +749,10 @@ class Trainer:
                        for site, record in sorted(self.routing.items())}
             extra["routing_entropy"] = entropy
             self.metrics.log_routing_entropy(self.iteration, entropy)
+        if self._moe_logged is not None:
+            scalars.update(self._moe_logged["scalars"])
+            extra["expert_load"] = self._moe_logged["expert_load"]
+            self.metrics.log_expert_load(self.iteration, self._moe_logged["expert_load"])
         self.metrics.log("train", self.iteration, scalars, extra)
         eta = (cfg.training.train_iters - self.iteration) * timer.seconds_per_step
         self.metrics.console(

@@ -2,7 +2,9 @@
 
 ``metrics.jsonl`` holds one JSON object per logged step: ``{"kind": "train",
 "step": ..., "loss": ..., "lr": ..., "grad_norm": ..., "tokens_per_s": ...,
-"memory_gb": ..., "routing_entropy": {site: [per-head nats]}}`` and ``{"kind":
+"memory_gb": ..., "routing_entropy": {site: [per-head nats]}}`` (MoE models add
+``"moe/load_balancing_loss"``, ``"moe/z_loss"`` and ``"expert_load": {layer: [share of the
+layer's routed tokens per expert]}``) and ``{"kind":
 "eval", "step": ..., "val_loss": ..., "val_loss_tail": ...}`` (and ``{"kind": "test", "step":
 ..., "test_loss": ...}`` after the last step, with test data). Floats are written
 with ``repr`` precision, so two runs can be compared bitwise from the files.
@@ -167,6 +169,19 @@ class MetricsWriter:
             return
         self._to_tensorboard(lambda: [self._tb.add_scalar(f"routing_entropy/{site}/head{h}", value, step)
                                       for site, heads in entropy.items() for h, value in enumerate(heads)])
+
+    def log_expert_load(self, step: int, load: Dict[str, List[float]]) -> None:
+        """TensorBoard, per MoE layer: ``expert_load/<layer>/max_over_mean`` (1 is a balanced
+        layer, the expert count is one expert taking every token) and the histogram
+        ``expert_load/<layer>`` of the experts' shares times the expert count."""
+        if not self.enabled or self._tb is None:
+            return
+        import torch
+
+        for layer, shares in load.items():
+            relative = torch.tensor(shares, dtype=torch.float64) * len(shares)
+            self._tb.add_scalar(f"expert_load/{layer}/max_over_mean", relative.max().item(), step)
+            self._tb.add_histogram(f"expert_load/{layer}", relative, step)
 
     def add_image(self, tag: str, image_hwc, step: int) -> None:
         """An ``[H, W, 3]`` uint8 image into TensorBoard."""

@@ -38,6 +38,8 @@ def transformer_config(cfg: TrainConfig, on_cpu: bool) -> TransformerConfig:
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
         sequence_parallel=par.sequence_parallel,
+        expert_model_parallel_size=par.expert_model_parallel_size,
+        expert_tensor_parallel_size=par.expert_tensor_parallel_size,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,

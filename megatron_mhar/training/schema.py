@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from megatron_mhar.manifest import VERIFY_LEVELS
 from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.mhar_config import MHARConfig
+from megatron_mhar.training.moe import check_moe_layout
 
 DEFAULT_SPLIT = "98,2,0"
 """``data.split`` when none is given and no held-out paths are."""
@@ -108,10 +109,22 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     """Overlap the distributed optimizer's parameter all-gather with the forward pass."""
 
+    expert_model_parallel_size: int = 1
+    """Expert-parallel ranks (MoE): each holds num_moe_experts / this many experts of every
+    MoE layer; carved out of the data-parallel (and tensor-parallel) ranks, as in Megatron."""
+
+    expert_tensor_parallel_size: Optional[int] = None
+    """Tensor-parallel ranks of each expert (MoE); ``None`` means tensor_model_parallel_size."""
+
     def __post_init__(self):
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.expert_tensor_parallel_size is not None and self.expert_tensor_parallel_size < 1:
+            raise ValueError(
+                f"parallel.expert_tensor_parallel_size must be >= 1 (or null for the tensor-parallel "
+                f"size), got {self.expert_tensor_parallel_size}"
+            )
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 2 or self.pipeline_model_parallel_size < 2):
             raise ValueError(
@@ -528,6 +541,7 @@ class TrainConfig:
                 f"parallel.tensor_model_parallel_size={tp} must divide model.num_attention_heads="
                 f"{model.num_attention_heads} and the KV heads ({groups})"
             )
+        check_moe_layout(model, par)
         chunks = par.pipeline_model_parallel_size * (par.virtual_pipeline_model_parallel_size or 1)
         if model.num_layers % chunks:
             raise ValueError(

@@ -259,7 +259,6 @@ CONFIG_ERRORS = [
     pytest.param(dict(eps=float("inf")), {}, r"eps must be a positive finite number", id="inf-eps"),
     pytest.param(dict(kernel_impl="cuda"), {}, "kernel_impl must be one of", id="bad-impl"),
     pytest.param({}, dict(context_parallel_size=2), "context_parallel_size", id="context-parallel"),
-    pytest.param({}, dict(num_moe_experts=4), "MoE", id="moe"),
 ]
 
 

@@ -45,6 +45,7 @@ SETUP = REPO / "tests" / "slurm" / "setup_cluster.sh"
 SCRIPTS = {
     "pretrain": REPO / "slurm" / "pretrain_1b_mhar.sh",
     "cpt": REPO / "slurm" / "cpt_8b_mhar_delta.sh",
+    "cpt_moe": REPO / "slurm" / "cpt_30b_a3b_mhar_delta.sh",
 }
 LAUNCHER = REPO / "slurm" / "launch.sh"
 CLUSTER_DIR = Path(os.environ.get("MHAR_SLURM_DIR", "/tmp/megatron_mhar_slurm"))

@@ -22,7 +22,8 @@ VARIANTS = {"baseline": ("none", None), "attnres": ("full", 1), "mhar": ("full",
 
 def test_recipe_set_is_complete():
     expected = {f"pretrain_{s}_{v}" for s in PUBLISHED for v in VARIANTS}
-    expected |= {"smoke_cpu", "cpt_8b_mhar_delta", "cpt_8b_plain"}
+    expected |= {"smoke_cpu", "smoke_cpu_moe", "cpt_8b_mhar_delta", "cpt_8b_plain", "cpt_30b_a3b_mhar_delta",
+                 "cpt_30b_a3b_plain"}
     assert set(RECIPES) == expected
 
 
@@ -50,12 +51,13 @@ def test_pretrain_recipes_match_the_paper(scale, variant):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_gpu_recipes_choose_the_layer_spec_where_they_run(recipe):
     """The GPU recipes take Transformer Engine's layers where TE imports (``spec: auto``);
-    the CPU smoke recipe keeps Megatron's local layers."""
-    assert load_config(recipe).model.spec == ("local" if recipe == "smoke_cpu" else "auto")
+    the CPU smoke recipes keep Megatron's local layers."""
+    assert load_config(recipe).model.spec == ("local" if recipe.startswith("smoke_cpu") else "auto")
 
 
-def test_cpt_recipes_differ_only_in_routing():
-    delta, plain = load_config("cpt_8b_mhar_delta"), load_config("cpt_8b_plain")
+@pytest.mark.parametrize("size", ["8b", "30b_a3b"])
+def test_cpt_recipes_differ_only_in_routing(size):
+    delta, plain = load_config(f"cpt_{size}_mhar_delta"), load_config(f"cpt_{size}_plain")
     assert delta.mhar.variant == "delta" and delta.mhar.num_heads == 8
     assert delta.mhar.delta_block_layers == 4
     assert plain.mhar.variant == "none"
@@ -64,7 +66,8 @@ def test_cpt_recipes_differ_only_in_routing():
         if section not in ("mhar", "run"):
             assert a[section] == b[section], section
     m = delta.model
-    assert (m.hidden_size, m.num_layers, m.num_attention_heads, m.num_query_groups) == (4096, 32, 32, 8)
+    shape = (m.hidden_size, m.num_layers, m.num_attention_heads, m.num_query_groups, m.num_moe_experts)
+    assert shape == {"8b": (4096, 32, 32, 8, None), "30b_a3b": (2048, 48, 32, 4, 128)}[size]
     assert (delta.optimizer.lr, delta.optimizer.min_lr, delta.training.train_iters) == (4e-4, 4e-6, 9500)
     assert delta.training.global_batch_size * m.seq_length == 1_048_576 and m.seq_length == 4096
 
@@ -74,21 +77,23 @@ def _reduced(cfg):
     (the model is built on the CPU runtime, where the driver resolves ``spec: auto`` so)."""
     m = cfg.model
     k = max(1, m.hidden_size // 128)
+    moe = dict(moe_ffn_hidden_size=m.moe_ffn_hidden_size // k, moe_token_dispatcher_type="allgather") if m.is_moe else {}
     model = dataclasses.replace(
         m, num_layers=2 * (cfg.mhar.delta_block_layers if cfg.mhar.variant == "delta" else 1),
         hidden_size=m.hidden_size // k, ffn_hidden_size=(m.ffn_hidden_size or 4 * m.hidden_size) // k,
-        vocab_size=1024, seq_length=32, spec="local",
+        kv_channels=m.kv_channels and m.kv_channels // k, vocab_size=1024, seq_length=32, spec="local", **moe,
     )
     return dataclasses.replace(
         cfg, model=model,
         parallel=dataclasses.replace(cfg.parallel, tensor_model_parallel_size=1, sequence_parallel=False,
-                                     use_distributed_optimizer=False, overlap_grad_reduce=False),
+                                     expert_model_parallel_size=1, use_distributed_optimizer=False,
+                                     overlap_grad_reduce=False),
         training=dataclasses.replace(cfg.training, precision="fp32", recompute_granularity=None),
     )
 
 
 def _routing_params(model):
-    return sum(p.numel() for n, p in model.named_parameters() if "router" in n or "delta" in n)
+    return sum(p.numel() for n, p in model.named_parameters() if "_router." in n)  # not an MoE layer's router
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

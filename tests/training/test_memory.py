@@ -1,0 +1,31 @@
+"""The memory estimate printed at start counts exactly the parameters the driver builds."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import TINY
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param(["mhar.variant=none"], id="dense-baseline"),
+    pytest.param(["mhar.variant=full", "model.tie_embeddings=false"], id="dense-full-untied"),
+    # MoE and dense layers mixed, a shared expert, the delta variant's routers
+    pytest.param(["model.num_moe_experts=4", "model.moe_ffn_hidden_size=16", "model.moe_layer_freq=[1,0]",
+                  "model.moe_shared_expert_intermediate_size=8", "mhar.variant=delta", "mhar.delta_block_layers=1"],
+                 id="moe-delta-shared-mixed"),
+])
+def test_estimate_counts_the_built_parameters(megatron_world1, tmp_path, overrides):
+    from megatron_mhar.training.memory import estimate_memory
+    from megatron_mhar.training.model import build_model_chunks, transformer_config, unwrap
+    from megatron_mhar.training.recipes import load_config
+
+    cfg = load_config("smoke_cpu", TINY + [f"run.output_dir={tmp_path}", *overrides])
+    (chunk,) = build_model_chunks(cfg, transformer_config(cfg, on_cpu=True), on_cpu=True)
+    model = unwrap(chunk)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    dense = sum(p.numel() for p in model.parameters()) - experts
+    estimate = estimate_memory(cfg, world_size=1)
+    assert (estimate.dense_params, estimate.expert_params) == (dense, experts)
+    assert estimate.weights == 4 * (dense + experts) and estimate.optimizer == 8 * (dense + experts)  # fp32, Adam
+    assert 0 < estimate.activations < estimate.total
