@@ -1,16 +1,15 @@
-"""The Megatron model's routing: routers, the per-forward source stream of each variant
-and the routing recorder. Which sources each site reads is the routing layout
+"""The Megatron model's routing: routers and the per-forward source stream of each variant
+(a :class:`~megatron_mhar.diagnostics.recorder.RoutingRecorder` set as a stream's
+``routing`` records what it routes). Which sources each site reads is the routing layout
 (:mod:`megatron_mhar.ops.routing_layout`), shared with the transformers model.
 """
 
-import dataclasses
-from typing import Dict, List, Optional, Union
+from typing import Dict, Optional, Union
 
 import torch
 
 from megatron_mhar.models.main_grad import accumulate_into_main_grad
 from megatron_mhar.models.mhar_config import MHARConfig
-from megatron_mhar.ops.depth_route import routing_weights
 from megatron_mhar.ops.history import SourceHistory, get_backend
 from megatron_mhar.ops.lookahead import GroupSite, LookaheadHistory, get_lookahead_backend
 from megatron_mhar.ops.routing_layout import DeltaLayout, DepthLayout, Layout, layout_for
@@ -151,56 +150,6 @@ class DepthStream:
         """The decoder output before the final norm: the final site's routed mixture, through
         the router module (a spec may have wrapped it)."""
         return final_router(self, self.layout.final_site)
-
-
-ROUTING_SAMPLE_TOKENS = 256
-"""Tokens per micro-batch whose routing the training driver records (a diagnostic sample)."""
-
-
-@dataclasses.dataclass
-class SiteRouting:
-    """Routing of one site summed over recorded tokens; divide by ``tokens`` for means."""
-
-    weights: torch.Tensor
-    """[N, H] fp32: the sum over tokens of each source's softmax weight, per head."""
-
-    entropy: torch.Tensor
-    """[H] fp32: the sum over tokens of each head's routing entropy in nats."""
-
-    tokens: int
-    """Tokens summed."""
-
-    def add(self, other: "SiteRouting") -> "SiteRouting":
-        return SiteRouting(self.weights + other.weights, self.entropy + other.entropy,
-                           self.tokens + other.tokens)
-
-
-class RoutingRecorder:
-    """Per-site routing weights and entropy of the forwards it is attached to (a diagnostic).
-
-    ``sample_tokens`` caps the tokens recorded per forward and site (the first tokens of
-    the micro-batch); ``None`` records them all. Sums accumulate over forwards.
-    """
-
-    def __init__(self, sample_tokens: Optional[int] = ROUTING_SAMPLE_TOKENS):
-        self.sample_tokens = sample_tokens
-        self.sites: Dict[int, SiteRouting] = {}
-
-    @torch.no_grad()
-    def record(self, site: int, history, router, rows: int, extra: Optional[torch.Tensor]) -> None:
-        """Add ``site``'s routing over history rows ``[0, rows)`` (then ``extra``) to the sums."""
-        limit = self.sample_tokens
-        sources = history.rows(rows)[:limit].transpose(0, 1)  # [N, t, h]
-        if extra is not None:
-            sample = extra.reshape(-1, history.shape[-1])[:limit]
-            sources = torch.cat([sources, sample.unsqueeze(0)])
-        weights = routing_weights(
-            sources, router.query, router.norm_weight, history.num_heads, history.eps,
-            history.logit_scale,
-        )  # [N, t, H]
-        entropy = -(weights * weights.clamp_min(1e-30).log()).sum(0)  # [t, H]
-        found = SiteRouting(weights.sum(1), entropy.sum(0), weights.shape[1])
-        self.sites[site] = self.sites[site].add(found) if site in self.sites else found
 
 
 def make_layout(mhar: MHARConfig, num_layers: int) -> Layout:

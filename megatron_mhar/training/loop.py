@@ -37,7 +37,7 @@ from megatron_mhar.checkpoint_format import changed_fields
 from megatron_mhar.data.datasets import MicroBatches, build_gpt_datasets
 from megatron_mhar.errors import PeerFailure, UserError, message_of
 from megatron_mhar.files import write_atomic
-from megatron_mhar.models.routing import RoutingRecorder, SiteRouting
+from megatron_mhar.diagnostics.recorder import RoutingRecorder, SiteRouting
 from megatron_mhar.parallel import pipeline
 from megatron_mhar.runtime import lifetime
 from megatron_mhar.runtime.distributed import DistributedContext, destroy, initialize_model_parallel_from_env

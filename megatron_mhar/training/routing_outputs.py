@@ -1,6 +1,6 @@
 """What a run records of its routing: when a step records it, the decoders' recorders, the
 records gathered from every rank, and the routing maps in TensorBoard and the run directory
-(:mod:`megatron_mhar.training.heatmap` draws them). A mixin of
+(:mod:`megatron_mhar.diagnostics.maps` draws them). A mixin of
 :class:`~megatron_mhar.training.loop.Trainer`."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import Dict, Optional
 import torch
 from megatron.core import parallel_state
 
-from megatron_mhar.models.routing import RoutingRecorder, SiteRouting, make_layout
+from megatron_mhar.diagnostics.recorder import RoutingRecorder, SiteRouting
+from megatron_mhar.models.routing import make_layout
 from megatron_mhar.training.model import unwrap
 
 
@@ -47,7 +48,7 @@ class RoutingOutputs:
         return {site: SiteRouting(*record) for part in gathered for site, record in part.items()}
 
     def _routing_maps(self):
-        from megatron_mhar.training.heatmap import RoutingMaps
+        from megatron_mhar.diagnostics.maps import RoutingMaps
 
         return RoutingMaps.from_records(self.routing, make_layout(self.cfg.mhar, self.cfg.model.num_layers))
 
@@ -55,7 +56,7 @@ class RoutingOutputs:
         """The routing maps of the step just run into TensorBoard (rank 0)."""
         if not self.is_logger:
             return
-        from megatron_mhar.training.heatmap import render
+        from megatron_mhar.diagnostics.maps import render
 
         title = f"{self.cfg.run.name}: routing maps, step {self.iteration}"
         self.metrics.add_image("routing/maps", render(self._routing_maps(), title), self.iteration)
@@ -64,7 +65,7 @@ class RoutingOutputs:
         """``routing_maps.png`` / ``.json`` (and a TensorBoard image) of the last recorded step."""
         if not (self.cfg.logging.routing_entropy and self.routing and self.is_logger):
             return
-        from megatron_mhar.training.heatmap import save_routing_maps
+        from megatron_mhar.diagnostics.maps import save_routing_maps
 
         title = f"{self.cfg.run.name}: routing maps, step {self.iteration}"
         image = save_routing_maps(self._routing_maps(), self.run_dir, title, step=self.iteration,

@@ -473,7 +473,7 @@ class LoggingConfig:
     routing_entropy: bool = True
     """Log per-site per-head routing entropy of MHAR models at every log step, and write
     the routing maps of the last step (``routing_maps.png`` / ``.json`` in the run
-    directory, see :mod:`megatron_mhar.training.heatmap`)."""
+    directory, see :mod:`megatron_mhar.diagnostics.maps`)."""
 
     routing_interval: int = 0
     """Log the routing maps of MHAR models (mean weight of each site over each source, per
