@@ -44,7 +44,7 @@ from pathlib import Path
 from benchmarks.common import check_out, default_out, device_name, environment, write_json
 from megatron_mhar.runtime import free_port
 from megatron_mhar.training.launch_checks import validate_launch
-from megatron_mhar.training.metrics import read_metrics
+from megatron_mhar.diagnostics.records import read_metrics
 from megatron_mhar.training.recipes import load_config
 
 REFERENCE_LAYOUT = "single"

@@ -36,7 +36,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from benchmarks.common import check_out, default_out, size_config, versions, write_json
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.models.builder import make_transformer_config
-from megatron_mhar.models.routing import DepthLayout
+from megatron_mhar.models.routing import make_layout
 
 BYTES_PER_ELEMENT = 2  # bf16 pipeline_dtype
 _RECIPE_1B = size_config("1b")
@@ -85,7 +85,7 @@ def boundaries(layout: LayoutCase, mhar: MHARConfig) -> List[dict]:
         num_layers_in_last_pipeline_stage=layout.last,
         pipeline_dtype=torch.bfloat16, bf16=True,
     )
-    depth = DepthLayout.from_config(mhar, MODEL_1B.num_layers)
+    depth = make_layout(mhar, MODEL_1B.num_layers)
     slice_bytes = MODEL_1B.seq_length * MICRO_BATCH * MODEL_1B.hidden_size * BYTES_PER_ELEMENT
     chunks = chunks_in_pipeline_order(config, layout.pp, layout.vpp)
     assert sum(n for *_, n in chunks) == MODEL_1B.num_layers

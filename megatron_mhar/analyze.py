@@ -10,7 +10,7 @@ tokens of the data (documents in order, back to back) run through the model; for
 routing site, every source it reads and every head, the mean softmax weight over all
 their tokens is written, with each head's entropy normalised by ``ln N``, to
 ``DIR/routing_maps.json`` and ``DIR/routing_maps.png`` (each written atomically; the
-format is :mod:`megatron_mhar.training.heatmap`'s).
+format is :mod:`megatron_mhar.diagnostics.maps`'s).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from megatron_mhar.models.routing import RoutingRecorder
-from megatron_mhar.training.heatmap import JSON_FILE, PNG_FILE, RoutingMaps, save_routing_maps
+from megatron_mhar.diagnostics.recorder import RoutingRecorder
+from megatron_mhar.diagnostics.maps import JSON_FILE, PNG_FILE, RoutingMaps, save_routing_maps
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -22,9 +22,8 @@ renamed into place whole. The common state (``common.pt``) holds ``checkpoint_ve
 network, and ``provenance``, the code that wrote it (:func:`code_provenance`).
 
 Every reader finds its checkpoint through :func:`find_checkpoint`, which verifies it
-against its manifest first (``full``, ``size`` or ``off``: :mod:`megatron_mhar.manifest`).
-Checkpoints of ``checkpoint_version`` 1 were written before manifests and are read
-unverified.
+against its manifest first (``full``, ``size`` or ``off``: :mod:`megatron_mhar.manifest`);
+one without a manifest (``checkpoint_version`` 1 had none) is read only with ``off``.
 
 Importing this module does not import Megatron.
 """
@@ -112,13 +111,6 @@ def checkpoint_problem(checkpoint: Path, verify: str = "full", share: Optional[T
         return f"{checkpoint} is not a complete checkpoint (no {METADATA_FILE})"
     if verify == "off":
         return None
-    if not (checkpoint / manifest.MANIFEST_FILE).is_file():
-        try:
-            version = read_common_state(checkpoint).get("checkpoint_version", 1)
-        except ValueError as err:
-            return str(err)
-        if version < 2:  # written before manifests: nothing to verify against
-            return None
     try:
         manifest.verify(checkpoint, verify, share)
     except manifest.ManifestError as err:

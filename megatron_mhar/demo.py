@@ -184,7 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from megatron_mhar.training.launch_checks import validate_launch
     from megatron_mhar.training.loop import SUMMARY_FILE
-    from megatron_mhar.training.loss_curves import read_curves, save_loss_curves
+    from megatron_mhar.diagnostics.loss_curves import read_curves, save_loss_curves
     from megatron_mhar.training.metrics import format_duration, read_metrics
     from megatron_mhar.training.recipes import load_config
 

@@ -456,13 +456,12 @@ def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def read_safetensors(directory: Path) -> dict:
-    """Every tensor of a Hugging Face directory's safetensors files (the MHAR side file left out)."""
+    """Every tensor of a Hugging Face directory's safetensors files."""
     from safetensors.torch import load_file
 
     tensors = {}
     for path in sorted(Path(directory).glob("*.safetensors")):
-        if path.name != "mhar_params.safetensors":
-            tensors.update(load_file(str(path)))
+        tensors.update(load_file(str(path)))
     return tensors
 
 

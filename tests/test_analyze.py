@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_mhar.models.mhar_config import MHARConfig
-from megatron_mhar.training.heatmap import JSON_FILE, PNG_FILE, RoutingMaps, SiteMap, save_routing_maps
+from megatron_mhar.diagnostics.maps import JSON_FILE, PNG_FILE, RoutingMaps, SiteMap, save_routing_maps
 from tests.helpers import LAUNCHER_ENV, TINY, build_gpt, tiny_gpt_config
 
 HIDDEN, LAYERS, SHARPNESS = 8, 2, 2.0

@@ -117,20 +117,18 @@ def test_stored_config_is_read_and_compared(megatron_world1, tmp_path):
         fmt.read_configs(tmp_path / "newer")
 
 
-def test_checkpoints_from_before_manifests_are_read_unverified(megatron_world1, tmp_path):
-    """checkpoint_version 1 had no manifest: read as it is. Version 2 without its manifest
-    (deleted, or a copy that left it out) fails verification, naming the file."""
+def test_checkpoints_without_manifest_fail_verification(megatron_world1, tmp_path):
+    """A checkpoint without its manifest (checkpoint_version 1, written before manifests; or
+    version 2 with it deleted, or a copy that left it out) fails verification, naming the
+    file; verification off reads it."""
     from megatron.core import dist_checkpointing
 
     for version in (1, 2):
         checkpoint = tmp_path / f"v{version}" / "iter_0000001"
         checkpoint.mkdir(parents=True)
         dist_checkpointing.save({"checkpoint_version": version, "iteration": 1}, str(checkpoint))
-    assert fmt.checkpoint_problem(tmp_path / "v1" / "iter_0000001") is None
-    assert fmt.checkpoint_problem(tmp_path / "v2" / "iter_0000001") == (
-        f"{tmp_path / 'v2' / 'iter_0000001' / manifest.MANIFEST_FILE} is missing"
-    )
-    assert fmt.checkpoint_problem(tmp_path / "v2" / "iter_0000001", "off") is None
+        assert fmt.checkpoint_problem(checkpoint) == f"{checkpoint / manifest.MANIFEST_FILE} is missing"
+        assert fmt.checkpoint_problem(checkpoint, "off") is None
     manifest.write_manifest(tmp_path / "v2" / "iter_0000001")
     assert fmt.checkpoint_problem(tmp_path / "v2" / "iter_0000001") is None
 

@@ -2,8 +2,8 @@
 
 * :mod:`~megatron_mhar.conversion.mapping`: the weight-name table and its special cases.
 * :mod:`~megatron_mhar.conversion.hf_config`: HF ``config.json`` <-> ``GPTModelConfig``.
-* :mod:`~megatron_mhar.conversion.hf_io`: safetensors directories, the modeling files of an
-  MHAR export, and the side file of earlier exports.
+* :mod:`~megatron_mhar.conversion.hf_io`: safetensors directories and the modeling files
+  of an MHAR export.
 * :mod:`~megatron_mhar.conversion.checkpoint`: the distributed-checkpoint layout.
 * :mod:`~megatron_mhar.conversion.convert`: :func:`plan_import` / :func:`hf_to_mcore`
   and :func:`mcore_to_hf`.

@@ -12,9 +12,9 @@ processes; the checkpoint loads at any TP/PP layout.
 
 ``mcore-to-hf`` turns a Megatron distributed checkpoint (converted or trained) back into
 a Hugging Face directory: for variant ``none`` a plain LlamaForCausalLM /
-Qwen3ForCausalLM directory that transformers loads; for MHAR variants the same base
-weights plus ``mhar_params.safetensors`` and ``mhar_config.json`` (the routing
-parameters, which transformers ignores).
+Qwen3ForCausalLM directory that transformers loads; for MHAR variants the model's MHAR
+form (:mod:`megatron_mhar.hf`): the routing parameters in its own safetensors and the model
+code beside them, loaded with ``trust_remote_code=True``.
 
 Both write their output beside ``--out`` and rename it into place only when complete.
 Both refuse weights holding NaN or Inf, naming the tensor, unless ``--allow-nonfinite``; a
@@ -52,8 +52,7 @@ def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-dir", required=True, type=Path, help="HF model directory (config.json + safetensors)")
     parser.add_argument("--out", required=True, type=Path, help="checkpoint directory to create")
     parser.add_argument("--variant", choices=("none", "full", "block", "delta"),
-                        help="routing variant (default: an MHAR export's, from its config.json, or an "
-                             "earlier export's mhar_config.json)")
+                        help="routing variant (default: an MHAR export's, from its config.json)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks used to convert")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks used to convert")
     parser.add_argument("--num-heads", type=int, help="mhar.num_heads (default 8)")

@@ -11,8 +11,8 @@ are global; the padded vocabulary rows are ``allow_shape_mismatch``).
 model and writes HF safetensors. An MHAR model becomes a directory of its MHAR form
 (:mod:`megatron_mhar.hf`): the routing parameters in the model's own safetensors, the
 ``mhar_*`` fields and ``auto_map`` in ``config.json`` and the modeling files beside it
-(see :mod:`megatron_mhar.conversion.hf_io`). The import reads such exports, plain
-Llama / Qwen3 directories and the side file of earlier exports.
+(see :mod:`megatron_mhar.conversion.hf_io`). The import reads such exports and plain
+Llama / Qwen3 directories.
 """
 
 from __future__ import annotations
@@ -54,9 +54,8 @@ class ImportPlan:
     pp: int
     overwrite: bool
     routing_source: str
-    """Where routing parameters come from: ``"export"`` (the tensors of an MHAR export),
-    ``"side_file"`` (an earlier export's MHAR side file) or ``"initial"`` (the values the
-    model is built with)."""
+    """Where routing parameters come from: ``"export"`` (the tensors of an MHAR export) or
+    ``"initial"`` (the values the model is built with)."""
     hf_ignored: tuple
     allow_nonfinite: bool = False
     """Convert weights holding NaN/Inf as they are (default: refuse)."""
@@ -92,21 +91,15 @@ def plan_import(
         raw, seq_length, make_vocab_size_divisible_by, **(model_overrides or {})
     )
     checkpoint.check_layout(model, tp, pp)
-    side = hf_io.read_mhar_side_file(hf_dir)
+    hf_io.check_no_side_file(hf_dir)
     exported = hf_config.mhar_config_from_hf(raw) if hf_config.is_mhar_export(raw) else None
-    if exported is not None and side is not None:
-        raise ValueError(
-            f"{hf_dir} is an MHAR export and also carries {hf_io.MHAR_PARAMS_FILE}; remove the "
-            f"side file (the export's own tensors hold the routing)"
-        )
     fields: Dict[str, Any] = {}
-    if exported is not None or side is not None:
-        fields.update(function_fields(dataclasses.asdict(exported)) if exported else side[0]["mhar"])
-        where = "config.json" if exported else hf_io.MHAR_PARAMS_FILE
+    if exported is not None:
+        fields.update(function_fields(dataclasses.asdict(exported)))
         if variant is not None and variant != fields["variant"]:
             raise ValueError(
                 f"{hf_dir} carries MHAR parameters of variant {fields['variant']!r} "
-                f"({where}); --variant {variant} would drop or misplace them. "
+                f"(config.json); --variant {variant} would drop or misplace them. "
                 f"Use --variant {fields['variant']} or convert a directory without them"
             )
     elif variant is None:
@@ -121,8 +114,6 @@ def plan_import(
     fields.update(mhar_overrides or {})
     mhar = MHARConfig(**fields)
     mhar.validate_for_model(model.hidden_size, model.num_layers)
-    if side is not None:
-        _check_side_file(side[0], model, mhar, hf_dir)
     if exported is not None:
         _check_same_routing(exported, mhar, f"{hf_dir}/config.json")
     reader = hf_io.SafetensorsReader(hf_dir)
@@ -133,7 +124,7 @@ def plan_import(
     dtype = dtype or _hf_dtype(hf_dir)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    source = "export" if exported is not None else "side_file" if side is not None else "initial"
+    source = "export" if exported is not None else "initial"
     return ImportPlan(str(hf_dir), str(Path(out).absolute()), model, mhar, dtype, tp, pp,
                       overwrite, source, tuple(ignored), allow_nonfinite)
 
@@ -142,12 +133,6 @@ def _hf_dtype(hf_dir: Path) -> str:
     """The dtype of the HF tensors (kept, so HF -> Megatron -> HF is bitwise)."""
     reader = hf_io.SafetensorsReader(hf_dir)
     return _DTYPE_NAMES[reader("model.embed_tokens.weight").dtype]
-
-
-def _check_side_file(description, model: GPTModelConfig, mhar: MHARConfig, hf_dir: Path) -> None:
-    saved = GPTModelConfig(**description["model"])
-    hf_config.check_same_function(saved, model, f"{hf_dir}/config.json and {hf_io.MHAR_CONFIG_FILE}")
-    _check_same_routing(MHARConfig(**description["mhar"]), mhar, hf_io.MHAR_CONFIG_FILE)
 
 
 def _check_same_routing(saved: MHARConfig, mhar: MHARConfig, where: str) -> None:
@@ -269,31 +254,20 @@ def _ensure_parallel_state(tp: int, pp: int) -> bool:
 
 def _hf_values(chunk, plan: ImportPlan):
     """``value_of(name, param)`` for :func:`checkpoint.save_streamed`: this rank's part of
-    each tensor of ``chunk``, read from the HF checkpoint (or the side file) when asked for."""
+    each tensor of ``chunk``, read from the HF checkpoint when asked for."""
     from megatron.core import parallel_state
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     reader = weight_checks.FiniteReader(hf_io.SafetensorsReader(Path(plan.hf_dir)), plan.hf_dir, plan.allow_nonfinite)
     shapes = mapping.Shapes.of(plan.model, tp_size)
-    side_file = plan.routing_source == "side_file"
-    routing = hf_io.read_mhar_side_file(Path(plan.hf_dir))[1] if side_file else None
     if plan.model.tie_embeddings and "lm_head.weight" in reader:
         _check_tied_copy(reader)
-    if routing is not None and parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        names = {checkpoint.global_name(chunk, name) for name, _ in chunk.named_parameters()}
-        extra = sorted(set(routing) - names)
-        if extra:
-            raise ValueError(f"{hf_io.MHAR_PARAMS_FILE} has tensors the model does not: {extra[:8]}")
 
     def value_of(key: str, param: torch.Tensor) -> torch.Tensor:
         if mapping.is_mhar_param(key) and plan.routing_source == "initial":
             return param  # the identity values of the model's construction
-        if mapping.is_mhar_param(key) and side_file:
-            if key not in routing:
-                raise ValueError(f"{hf_io.MHAR_PARAMS_FILE} has no {key!r}")
-            full = routing[key]
-        elif key == "output_layer.weight" and plan.model.tie_embeddings:
+        if key == "output_layer.weight" and plan.model.tie_embeddings:
             full = mapping.megatron_tensor("embedding.word_embeddings.weight", reader, shapes)
         else:
             full = mapping.megatron_tensor(key, reader, shapes)

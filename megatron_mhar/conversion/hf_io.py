@@ -10,17 +10,14 @@ Layout written by the export (``mcore_to_hf_mhar.py``)::
       README.md                      the model card (megatron_mhar.conversion.model_card)
       model.safetensors              or model-0000k-of-0000n.safetensors + model.safetensors.index.json;
                                      MHAR models hold their routing parameters here too
-      configuration_mhar.py, modeling_mhar.py, depth_route.py
-                                     only for MHAR models: the model's code (megatron_mhar/hf and
-                                     megatron_mhar/ops/depth_route.py, copied verbatim)
+      configuration_mhar.py, modeling_mhar.py, depth_route.py, routing_layout.py
+                                     only for MHAR models: the model's code (megatron_mhar/hf,
+                                     megatron_mhar/ops/depth_route.py and routing_layout.py,
+                                     copied verbatim)
 
-Earlier exports of MHAR models held the routing parameters in a side file that
-transformers ignores, which ``hf_to_mcore_mhar.py`` still reads back:
-``mhar_params.safetensors`` (every routing parameter under its Megatron name with the
-global 0-based layer index, ``decoder.layers.3.input_router.query``;
-``decoder.final_router.*`` for the final site of the full and block variants) and
-``mhar_config.json`` (``{"format", "variant", "mhar", "model", "source_checkpoint"}``,
-repeated in the safetensors metadata).
+Earlier exports of MHAR models held the routing parameters in a side file
+(``mhar_params.safetensors`` and ``mhar_config.json``); the import refuses a directory
+carrying one (:data:`SIDE_FILES`), which is exported again with the current tool.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Mapping
 
 import torch
 
@@ -39,15 +36,15 @@ from megatron_mhar.files import TMP_PREFIX
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-MHAR_CONFIG_FILE = "mhar_config.json"
-MHAR_PARAMS_FILE = "mhar_params.safetensors"
-SIDE_FILE_FORMAT = "megatron_mhar.routing.v1"
+SIDE_FILES = ("mhar_params.safetensors", "mhar_config.json")
+"""The routing side file of earlier MHAR exports, no longer read."""
 
 # An MHAR export's code: file in the export -> its source under megatron_mhar/.
 REMOTE_CODE = {
     "configuration_mhar.py": "hf/configuration_mhar.py",
     "modeling_mhar.py": "hf/modeling_mhar.py",
     "depth_route.py": "ops/depth_route.py",
+    "routing_layout.py": "ops/routing_layout.py",
 }
 
 TOKENIZER_FILES = (
@@ -208,16 +205,6 @@ class ShardWriter:
         return names
 
 
-def write_safetensors(
-    tensors: Mapping[str, torch.Tensor], out_dir: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES
-) -> List[str]:
-    """Write ``tensors`` (in name order) like ``save_pretrained``: one file, or shards plus an index."""
-    writer = ShardWriter(out_dir, max_shard_bytes)
-    for name in sorted(tensors):
-        writer.add(name, tensors[name])
-    return writer.close()
-
-
 def min_transformers_version() -> str:
     """``MIN_TRANSFORMERS_VERSION`` of the shipped ``configuration_mhar.py``, read from its
     source: the export is written without importing transformers."""
@@ -241,25 +228,16 @@ def copy_remote_code(out_dir: Path) -> List[str]:
     return list(REMOTE_CODE)
 
 
-def read_mhar_side_file(hf_dir: Path) -> Optional[tuple]:
-    """``(description, routing tensors)`` if the directory has the MHAR side file, else None."""
-    hf_dir = Path(hf_dir)
-    config, params = hf_dir / MHAR_CONFIG_FILE, hf_dir / MHAR_PARAMS_FILE
-    if not config.is_file() and not params.is_file():
-        return None
-    if not (config.is_file() and params.is_file()):
-        raise FileNotFoundError(
-            f"{hf_dir} has only one of {MHAR_CONFIG_FILE} and {MHAR_PARAMS_FILE}; both or neither"
-        )
-    from safetensors.torch import load_file
-
-    description = read_json_object(config)
-    if description.get("format") != SIDE_FILE_FORMAT:
+def check_no_side_file(hf_dir: Path) -> None:
+    """Refuse a directory carrying the routing side file of an earlier export: its routing
+    parameters would otherwise be left behind unread."""
+    found = [name for name in SIDE_FILES if (Path(hf_dir) / name).exists()]
+    if found:
         raise ValueError(
-            f"{config}: format {description.get('format')!r}, expected {SIDE_FILE_FORMAT!r}"
+            f"{hf_dir} carries {', '.join(found)}, the routing side file of an earlier MHAR export, "
+            f"which this version does not read; export the Megatron checkpoint again with mcore-to-hf "
+            f"(the routing parameters are then in the model's own safetensors)"
         )
-    with _safetensors_read(params):
-        return description, load_file(str(params))
 
 
 @contextlib.contextmanager

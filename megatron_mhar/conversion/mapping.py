@@ -22,7 +22,9 @@ Special cases are named functions, each with its inverse:
   multiple of ``make_vocab_size_divisible_by * TP``; the padded rows are zero.
 
 MHAR routing parameters have a table of their own, :data:`ROUTING_RULES`, naming them
-as the transformers models of :mod:`megatron_mhar.hf` do (``model.layers.{}.attention_router.query``);
+as the transformers models of :mod:`megatron_mhar.hf` do: the Megatron model's names under
+transformers' prefixes (``decoder.layers.{}.input_router.query`` is
+``model.layers.{}.input_router.query``);
 it applies to MHAR models only, and its ``when`` conditions read the routing variant.
 
 Every tensor on either side must be claimed by a rule; anything else raises.
@@ -176,22 +178,21 @@ RULES: Tuple[Rule, ...] = (
 
 ROUTING_RULES: Tuple[Rule, ...] = (
     # Megatron (MHAR layers)                            HF (megatron_mhar.hf's MHAR models)
-    Rule(M + "input_router.query",                      (L + "attention_router.query",)),
-    Rule(M + "input_router.norm_weight",                (L + "attention_router.norm_weight",)),
-    Rule(M + "input_router.null_source",                (L + "attention_router.null_source",),  when="delta"),
-    Rule(M + "input_router.gate",                       (L + "attention_router.gate",),         when="delta"),
-    Rule(M + "pre_mlp_router.query",                    (L + "mlp_router.query",)),
-    Rule(M + "pre_mlp_router.norm_weight",              (L + "mlp_router.norm_weight",)),
-    Rule(M + "pre_mlp_router.null_source",              (L + "mlp_router.null_source",),        when="delta"),
-    Rule(M + "pre_mlp_router.gate",                     (L + "mlp_router.gate",),               when="delta"),
+    Rule(M + "input_router.query",                      (L + "input_router.query",)),
+    Rule(M + "input_router.norm_weight",                (L + "input_router.norm_weight",)),
+    Rule(M + "input_router.null_source",                (L + "input_router.null_source",),      when="delta"),
+    Rule(M + "input_router.gate",                       (L + "input_router.gate",),             when="delta"),
+    Rule(M + "pre_mlp_router.query",                    (L + "pre_mlp_router.query",)),
+    Rule(M + "pre_mlp_router.norm_weight",              (L + "pre_mlp_router.norm_weight",)),
+    Rule(M + "pre_mlp_router.null_source",              (L + "pre_mlp_router.null_source",),    when="delta"),
+    Rule(M + "pre_mlp_router.gate",                     (L + "pre_mlp_router.gate",),           when="delta"),
     Rule("decoder.final_router.query",                  ("model.final_router.query",),          when="final_site"),
     Rule("decoder.final_router.norm_weight",            ("model.final_router.norm_weight",),    when="final_site"),
 )
 
 # The Megatron names of every routing parameter. A plain HF model has none: on import they
 # keep the values the model is built with (zero queries and gates, unit norms, zero null
-# sources), unless the HF directory is an MHAR export (ROUTING_RULES) or carries the side
-# file of earlier exports (see megatron_mhar.conversion.hf_io).
+# sources), unless the HF directory is an MHAR export (ROUTING_RULES).
 MHAR_PARAMS: Tuple[str, ...] = (
     M + "input_router.query",
     M + "input_router.norm_weight",

@@ -46,7 +46,8 @@ def model_card(config: Dict[str, Any], checkpoint: Path, common: Dict[str, Any])
             f"A {family} decoder with Multi-Head Attention Residuals (MHAR, arXiv 2607.27230), variant "
             f"`{config['mhar_variant']}`: {_VARIANTS[config['mhar_variant']]}. Trained with Megatron-Core "
             f"and megatron_mhar, exported to transformers with its "
-            f"modeling code (`configuration_mhar.py`, `modeling_mhar.py`, `depth_route.py`).",
+            f"modeling code (`configuration_mhar.py`, `modeling_mhar.py`, `depth_route.py`, "
+            f"`routing_layout.py`).",
             "",
             "| routing field | value |",
             "| --- | --- |",

@@ -16,7 +16,7 @@ import collections
 import json
 import re
 from pathlib import Path
-from typing import Callable, Dict, Mapping, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 
@@ -110,11 +110,6 @@ def check_finite(name: str, tensor: torch.Tensor, where: str, allow: bool) -> No
         f"{message}: the source is damaged or its training diverged. Convert another checkpoint, "
         f"or pass {ALLOW_NONFINITE_FLAG} to convert it as it is"
     )
-
-
-def check_all_finite(tensors: Mapping[str, torch.Tensor], where: str, allow: bool) -> None:
-    for name in sorted(tensors):
-        check_finite(name, tensors[name], where, allow)
 
 
 class FiniteReader:

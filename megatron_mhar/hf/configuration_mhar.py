@@ -3,8 +3,8 @@
 Each is its family's config plus the routing fields (``mhar_*``) that define the
 function an MHAR checkpoint computes; the fields that only choose how Megatron runs the
 routing (kernels, schedules) have no place here. The export (``mcore_to_hf_mhar.py``)
-copies this file beside ``modeling_mhar.py``, so it imports only transformers (and
-``packaging``, a dependency of transformers).
+copies this file beside ``modeling_mhar.py`` and ``routing_layout.py``, so it imports only
+transformers (and ``packaging``, a dependency of transformers) and the routing layout.
 
 Importing it checks the installed transformers against :data:`MIN_TRANSFORMERS_VERSION`,
 which an export's ``config.json`` states as its ``transformers_version``.
@@ -35,6 +35,13 @@ def check_transformers_version() -> None:
 check_transformers_version()
 
 from transformers import LlamaConfig, PreTrainedConfig, Qwen3Config  # noqa: E402
+
+try:  # an export: the routing layout shipped beside this file
+    from .routing_layout import layout_error
+except ModuleNotFoundError as missing:  # the package's own classes (megatron_mhar.hf) ship none
+    if missing.name != f"{__package__}.routing_layout":
+        raise
+    from megatron_mhar.ops.routing_layout import layout_error
 
 ROUTED_VARIANTS = ("full", "block", "delta")
 
@@ -84,15 +91,10 @@ def check_routing_fields(config) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if hidden % config.mhar_num_heads:
         raise ValueError(f"mhar_num_heads={config.mhar_num_heads} does not divide hidden_size={hidden}")
-    if config.mhar_variant == "block" and config.mhar_block_size > 2 * layers:
-        raise ValueError(
-            f"mhar_block_size={config.mhar_block_size} sublayers exceeds the model's {2 * layers} "
-            f"({layers} decoder layers x 2)"
-        )
-    if config.mhar_variant == "delta" and config.mhar_delta_block_layers > layers:
-        raise ValueError(
-            f"mhar_delta_block_layers={config.mhar_delta_block_layers} exceeds num_hidden_layers={layers}"
-        )
+    error = layout_error(config.mhar_variant, layers, config.mhar_block_size, config.mhar_delta_block_layers,
+                         names=("mhar_block_size", "mhar_delta_block_layers"))
+    if error:
+        raise ValueError(error)
     for name in ("mhar_eps", "mhar_logit_scale"):
         value = getattr(config, name)
         if value is None and name == "mhar_eps":

@@ -27,14 +27,14 @@ entry is the final routed output after the final norm (``last_hidden_state``): `
 entries, as for Llama, whose ``hidden_states[0]`` is the embedding just as an MHAR
 model's first routed input is (a softmax over one source).
 
-The routing itself is ``depth_route``: in an export, the copy of
-``megatron_mhar/ops/depth_route.py`` shipped beside this file (which runs the fused Triton
-kernels on CUDA when ``mhar_kernels`` is installed, its torch reference otherwise); in the
-package, the package's own. This file and ``configuration_mhar.py`` import only torch and
+The routing itself is ``depth_route`` and which sources each site reads is the routing
+layout: in an export, the copies of ``megatron_mhar/ops/depth_route.py`` (which runs the
+fused Triton kernels on CUDA when ``mhar_kernels`` is installed, its torch reference
+otherwise) and ``megatron_mhar/ops/routing_layout.py`` shipped beside this file; in the
+package, the package's own, which the Megatron model uses too. This file and ``configuration_mhar.py`` import only torch and
 transformers otherwise.
 """
 
-import dataclasses
 import inspect
 import json
 import shutil
@@ -71,82 +71,20 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.hub import cached_file
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-try:  # an export: the routing op shipped beside this file, whatever megatron_mhar is installed
+try:  # an export: the routing op and layout shipped beside this file, whatever megatron_mhar is installed
     from .depth_route import depth_route
+    from .routing_layout import DeltaLayout, DepthLayout, Layout, layout_for
 except ModuleNotFoundError as missing:  # the package's own classes (megatron_mhar.hf) ship none
-    if missing.name != f"{__package__}.depth_route":
+    if missing.name not in (f"{__package__}.depth_route", f"{__package__}.routing_layout"):
         raise
     from megatron_mhar.ops.depth_route import depth_route
+    from megatron_mhar.ops.routing_layout import DeltaLayout, DepthLayout, Layout, layout_for
 
 
-# ---------------------------------------------------------------- layouts over depth
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockLayout:
-    """Sources of the full (``block_size`` 1) and block variants.
-
-    Sublayers are numbered globally and 1-based (layer ``l`` owns sublayers ``2l - 1`` and
-    ``2l``; the final site is ``2L + 1``). Sublayer ``j`` lies in block
-    ``n = (j - 1) // S + 1`` at position ``i = (j - 1) % S + 1``; it reads rows ``0 .. n-1``
-    (row 0 the embedding, row k the sum of block k) plus, for ``i >= 2``, the running
-    partial of block n, which is kept in row n until the block completes it.
-    """
-
-    num_layers: int
-    block_size: int
-    has_final_site = True
-
-    @property
-    def capacity(self) -> int:
-        """Rows the routing ever reads at once (completed rows, or rows and the partial)."""
-        return 1 + -(-2 * self.num_layers // self.block_size)
-
-    @property
-    def final_site(self) -> int:
-        return 2 * self.num_layers + 1
-
-    def position(self, site: int):
-        return (site - 1) // self.block_size + 1, (site - 1) % self.block_size + 1
-
-    def rows_read(self, site: int) -> int:
-        """Sources read by ``site``: completed rows, plus the partial's row when it has one."""
-        block, position = self.position(site)
-        return block + int(position >= 2)
-
-
-@dataclasses.dataclass(frozen=True)
-class DeltaLayout:
-    """Sources of the delta variant: row 0 the embedding, row k the delta of block k."""
-
-    num_layers: int
-    block_layers: int
-    has_final_site = False
-
-    @property
-    def capacity(self) -> int:
-        """Rows ever read: the embedding, the completed blocks and the site's null source."""
-        return 2 + (self.num_layers - 1) // self.block_layers
-
-    @staticmethod
-    def layer_of(site: int) -> int:
-        return (site + 1) // 2
-
-    def rows_read(self, site: int) -> int:
-        """Rows before the null source: the embedding and the blocks completed before ``site``."""
-        return 1 + (self.layer_of(site) - 1) // self.block_layers
-
-    def completes_block(self, site: int) -> bool:
-        """Whether sublayer ``site`` ends a block whose delta a later layer reads."""
-        layer = self.layer_of(site)
-        return site % 2 == 0 and layer % self.block_layers == 0 and layer < self.num_layers
-
-
-def depth_layout(config) -> Union[BlockLayout, DeltaLayout]:
-    layers = config.num_hidden_layers
-    if config.mhar_variant == "delta":
-        return DeltaLayout(layers, config.mhar_delta_block_layers)
-    return BlockLayout(layers, config.mhar_block_size if config.mhar_variant == "block" else 1)
+def depth_layout(config) -> Layout:
+    """The routing layout of ``config`` (``routing_layout.py``, the Megatron model's own)."""
+    return layout_for(config.mhar_variant, config.num_hidden_layers, config.mhar_block_size,
+                      config.mhar_delta_block_layers)
 
 
 # ---------------------------------------------------------------- one forward's sources
@@ -194,19 +132,19 @@ class DepthStream:
     saved for the backward pass.
     """
 
-    def __init__(self, layout: BlockLayout, buffered: bool):
+    def __init__(self, layout: DepthLayout, buffered: bool):
         self.layout, self.buffered = layout, buffered
 
     def start(self, embedding: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         if not self.buffered:
             return (embedding,)
-        buffer = embedding.new_empty((self.layout.capacity, *embedding.shape))
+        buffer = embedding.new_empty((self.layout.max_sources, *embedding.shape))
         buffer[0].copy_(embedding)
         return (buffer,)
 
     def read(self, state, site: int, router: RoutingSite) -> torch.Tensor:
-        """The input of ``site`` [B, T, D]."""
-        rows = self.layout.rows_read(site)
+        """The input of ``site`` [B, T, D]; a block's running partial is kept in its row."""
+        rows = self.layout.sources_read(site)
         return router(state[0][:rows] if self.buffered else torch.stack(state[:rows]))
 
     def write(self, state, site: int, output: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -236,7 +174,7 @@ class DeltaStream:
     def start(self, embedding: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         if not self.buffered:
             return embedding, embedding, embedding
-        buffer = embedding.new_empty((self.layout.capacity, *embedding.shape))
+        buffer = embedding.new_empty((self.layout.max_sources, *embedding.shape))
         buffer[0].copy_(embedding)
         return embedding, embedding, buffer
 
@@ -264,7 +202,7 @@ class DeltaStream:
         return state[0]
 
 
-def depth_stream(layout: Union[BlockLayout, DeltaLayout], buffered: bool) -> Union[DepthStream, DeltaStream]:
+def depth_stream(layout: Layout, buffered: bool) -> Union[DepthStream, DeltaStream]:
     return (DeltaStream if isinstance(layout, DeltaLayout) else DepthStream)(layout, buffered)
 
 
@@ -277,13 +215,13 @@ class RoutedDecoderLayer:
     Mixed in before ``LlamaDecoderLayer`` / ``Qwen3DecoderLayer``, whose submodules
     (``self_attn``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``) it runs
     unchanged, and whose ``GradientCheckpointingLayer`` base checkpoints it. Adds
-    ``attention_router`` and ``mlp_router``.
+    ``input_router`` and ``pre_mlp_router``.
     """
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
-        self.attention_router = RoutingSite(config)
-        self.mlp_router = RoutingSite(config)
+        self.input_router = RoutingSite(config)
+        self.pre_mlp_router = RoutingSite(config)
         self.attention_site = 2 * layer_idx + 1
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -292,7 +230,7 @@ class RoutedDecoderLayer:
         """Run both sublayers on the sources ``state`` (positional, as activation checkpointing
         needs the tensors it recomputes from); returns the state after them."""
         site = self.attention_site
-        routed = stream.read(state, site, self.attention_router)
+        routed = stream.read(state, site, self.input_router)
         attention_out, _ = self.self_attn(
             hidden_states=self.input_layernorm(routed),
             attention_mask=attention_mask,
@@ -303,7 +241,7 @@ class RoutedDecoderLayer:
             **kwargs,
         )
         state = stream.write(state, site, attention_out)
-        routed = stream.read(state, site + 1, self.mlp_router)
+        routed = stream.read(state, site + 1, self.pre_mlp_router)
         return stream.write(state, site + 1, self.mlp(self.post_attention_layernorm(routed)))
 
 
@@ -316,11 +254,11 @@ class MHARQwen3DecoderLayer(RoutedDecoderLayer, Qwen3DecoderLayer):
 
 
 # The files of an export's model code, and the running classes' source of each.
-CODE_FILES = ("configuration_mhar.py", "modeling_mhar.py", "depth_route.py")
+CODE_FILES = ("configuration_mhar.py", "modeling_mhar.py", "depth_route.py", "routing_layout.py")
 
 
 def _running_code() -> dict:
-    modules = (MHARLlamaConfig, RoutingSite, depth_route)
+    modules = (MHARLlamaConfig, RoutingSite, depth_route, layout_for)
     return {name: Path(inspect.getsourcefile(obj)) for name, obj in zip(CODE_FILES, modules)}
 
 
@@ -331,7 +269,7 @@ def recorded_outputs(attention_class: type, norm_class: type) -> dict:
     attention weights of each layer."""
     return {
         "hidden_states": [
-            OutputRecorder(RoutingSite, layer_name="attention_router", capture_initial_hidden_state=False),
+            OutputRecorder(RoutingSite, layer_name="input_router", capture_initial_hidden_state=False),
             OutputRecorder(norm_class, layer_name="norm", capture_initial_hidden_state=False),
         ],
         "attentions": attention_class,

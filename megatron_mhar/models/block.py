@@ -13,7 +13,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock, Transf
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank, make_viewless_tensor
 
-from megatron_mhar.models.routing import make_layout
+from megatron_mhar.models.routing import make_layout, new_stream
 
 
 @dataclasses.dataclass
@@ -36,7 +36,7 @@ class MHARTransformerBlock(TransformerBlock):
     either produces the decoder output (the final routing site, or the additive stream
     of the delta variant) and the final norm (last stage) or returns the
     packed history ``[s, b, width * h]`` for the next stage. The width per boundary
-    follows from :class:`DepthLayout`.
+    follows from :mod:`~megatron_mhar.ops.routing_layout`.
 
     The final routing site ``final_router`` (the spec's slot,
     :class:`MHARTransformerBlockSubmodules`) is a child module, so distributed checkpoints
@@ -124,8 +124,8 @@ class MHARTransformerBlock(TransformerBlock):
         if not self.pre_process:
             hidden_states = self.input_tensor
         hidden = self.config.hidden_size
-        stream = self.layout.new_stream(
-            self.mhar, self.routing_eps, hidden_states[..., :hidden], routers=self.site_routers()
+        stream = new_stream(
+            self.layout, self.mhar, self.routing_eps, hidden_states[..., :hidden], routers=self.site_routers()
         )
         stream.routing = self.routing_recorder
         if self.pre_process:

@@ -5,6 +5,7 @@ import math
 from typing import Optional
 
 from megatron_mhar.ops.depth_route import IMPLS
+from megatron_mhar.ops.routing_layout import layout_error
 from megatron_mhar.ops.schedules import LOOKAHEAD_KERNELS, ROUTING_SCHEDULES
 
 VARIANTS = ("none", "full", "block", "delta")
@@ -94,16 +95,10 @@ class MHARConfig:
                 f"mhar.num_heads={self.num_heads} does not divide hidden_size={hidden_size}; "
                 f"pick a divisor such as 1, 8 or the number of KV heads"
             )
-        if self.variant == "block" and self.block_size > 2 * num_layers:
-            raise ValueError(
-                f"mhar.block_size={self.block_size} sublayers exceeds the model's "
-                f"{2 * num_layers} sublayers ({num_layers} decoder layers x 2)"
-            )
-        if self.variant == "delta" and self.delta_block_layers > num_layers:
-            raise ValueError(
-                f"mhar.delta_block_layers={self.delta_block_layers} decoder layers exceeds the model's "
-                f"{num_layers}: no block would complete, so no source would be added"
-            )
+        error = layout_error(self.variant, num_layers, self.block_size, self.delta_block_layers,
+                             names=("mhar.block_size", "mhar.delta_block_layers"))
+        if error:
+            raise ValueError(error)
         sites = 2 * num_layers + 1  # every sublayer's input and the final norm's
         if self.routing_schedule == "lookahead" and self.lookahead_group > sites:
             raise ValueError(

@@ -1,101 +1,19 @@
-"""Routing sites and the layout of sources over depth for the full and block variants.
-
-Sublayers are numbered globally and 1-based: decoder layer ``l`` (1-based) owns the
-attention sublayer ``2l - 1`` and the MLP sublayer ``2l``; the final routing site of a
-model with ``L`` layers is ``2L + 1``. The embedding is source 0.
-
-Both variants are one rule with a block size ``S`` counted in sublayers (the paper's variants):
-sublayer ``j`` lies in block ``n = (j - 1) // S + 1`` at position ``i = (j - 1) % S + 1``
-(both 1-based). It reads the completed block sources ``b_0 .. b_{n-1}`` (history rows
-``0 .. n-1``; ``b_0`` is the embedding) plus, when ``i >= 2``, the running partial
-``b_n^{i-1}``, the sum of the block's outputs so far. A block of S outputs, once
-complete, becomes row ``n``. The full variant is ``S = 1``: every sublayer output is its
-own row and no partial ever exists.
-
-The delta variant (continued pretraining, in the paper) keeps the additive stream ``h``
-and corrects each sublayer input: ``x_j = h_{j-1} + a_j * route_j([null_j] + sources)``,
-with sources the embedding and the delta ``h_end - h_start`` of every completed block of
-``delta_block_layers`` decoder layers. The stream itself stays ``h_j = h_{j-1} + f_j``,
-so with the zero-initialised gates ``a_j`` the model computes exactly the base model.
-The null source joins as the routing op's extra source (softmax over sources does not
-depend on their order).
+"""The Megatron model's routing: routers and the per-forward source stream of each variant
+(a :class:`~megatron_mhar.diagnostics.recorder.RoutingRecorder` set as a stream's
+``routing`` records what it routes). Which sources each site reads is the routing layout
+(:mod:`megatron_mhar.ops.routing_layout`), shared with the transformers model.
 """
 
-import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, Optional, Union
 
 import torch
 
 from megatron_mhar.models.main_grad import accumulate_into_main_grad
 from megatron_mhar.models.mhar_config import MHARConfig
-from megatron_mhar.ops.depth_route import routing_weights
 from megatron_mhar.ops.history import SourceHistory, get_backend
 from megatron_mhar.ops.lookahead import GroupSite, LookaheadHistory, get_lookahead_backend
+from megatron_mhar.ops.routing_layout import DeltaLayout, DepthLayout, Layout, layout_for
 from megatron_mhar.ops.schedules import auto_group_size, group_ranges
-
-
-@dataclasses.dataclass(frozen=True)
-class DepthLayout:
-    """Which history rows each routing site reads and each sublayer writes."""
-
-    num_layers: int
-    """Decoder layers L of the whole model (all pipeline stages)."""
-
-    block_size: int
-    """Sublayers per block; 1 is the full variant."""
-
-    has_final_site = True
-
-    @classmethod
-    def from_config(cls, mhar: MHARConfig, num_layers: int) -> "DepthLayout":
-        return cls(num_layers=num_layers, block_size=mhar.block_size if mhar.variant == "block" else 1)
-
-    def new_stream(
-        self, mhar: MHARConfig, eps: float, like: torch.Tensor, routers: Optional[Dict] = None
-    ) -> "DepthStream":
-        return DepthStream(self, mhar, eps, like, routers)
-
-    @property
-    def final_site(self) -> int:
-        return 2 * self.num_layers + 1
-
-    @property
-    def capacity(self) -> int:
-        """Rows the history ever holds: the embedding plus every completed block."""
-        return 1 + (2 * self.num_layers) // self.block_size
-
-    def position(self, site: int):
-        """(block n, position i) of routing site / sublayer ``site``, both 1-based."""
-        return (site - 1) // self.block_size + 1, (site - 1) % self.block_size + 1
-
-    def rows_read(self, site: int) -> int:
-        """Completed rows read by ``site`` (rows ``0 .. n-1``)."""
-        return self.position(site)[0]
-
-    def reads_partial(self, site: int) -> bool:
-        """Whether ``site`` also reads the running partial of its block."""
-        return self.position(site)[1] >= 2
-
-    def completes_block(self, site: int) -> bool:
-        """Whether sublayer ``site``'s output completes its block (row ``n`` is written)."""
-        return self.position(site)[1] == self.block_size
-
-    def boundary(self, site: int):
-        """(rows, has_partial) of the history entering sublayer ``site`` (a stage input)."""
-        return self.rows_read(site), self.reads_partial(site)
-
-    def boundary_width(self, site: int) -> int:
-        """Number of [s, b, h] slices crossing into sublayer ``site`` from a previous stage."""
-        rows, partial = self.boundary(site)
-        return rows + int(partial)
-
-    def source_names(self, site: int) -> List[str]:
-        """Names of the sources ``site`` routes over, in the routing op's order: ``emb``,
-        then ``s<j>`` (sublayer j's output, full variant) or ``b<n>`` (block n), then
-        ``partial`` (the running sum of the site's own block)."""
-        row = "s" if self.block_size == 1 else "b"
-        names = ["emb"] + [f"{row}{k}" for k in range(1, self.rows_read(site))]
-        return names + ["partial"] if self.reads_partial(site) else names
 
 
 class DepthRouter(torch.nn.Module):
@@ -234,61 +152,18 @@ class DepthStream:
         return final_router(self, self.layout.final_site)
 
 
-ROUTING_SAMPLE_TOKENS = 256
-"""Tokens per micro-batch whose routing the training driver records (a diagnostic sample)."""
+def make_layout(mhar: MHARConfig, num_layers: int) -> Layout:
+    """The routing layout of ``mhar`` over ``num_layers`` decoder layers."""
+    return layout_for(mhar.variant, num_layers, mhar.block_size, mhar.delta_block_layers)
 
 
-@dataclasses.dataclass
-class SiteRouting:
-    """Routing of one site summed over recorded tokens; divide by ``tokens`` for means."""
-
-    weights: torch.Tensor
-    """[N, H] fp32: the sum over tokens of each source's softmax weight, per head."""
-
-    entropy: torch.Tensor
-    """[H] fp32: the sum over tokens of each head's routing entropy in nats."""
-
-    tokens: int
-    """Tokens summed."""
-
-    def add(self, other: "SiteRouting") -> "SiteRouting":
-        return SiteRouting(self.weights + other.weights, self.entropy + other.entropy,
-                           self.tokens + other.tokens)
-
-
-class RoutingRecorder:
-    """Per-site routing weights and entropy of the forwards it is attached to (a diagnostic).
-
-    ``sample_tokens`` caps the tokens recorded per forward and site (the first tokens of
-    the micro-batch); ``None`` records them all. Sums accumulate over forwards.
-    """
-
-    def __init__(self, sample_tokens: Optional[int] = ROUTING_SAMPLE_TOKENS):
-        self.sample_tokens = sample_tokens
-        self.sites: Dict[int, SiteRouting] = {}
-
-    @torch.no_grad()
-    def record(self, site: int, history, router, rows: int, extra: Optional[torch.Tensor]) -> None:
-        """Add ``site``'s routing over history rows ``[0, rows)`` (then ``extra``) to the sums."""
-        limit = self.sample_tokens
-        sources = history.rows(rows)[:limit].transpose(0, 1)  # [N, t, h]
-        if extra is not None:
-            sample = extra.reshape(-1, history.shape[-1])[:limit]
-            sources = torch.cat([sources, sample.unsqueeze(0)])
-        weights = routing_weights(
-            sources, router.query, router.norm_weight, history.num_heads, history.eps,
-            history.logit_scale,
-        )  # [N, t, H]
-        entropy = -(weights * weights.clamp_min(1e-30).log()).sum(0)  # [t, H]
-        found = SiteRouting(weights.sum(1), entropy.sum(0), weights.shape[1])
-        self.sites[site] = self.sites[site].add(found) if site in self.sites else found
-
-
-def make_layout(mhar: MHARConfig, num_layers: int):
-    """The layout of ``mhar.variant`` (full and block share :class:`DepthLayout`)."""
-    if mhar.variant == "delta":
-        return DeltaLayout(num_layers=num_layers, block_layers=mhar.delta_block_layers)
-    return DepthLayout.from_config(mhar, num_layers)
+def new_stream(layout: Layout, mhar: MHARConfig, eps: float, like: torch.Tensor,
+               routers: Optional[Dict] = None) -> Union["DepthStream", "DeltaStream"]:
+    """One forward's source stream for ``layout`` (``like``: a [s, b, h] tensor of the
+    sources' shape, dtype and device)."""
+    if isinstance(layout, DeltaLayout):
+        return DeltaStream(layout, mhar, eps, like)
+    return DepthStream(layout, mhar, eps, like, routers)
 
 
 def _history(capacity: int, mhar: MHARConfig, eps: float, like: torch.Tensor) -> SourceHistory:
@@ -300,52 +175,6 @@ def _history(capacity: int, mhar: MHARConfig, eps: float, like: torch.Tensor) ->
         eps=eps,
         logit_scale=mhar.logit_scale,
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class DeltaLayout:
-    """Sources of the delta variant: row 0 the embedding, row k the delta of block k."""
-
-    num_layers: int
-    """Decoder layers L of the whole model."""
-
-    block_layers: int
-    """Decoder layers per block."""
-
-    has_final_site = False
-
-    @property
-    def capacity(self) -> int:
-        """Rows ever read: the embedding and every block completed before the last layer."""
-        return 1 + (self.num_layers - 1) // self.block_layers
-
-    @staticmethod
-    def layer_of(site: int) -> int:
-        """1-based decoder layer of sublayer ``site``."""
-        return (site + 1) // 2
-
-    def rows_read(self, site: int) -> int:
-        return 1 + (self.layer_of(site) - 1) // self.block_layers
-
-    def completes_block(self, site: int) -> bool:
-        """Whether sublayer ``site`` ends a block whose delta a later layer reads."""
-        layer = self.layer_of(site)
-        return site % 2 == 0 and layer % self.block_layers == 0 and layer < self.num_layers
-
-    def starts_block(self, site: int) -> bool:
-        """Whether ``site`` is the first sublayer of a block (then ``h_start`` is ``h``)."""
-        return site % 2 == 1 and (self.layer_of(site) - 1) % self.block_layers == 0
-
-    def boundary_width(self, site: int) -> int:
-        """Stream ``h``, the block's start ``h_start`` (unless it is ``h``) and the rows."""
-        return 1 + int(not self.starts_block(site)) + self.rows_read(site)
-
-    def source_names(self, site: int) -> List[str]:
-        """``emb``, ``d<k>`` (the delta of block k), then ``null`` (the site's null source)."""
-        return ["emb"] + [f"d{k}" for k in range(1, self.rows_read(site))] + ["null"]
-
-    def new_stream(self, mhar: MHARConfig, eps: float, like: torch.Tensor, routers=None) -> "DeltaStream":
-        return DeltaStream(self, mhar, eps, like)
 
 
 class DeltaRouter(DepthRouter):

@@ -3,9 +3,9 @@
 An MHAR chunk that is not the last pipeline stage sends its depth history packed along
 the hidden dimension, ``[s, b, width * h]`` (docs/design.md, "Pipeline parallelism"), and the
 width differs per boundary: :meth:`MHARTransformerBlock.input_width` and
-:meth:`~MHARTransformerBlock.output_width` give it from :class:`DepthLayout` and the
-chunk's global layer offset (so uneven first/last stages and
-``pipeline_model_parallel_layout`` follow automatically). Megatron's schedules assume
+:meth:`~MHARTransformerBlock.output_width` give it from the routing layout
+(:mod:`~megatron_mhar.ops.routing_layout`) and the chunk's global layer offset (so uneven
+first/last stages and ``pipeline_model_parallel_layout`` follow automatically). Megatron's schedules assume
 ``[s, b, h]`` everywhere; this module tells them the real shapes:
 
 * Non-interleaved 1F1B: Megatron's ``adjust_tensor_shapes_fn`` hook

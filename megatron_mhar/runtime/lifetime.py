@@ -32,6 +32,14 @@ from typing import Optional, Sequence
 _PR_SET_PDEATHSIG = 1
 _installed = False
 _forking_from_main = threading.local()
+_prctl = None  # libc's prctl, looked up before any fork: a forked child loads no library
+
+
+def _libc_prctl():
+    global _prctl
+    if _prctl is None:
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return _prctl
 
 
 def die_with_parent(parent: Optional[int] = None) -> None:
@@ -39,8 +47,7 @@ def die_with_parent(parent: Optional[int] = None) -> None:
     ``parent`` (the expected parent's pid) has already gone."""
     if not sys.platform.startswith("linux"):
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if _libc_prctl()(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if parent is not None and os.getppid() != parent:  # it died before the request
         os._exit(1)
@@ -60,6 +67,7 @@ def install() -> None:
     """From now on, a child forked from this process's main thread dies with it (idempotent)."""
     global _installed
     if not _installed and sys.platform.startswith("linux"):
+        _libc_prctl()
         os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
         _installed = True
 

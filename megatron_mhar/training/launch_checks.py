@@ -24,17 +24,6 @@ TE_INSTALL = "pip install 'megatron_mhar[te]'"
 """How Transformer Engine is installed (the package's te extra)."""
 
 
-def expand_path(text: str, key: str) -> str:
-    """``~`` and ``${VAR}`` expanded; an unset variable is an error naming ``key``."""
-    expanded = os.path.expandvars(os.path.expanduser(text))
-    if "$" in expanded:
-        raise ValueError(
-            f"{key}={text!r} uses an environment variable that is not set; export it or "
-            f"override {key}"
-        )
-    return expanded
-
-
 def validate_launch(cfg: TrainConfig, world_size: int) -> None:
     """Checks that need the launch: parallel layout vs world size, batch sizes, files.
 
@@ -89,7 +78,7 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
     check_data_prefixes(data.paths, "data.paths", cfg.model.vocab_size)
     check_heldout_data(cfg)
     if data.tokenizer != "builtin":
-        tok_dir = expand_path(data.tokenizer, "data.tokenizer")
+        tok_dir = data.tokenizer
         if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
             raise ValueError(
                 f"data.tokenizer={data.tokenizer!r}: no tokenizer.json in {tok_dir}; give a local "
@@ -112,8 +101,7 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
     _check_output_dir(cfg.run.dir, "run.output_dir/run.name")
     _check_output_dir(cfg.checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "run.output_dir/run.name")
     if cfg.checkpoint.load is not None:
-        load = expand_path(cfg.checkpoint.load, "checkpoint.load")
-        if not os.path.isdir(load):
+        if not os.path.isdir(cfg.checkpoint.load):
             raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r}: no such directory")
 
 
@@ -211,16 +199,15 @@ def check_data_prefixes(prefixes, key: str, vocab_size: int) -> None:
     from megatron_mhar.data.datasets import open_indexed
 
     for i, prefix in enumerate(prefixes):
-        path = expand_path(prefix, f"{key}[{i}]")
         try:  # both files there, and one intact pair: before any process group starts
-            open_indexed(path)
+            open_indexed(prefix)
         except ValueError as err:
             raise ValueError(f"{key}[{i}]={prefix!r}: {err}") from None
         # Ids past the vocabulary would train the padded embedding rows or fail deep in a
         # step (a device-side assert on GPUs): data written with another tokenizer. Read on
         # rank 0 only: a blend of many prefixes on every rank would be a storm of reads.
         if int(os.environ.get("RANK", "0")) == 0:
-            _check_token_ids(path, f"{key}[{i}]={prefix!r}", vocab_size)
+            _check_token_ids(prefix, f"{key}[{i}]={prefix!r}", vocab_size)
 
 
 def check_heldout_data(cfg: TrainConfig) -> None:
@@ -233,7 +220,7 @@ def check_heldout_data(cfg: TrainConfig) -> None:
     for key in ("data.paths", "data.valid_paths", "data.test_paths"):
         for i, prefix in enumerate(getattr(data, key[len("data."):])):
             other_key, j = first_use.setdefault(
-                os.path.realpath(expand_path(prefix, f"{key}[{i}]")), (key, i)
+                os.path.realpath(prefix), (key, i)
             )
             if other_key != key:
                 raise ValueError(

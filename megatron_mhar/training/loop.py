@@ -19,15 +19,12 @@ teardown. The pieces are Megatron's own:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import math
 import os
-import resource
 import time
 from functools import partial
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -40,45 +37,29 @@ from megatron_mhar.checkpoint_format import changed_fields
 from megatron_mhar.data.datasets import MicroBatches, build_gpt_datasets
 from megatron_mhar.errors import PeerFailure, UserError, message_of
 from megatron_mhar.files import write_atomic
-from megatron_mhar.models.routing import RoutingRecorder, SiteRouting, make_layout
+from megatron_mhar.diagnostics.recorder import RoutingRecorder, SiteRouting
 from megatron_mhar.parallel import pipeline
 from megatron_mhar.runtime import lifetime
-from megatron_mhar.runtime.distributed import DistributedContext, destroy, initialize_model_parallel_from_env, on_rank0
-from megatron_mhar.runtime.lock import DirectoryLock
+from megatron_mhar.runtime.distributed import DistributedContext, destroy, initialize_model_parallel_from_env
 from megatron_mhar.training import checkpointing, cuda_graphs
-from megatron_mhar.training.launch_checks import expand_path, runs_on_cpu, validate_launch, with_resolved_spec
+from megatron_mhar.training.data_setup import heldout_blends, prepare_data
+from megatron_mhar.training.launch_checks import runs_on_cpu, validate_launch, with_resolved_spec
 from megatron_mhar.training.memory import estimate_memory
 from megatron_mhar.training.metrics import MetricsWriter, StepTimer, format_duration
 from megatron_mhar.training.model import build_model_chunks, transformer_config, unwrap
 from megatron_mhar.training.moe import MoEMetrics
 from megatron_mhar.training.recipes import to_yaml
+from megatron_mhar.training.routing_outputs import RoutingOutputs
+from megatron_mhar.training.run_files import (  # noqa: F401  (LOCK_FILE and run_lock: their loop names)
+    LOCK_FILE,
+    SUMMARY_FILE,
+    RunReports,
+    TrainResult,
+    run_lock,
+)
 from megatron_mhar.training.schema import TrainConfig
 from megatron_mhar.training.signals import SIGNALS as STOP_SIGNALS
 from megatron_mhar.training.signals import StopSignal
-
-SUMMARY_FILE = "summary.json"
-
-
-@dataclasses.dataclass
-class TrainResult:
-    """What a run did, as rank 0 saw it."""
-
-    run_dir: Path
-    iteration: int
-    """Steps done when the run ended."""
-    losses: Dict[int, float]
-    """Training loss of every step this process ran (step -> loss)."""
-    val_losses: List[List[float]]
-    """``[step, validation loss]`` of every evaluation, including those before a resume."""
-    val_loss_tail: Optional[float]
-    """Mean of the last ``eval.tail`` validation losses."""
-    test_loss: Optional[float] = None
-    """Loss on the test data after the last step, when the run has test data."""
-    stopped_by: Optional[str] = None
-    """Name of the signal that stopped the run early, if any."""
-    checkpoint: Optional[Path] = None
-    """The last checkpoint saved."""
-
 
 def run(
     cfg: TrainConfig,
@@ -117,30 +98,6 @@ def run(
         destroy()
 
 
-LOCK_FILE = ".lock"
-"""The lock file of a run directory (:mod:`megatron_mhar.runtime.lock`)."""
-
-
-@contextlib.contextmanager
-def run_lock(cfg: TrainConfig) -> Iterator[None]:
-    """Rank 0 holds the lock of the run directory (and of ``checkpoint.dir`` where it lies
-    elsewhere) for the life of the run; where another run holds it, every rank raises
-    (:class:`~megatron_mhar.runtime.lock.DirectoryInUse` on rank 0) before anything is written."""
-    directories = [cfg.run.dir.absolute()]
-    checkpoints = cfg.checkpoint_dir.absolute()
-    if directories[0] not in (checkpoints, *checkpoints.parents):
-        directories.append(checkpoints)
-    with contextlib.ExitStack() as held:
-        def take() -> None:
-            for directory in directories:
-                what = "run directory" if directory == directories[0] else "checkpoint directory"
-                other = "give this run another run.name" + (" or checkpoint.dir" if what != "run directory" else "")
-                held.enter_context(DirectoryLock(directory / LOCK_FILE, f"{what} {directory}", other))
-
-        on_rank0(take)
-        yield
-
-
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Sum of token losses, token count, and the pair for reporting (schedule case 2b)."""
     losses = output_tensor.float().view(-1)
@@ -151,7 +108,7 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-class Trainer:
+class Trainer(RoutingOutputs, RunReports):
     """Model chunks, optimizer, scheduler, data iterators and the loop of one run."""
 
     def __init__(self, cfg: TrainConfig, ctx: DistributedContext, step_hook=None):
@@ -186,7 +143,7 @@ class Trainer:
         if self.is_logger:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
-        self.tokenizer, data_paths = self._prepare_data()
+        self.tokenizer, data_paths = prepare_data(cfg)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ValueError(
                 f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
@@ -254,9 +211,9 @@ class Trainer:
              eval_samples, eval_samples if cfg.data.has_test_data else 0],
             self.tokenizer,
             cfg.run.seed,
-            cache_dir=expand_path(cfg.data.cache_dir, "data.cache_dir") if cfg.data.cache_dir else None,
+            cache_dir=cfg.data.cache_dir,
             eod_mask_loss=cfg.data.eod_mask_loss,
-            heldout=self._heldout_blends(),
+            heldout=heldout_blends(cfg),
         )
         self.train_iterators = self._iterators(self.train_ds, self.consumed_samples)
         self.metrics = MetricsWriter(
@@ -272,41 +229,6 @@ class Trainer:
         ep = f" ep={par.expert_model_parallel_size}" if self.cfg.model.is_moe else ""
         return (f"dp={self.dp_size} tp={par.tensor_model_parallel_size} "
                 f"pp={par.pipeline_model_parallel_size}{ep}")
-
-    def _prepare_data(self):
-        """The tokenizer and the dataset prefixes (building the embedded corpus if needed)."""
-        data = self.cfg.data
-        if data.embedded or data.tokenizer == "builtin":
-            from megatron_mhar.data.corpus import embedded_root, prepare_embedded
-
-            cache = expand_path(data.cache_dir, "data.cache_dir") if data.cache_dir else None
-            root = str(embedded_root(data.embedded_dir, cache))
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one build per node; atomic publish
-                prepare_embedded(root, data.embedded_vocab_size, data.embedded_max_bytes)
-            torch.distributed.barrier()
-            embedded = prepare_embedded(root, data.embedded_vocab_size, data.embedded_max_bytes)
-            tokenizer = embedded.tokenizer()
-        else:
-            from megatron_mhar.data.tokenizer import Tokenizer
-
-            tokenizer = Tokenizer.from_dir(expand_path(data.tokenizer, "data.tokenizer"), data.eod_token)
-        if data.embedded:
-            paths = [embedded.prefix]
-        else:
-            paths = [expand_path(p, f"data.paths[{i}]") for i, p in enumerate(data.paths)]
-        return tokenizer, paths
-
-    def _heldout_blends(self):
-        """``[valid, test]`` blends of ``data.valid_paths`` / ``data.test_paths`` (test
-        ``None`` without test paths), or ``None`` when ``data.split`` carves them out."""
-        data = self.cfg.data
-        if not data.heldout:
-            return None
-        valid = ([expand_path(p, f"data.valid_paths[{i}]") for i, p in enumerate(data.valid_paths)],
-                 data.valid_weights)
-        test = ([expand_path(p, f"data.test_paths[{i}]") for i, p in enumerate(data.test_paths)],
-                data.test_weights) if data.test_paths else None
-        return [valid, test]
 
     def _optimizer_config(self) -> MegatronOptimizerConfig:
         opt, bf16 = self.cfg.optimizer, self.cfg.training.bf16_params
@@ -378,7 +300,7 @@ class Trainer:
         found = checkpointing.find_checkpoint(cfg.checkpoint_dir, problem=self._check_checkpoint)
         model_only = False
         if found is None and cfg.checkpoint.load:
-            load = Path(expand_path(cfg.checkpoint.load, "checkpoint.load"))
+            load = Path(cfg.checkpoint.load)
             found = checkpointing.find_checkpoint(load, problem=self._check_checkpoint)
             if found is None:
                 raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r} holds no checkpoint")
@@ -475,58 +397,6 @@ class Trainer:
     def _logged(self, step: int) -> bool:
         """Whether training step ``step`` is logged (same on every rank)."""
         return step % self.cfg.logging.interval == 0 or step == self.cfg.training.train_iters
-
-    def _records_routing(self, step: int) -> bool:
-        """Whether training step ``step`` records the routing diagnostics (same on every rank)."""
-        log = self.cfg.logging
-        return self.cfg.mhar.enabled and ((log.routing_entropy and self._logged(step)) or self._maps_step(step))
-
-    def _maps_step(self, step: int) -> bool:
-        """Whether step ``step`` logs the routing maps to TensorBoard (``logging.routing_interval``)."""
-        interval = self.cfg.logging.routing_interval
-        return bool(interval) and step % interval == 0
-
-    def _attach_routing_recorder(self, recorder: Optional[RoutingRecorder]) -> None:
-        """Have the MHAR decoders of this rank add their routing to ``recorder`` (``None``: stop)."""
-        for chunk in self.model:
-            decoder = getattr(unwrap(chunk), "decoder", None)
-            if hasattr(decoder, "routing_recorder"):
-                decoder.routing_recorder = recorder
-
-    def _gather_routing(self, recorder: RoutingRecorder) -> Dict[int, SiteRouting]:
-        """Every rank's recorded sites (one copy per site: DP and TP rank 0), on every rank."""
-        local = {}
-        if self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
-            local = {site: (r.weights.cpu(), r.entropy.cpu(), r.tokens) for site, r in recorder.sites.items()}
-        gathered = [local]
-        if torch.distributed.get_world_size() > 1:
-            gathered = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(gathered, local)
-        return {site: SiteRouting(*record) for part in gathered for site, record in part.items()}
-
-    def _routing_maps(self):
-        from megatron_mhar.training.heatmap import RoutingMaps
-
-        return RoutingMaps.from_records(self.routing, make_layout(self.cfg.mhar, self.cfg.model.num_layers))
-
-    def _log_routing_maps(self) -> None:
-        """The routing maps of the step just run into TensorBoard (rank 0)."""
-        if not self.is_logger:
-            return
-        from megatron_mhar.training.heatmap import render
-
-        title = f"{self.cfg.run.name}: routing maps, step {self.iteration}"
-        self.metrics.add_image("routing/maps", render(self._routing_maps(), title), self.iteration)
-
-    def _memory_gb(self) -> float:
-        """Peak memory of the busiest rank (pipeline stages and ranks differ); every rank calls."""
-        if self.on_cpu:
-            local = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-        else:
-            local = torch.cuda.max_memory_allocated() / 2**30
-        peak = torch.tensor([local], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-        return float(peak.item())
 
     def val_loss_tail(self) -> Optional[float]:
         tail = [loss for _, loss in self.val_losses[-self.cfg.eval.tail :]]
@@ -695,43 +565,6 @@ class Trainer:
         else:
             then = f"The checkpoint could not be saved either: {message_of(save_error)}"
         raise UserError(f"{self.metrics.failure}. {then}")
-
-    def _write_summary(self, result: TrainResult) -> None:
-        """``summary.json``: the run's outcome (every rank calls: the parameter count is a collective)."""
-        parameters = self._count_parameters()
-        if self.is_logger:
-            summary = {
-                "name": self.cfg.run.name,
-                "variant": self.cfg.mhar.variant,
-                "parameters": parameters,
-                "iteration": self.iteration,
-                "val_loss": self.val_losses[-1][1] if self.val_losses else None,
-                "val_loss_tail": result.val_loss_tail,
-                "val_losses": self.val_losses,
-                "test_loss": result.test_loss,
-                "stopped_by": result.stopped_by,
-                "checkpoint": str(self.checkpoint) if self.checkpoint else None,
-            }
-            write_atomic(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=1))
-
-    def _count_parameters(self) -> int:
-        """Parameters of the whole model (summed over tensor and pipeline ranks)."""
-        local = sum(p.numel() for chunk in self.model for p in unwrap(chunk).parameters())
-        total = torch.tensor([local], dtype=torch.int64, device=self.device)
-        torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
-        return int(total.item())
-
-    def _write_routing_maps(self) -> None:
-        """``routing_maps.png`` / ``.json`` (and a TensorBoard image) of the last recorded step."""
-        if not (self.cfg.logging.routing_entropy and self.routing and self.is_logger):
-            return
-        from megatron_mhar.training.heatmap import save_routing_maps
-
-        title = f"{self.cfg.run.name}: routing maps, step {self.iteration}"
-        image = save_routing_maps(self._routing_maps(), self.run_dir, title, step=self.iteration,
-                                  variant=self.cfg.mhar.variant)
-        if not self._maps_step(self.iteration):  # else already in TensorBoard
-            self.metrics.add_image("routing/maps", image, self.iteration)
 
     def _log_train(self, window: List[float], grad_norm: float, lr: float, timer: StepTimer) -> None:
         cfg = self.cfg

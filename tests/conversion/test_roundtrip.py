@@ -73,9 +73,9 @@ def test_delta_export_is_an_mhar_directory(megatron_world1, hf_dirs, convert, tm
     per_site = ("query", "norm_weight", "null_source", "gate")
     assert sorted(routing) == sorted(
         f"model.layers.{i}.{site}.{p}" for i in range(4)
-        for site in ("attention_router", "mlp_router") for p in per_site
+        for site in ("input_router", "pre_mlp_router") for p in per_site
     )
-    assert all(routing[f"model.layers.{i}.attention_router.gate"].shape == (1,) for i in range(4))
+    assert all(routing[f"model.layers.{i}.input_router.gate"].shape == (1,) for i in range(4))
     assert not (out / "mhar_params.safetensors").exists()
 
     # Trained routing: perturb it, re-import without --variant, the values come back.
@@ -87,8 +87,7 @@ def test_delta_export_is_an_mhar_directory(megatron_world1, hf_dirs, convert, tm
     model = megatron_mhar.load_model(back)
     state = model.gpt.state_dict()
     for key, value in routing.items():
-        megatron = key.replace("model.layers", "decoder.layers").replace("attention_router", "input_router")
-        assert torch.equal(state[megatron.replace("mlp_router", "pre_mlp_router")], value + 0.25), key
+        assert torch.equal(state[key.replace("model.layers", "decoder.layers")], value + 0.25), key
     assert model.mhar.num_heads == 4
 
 

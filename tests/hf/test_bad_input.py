@@ -41,15 +41,15 @@ def _plan(directory: Path, out: Path):
 
 
 BROKEN_EXPORTS = [
-    pytest.param("qwen3-full-h8", dict(drop="model.layers.1.mlp_router.query"),
-                 "missing keys: model.layers.1.mlp_router.query",
-                 "missing 1 tensors: model.layers.1.mlp_router.query", id="missing-routing-tensor"),
-    pytest.param("qwen3-delta-h8", dict(drop="model.layers.2.attention_router.gate"),
-                 "missing keys: model.layers.2.attention_router.gate",
-                 "missing 1 tensors: model.layers.2.attention_router.gate", id="missing-delta-gate"),
+    pytest.param("qwen3-full-h8", dict(drop="model.layers.1.pre_mlp_router.query"),
+                 "missing keys: model.layers.1.pre_mlp_router.query",
+                 "missing 1 tensors: model.layers.1.pre_mlp_router.query", id="missing-routing-tensor"),
+    pytest.param("qwen3-delta-h8", dict(drop="model.layers.2.input_router.gate"),
+                 "missing keys: model.layers.2.input_router.gate",
+                 "missing 1 tensors: model.layers.2.input_router.gate", id="missing-delta-gate"),
     # the config says delta, the weights are a full model's: no gates, an extra final site
     pytest.param("qwen3-full-h8", dict(config={"mhar_variant": "delta", "mhar_delta_block_layers": 1}),
-                 "model.layers.0.attention_router.gate",
+                 "model.layers.0.input_router.gate",
                  "model.final_router.norm_weight (only expected when mhar_variant is full or block",
                  id="variant-of-other-weights"),
     pytest.param("llama-block-h4", dict(reshape="model.final_router.query"),

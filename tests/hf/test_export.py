@@ -68,7 +68,8 @@ def test_export_holds_trained_routing_config_and_code(checkpoints, exports, case
         "AutoModelForCausalLM": f"modeling_mhar.MHAR{family}",
     }
     for name, source in (("configuration_mhar.py", "hf/configuration_mhar.py"),
-                         ("modeling_mhar.py", "hf/modeling_mhar.py"), ("depth_route.py", "ops/depth_route.py")):
+                         ("modeling_mhar.py", "hf/modeling_mhar.py"), ("depth_route.py", "ops/depth_route.py"),
+                         ("routing_layout.py", "ops/routing_layout.py")):
         assert (out / name).read_bytes() == (PACKAGE / source).read_bytes(), name
     assert not (out / "mhar_params.safetensors").exists() and not (out / "mhar_config.json").exists()
 
@@ -77,12 +78,12 @@ def test_export_holds_trained_routing_config_and_code(checkpoints, exports, case
     routers = {n: t for n, t in tensors.items() if "router" in n}
     per_site = ("query", "norm_weight") + (("null_source", "gate") if config["mhar_variant"] == "delta" else ())
     expected = {f"model.layers.{i}.{site}.{p}" for i in range(3)
-                for site in ("attention_router", "mlp_router") for p in per_site}
+                for site in ("input_router", "pre_mlp_router") for p in per_site}
     if config["mhar_variant"] != "delta":
         expected |= {"model.final_router.query", "model.final_router.norm_weight"}
     assert set(routers) == expected
     for name, tensor in routers.items():
-        if name.startswith("model.layers.0.attention_router.") and config["mhar_variant"] != "delta":
+        if name.startswith("model.layers.0.input_router.") and config["mhar_variant"] != "delta":
             continue  # the first site routes over one source: its softmax has no gradient
         initial = torch.ones_like(tensor) if name.endswith("norm_weight") else torch.zeros_like(tensor)
         assert not torch.equal(tensor, initial), f"{name} kept its initial value: the test trains nothing"
@@ -154,18 +155,15 @@ def _legacy_export(export_dir: Path, checkpoint: Path, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["llama-block-h4", "qwen3-delta-h8"])
-def test_side_file_exports_still_convert_back(megatron_world1, checkpoints, exports, tmp_path, case):
-    import megatron_mhar
-    from megatron_mhar.conversion.convert import hf_to_mcore, plan_import
+def test_side_file_exports_are_refused(megatron_world1, checkpoints, exports, tmp_path, case):
+    """An earlier export's side file is not read; the import says to export again rather
+    than convert the model without its routing parameters."""
+    from megatron_mhar.conversion.convert import plan_import
 
     legacy = _legacy_export(exports[case], checkpoints[case], tmp_path / "legacy")
-    plan = plan_import(legacy, tmp_path / "back", None, seq_length=64)
-    assert plan.routing_source == "side_file"
-    original = megatron_mhar.load_model(checkpoints[case]).gpt.state_dict()
-    restored = megatron_mhar.load_model(hf_to_mcore(plan)).gpt.state_dict()
-    for key, value in original.items():
-        if torch.is_tensor(value) and not key.endswith("_extra_state"):
-            assert torch.equal(value, restored[key]), key
+    with pytest.raises(ValueError, match="routing side file of an earlier MHAR export.*export the Megatron "
+                                         "checkpoint again with mcore-to-hf"):
+        plan_import(legacy, tmp_path / "back", None, seq_length=64)
 
 
 def test_export_of_a_trained_checkpoint_carries_its_tokenizer(megatron_world1, checkpoints, tmp_path):

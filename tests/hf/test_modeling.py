@@ -1,4 +1,4 @@
-"""The transformers MHAR models against Megatron's: layouts over depth, gradients, config checks."""
+"""The transformers MHAR models against Megatron's: gradients, config checks."""
 
 from __future__ import annotations
 
@@ -15,36 +15,18 @@ from tests.helpers import RANDOM_MODELS, ROUTED_CASES, export_token_batch, rando
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("variant,layers,size", [
-    pytest.param("full", 3, 1, id="full"),  # every sublayer output is a row
-    pytest.param("block", 3, 4, id="block-4-over-6"),  # a block spans layers, the final site reads a partial
-    pytest.param("block", 4, 3, id="block-3-over-8"),  # odd block size, several partials
-    pytest.param("block", 2, 4, id="block-one-whole"),  # one block of all sublayers
-    pytest.param("delta", 5, 2, id="delta-2-of-5"),  # the last block is incomplete
-    pytest.param("delta", 4, 1, id="delta-1"),  # a source per layer
-    pytest.param("delta", 4, 4, id="delta-one-block"),  # no completed block is ever read
-])
-def test_layouts_read_what_megatrons_read(variant, layers, size):
-    """The rows each site reads and each sublayer completes are those of models/routing.py."""
-    from megatron_mhar.models.mhar_config import MHARConfig
-    from megatron_mhar.hf.modeling_mhar import depth_layout
-    from megatron_mhar.models.routing import make_layout
+def test_transformers_config_gives_the_megatron_layout():
+    """The transformers model reads the layout of the same fields the Megatron model does."""
     from transformers import PretrainedConfig
 
-    megatron = make_layout(MHARConfig(variant=variant, block_size=size, delta_block_layers=size), layers)
-    hf = depth_layout(PretrainedConfig(num_hidden_layers=layers, mhar_variant=variant, mhar_block_size=size,
-                                       mhar_delta_block_layers=size))
-    assert hf.has_final_site == megatron.has_final_site
-    sites = range(1, 2 * layers + 1 + int(hf.has_final_site))
-    if variant == "delta":
-        assert [hf.rows_read(j) for j in sites] == [megatron.rows_read(j) for j in sites]
-        assert [hf.completes_block(j) for j in sites] == [megatron.completes_block(j) for j in sites]
-        assert hf.capacity == megatron.capacity + 1  # and the site's null source
-    else:
-        assert [hf.rows_read(j) for j in sites] == [
-            megatron.rows_read(j) + megatron.reads_partial(j) for j in sites]
-        assert [hf.position(j) for j in sites] == [megatron.position(j) for j in sites]
-        assert hf.capacity == max(hf.rows_read(j) for j in sites)
+    from megatron_mhar.hf.modeling_mhar import depth_layout
+    from megatron_mhar.models.mhar_config import MHARConfig
+    from megatron_mhar.models.routing import make_layout
+
+    for variant in ("full", "block", "delta"):
+        hf = depth_layout(PretrainedConfig(num_hidden_layers=6, mhar_variant=variant, mhar_block_size=3,
+                                           mhar_delta_block_layers=2))
+        assert hf == make_layout(MHARConfig(variant=variant, block_size=3, delta_block_layers=2), 6), variant
 
 
 @pytest.mark.parametrize("case", ROUTED_CASES)
@@ -86,7 +68,7 @@ def test_gradients_equal_megatrons(megatron_world1, checkpoints, exports, case):
     pytest.param(dict(mhar_variant="block", mhar_block_size=7), "mhar_block_size=7 sublayers exceeds",
                  id="block-size"),
     pytest.param(dict(mhar_variant="delta", mhar_delta_block_layers=4),
-                 "mhar_delta_block_layers=4 exceeds num_hidden_layers=3", id="delta-block"),
+                 "mhar_delta_block_layers=4 decoder layers exceeds the model's 3", id="delta-block"),
     pytest.param(dict(mhar_logit_scale=0.0), "mhar_logit_scale must be a positive finite number",
                  id="logit-scale"),
     pytest.param(dict(mhar_eps=-1.0), "mhar_eps must be a positive finite number", id="eps"),

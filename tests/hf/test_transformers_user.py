@@ -65,7 +65,7 @@ def test_activation_checkpointing_recomputes_and_gives_the_same_gradients(remote
     # the first site of full / block routes over one source: its softmax has no gradient
     still = sorted(name for name, grad in grads["off"].items() if not grad.any())
     assert still == ([] if case not in ROUTED_CASES or "delta" in case else
-                     ["model.layers.0.attention_router.norm_weight", "model.layers.0.attention_router.query"])
+                     ["model.layers.0.input_router.norm_weight", "model.layers.0.input_router.query"])
     trained = remote[case]["trainer"]
     assert torch.isfinite(torch.tensor(trained["loss"]))
     assert sorted(trained["moved"]) == sorted(set(grads["off"]) - set(still))
@@ -224,7 +224,7 @@ def test_save_pretrained_keeps_the_model_code(exports, tmp_path):
     export = exports["llama-block-h4"]
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     model.save_pretrained(tmp_path / "saved")
-    for name in ("configuration_mhar.py", "modeling_mhar.py", "depth_route.py"):
+    for name in ("configuration_mhar.py", "modeling_mhar.py", "depth_route.py", "routing_layout.py"):
         assert (tmp_path / "saved" / name).read_bytes() == (export / name).read_bytes(), name
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert config["auto_map"] == json.loads((export / "config.json").read_text())["auto_map"]

@@ -367,7 +367,7 @@ def test_routing_is_recorded_on_request(megatron_world1, mhar_fields, sources_re
     """Zero queries route uniformly: every source weighs 1/N, every head's entropy is ln N."""
     import math
 
-    from megatron_mhar.models.routing import RoutingRecorder
+    from megatron_mhar.diagnostics.recorder import RoutingRecorder
 
     model = build_gpt(tiny_gpt_config(), MHARConfig(num_heads=4, **mhar_fields))
     tokens, positions = gpt_batch()

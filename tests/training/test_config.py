@@ -6,6 +6,7 @@ what to change.
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 
@@ -107,6 +108,32 @@ def test_bad_values_fail_at_load(override, message):
         load_config("smoke_cpu", overrides)
     assert message in str(err.value)
     assert "smoke_cpu.yaml" in str(err.value)  # names the recipe
+
+
+@pytest.mark.parametrize("override, key", [
+    pytest.param('data.paths=["${MHAR_TEST_UNSET_VAR}/x"]', "data.paths[0]", id="data-path"),
+    pytest.param("data.tokenizer=${MHAR_TEST_UNSET_VAR}/tok", "data.tokenizer", id="tokenizer"),
+    pytest.param("checkpoint.load=${MHAR_TEST_UNSET_VAR}/ckpt", "checkpoint.load", id="load"),
+    pytest.param("run.output_dir=${MHAR_TEST_UNSET_VAR}/runs", "run.output_dir", id="output-dir"),
+])
+def test_unset_variables_in_paths_fail_at_load(override, key, monkeypatch):
+    """Paths are expanded once, when the configuration is built: an unset variable is an
+    error there, naming the key."""
+    monkeypatch.delenv("MHAR_TEST_UNSET_VAR", raising=False)
+    with pytest.raises(ValueError, match=rf"{re.escape(key)}=.*uses an environment variable that is not set"):
+        load_config("smoke_cpu", [override])
+
+
+def test_paths_are_expanded_when_the_config_loads(monkeypatch, tmp_path):
+    """``~`` and ``${VAR}`` in every path are expanded in the loaded configuration, which the
+    launch checks and the driver then read as they are."""
+    monkeypatch.setenv("MHAR_TEST_DIR", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = load_config("smoke_cpu", ['data.paths=["${MHAR_TEST_DIR}/a", "~/b"]', "data.cache_dir=~/cache",
+                                    "checkpoint.dir=${MHAR_TEST_DIR}/ckpt", "run.output_dir=~/runs"])
+    assert cfg.data.paths == [f"{tmp_path}/a", f"{tmp_path}/home/b"]
+    assert cfg.data.cache_dir == f"{tmp_path}/home/cache"
+    assert cfg.checkpoint_dir == tmp_path / "ckpt" and cfg.run.dir == tmp_path / "home" / "runs" / cfg.run.name
 
 
 def test_baseline_ignores_the_routing_shape_fields():
@@ -225,7 +252,6 @@ def test_apply_overrides_does_not_mutate():
             2, "micro-batches per step (3) to be a multiple of pipeline_model_parallel_size=2", id="vpp-micro",
         ),
         pytest.param(["data.paths=[/nonexistent/corpus]"], 1, "/nonexistent/corpus.bin and /nonexistent/corpus.idx not found", id="data-path"),
-        pytest.param(["data.paths=[\"${MHAR_TEST_UNSET_VAR}/x\"]"], 1, "uses an environment variable that is not set", id="env-var"),
         pytest.param(["data.tokenizer=/nonexistent/tok"], 1, "no tokenizer.json in /nonexistent/tok", id="tokenizer"),
         pytest.param(["model.vocab_size=1000"], 1, "model.vocab_size=1000 is smaller than data.embedded_vocab_size", id="vocab"),
         pytest.param(["mhar.kernel_impl=triton", "run.device=cpu"], 1, "on CPU set mhar.kernel_impl=auto or torch", id="triton-cpu"),

@@ -7,7 +7,7 @@ import json
 import numpy
 import pytest
 
-from megatron_mhar.training.loss_curves import COLOURS, Curves, nice_ticks, read_curves, save_loss_curves
+from megatron_mhar.diagnostics.loss_curves import COLOURS, Curves, nice_ticks, read_curves, save_loss_curves
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ import numpy
 from megatron_mhar.files import write_atomic
 
 if TYPE_CHECKING:
-    from megatron_mhar.models.routing import SiteRouting
+    from megatron_mhar.diagnostics.recorder import SiteRouting
 
 JSON_FILE = "routing_maps.json"
 PNG_FILE = "routing_maps.png"

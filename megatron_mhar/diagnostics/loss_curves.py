@@ -14,7 +14,7 @@ from typing import List, Sequence, Tuple
 
 import numpy
 
-from megatron_mhar.training.metrics import read_metrics
+from megatron_mhar.diagnostics.records import read_metrics
 
 COLOURS = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189))
 """Run colours, in order (blue, orange, green, red, purple)."""
