@@ -29,6 +29,7 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
 
     Runs before any process group starts, on every rank (all reach the same verdict).
     """
+    _check_paths_expanded(cfg)
     par, tr = cfg.parallel, cfg.training
     if world_size % par.model_parallel_size:
         raise ValueError(
@@ -103,6 +104,23 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
     if cfg.checkpoint.load is not None:
         if not os.path.isdir(cfg.checkpoint.load):
             raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r}: no such directory")
+
+
+def _check_paths_expanded(cfg: TrainConfig) -> None:
+    """No path keeps a ``${VAR}``: the configuration expanded every variable that was set
+    when it was built, so one left names a variable that was not."""
+    data, checkpoint = cfg.data, cfg.checkpoint
+    paths = [("run.output_dir", cfg.run.output_dir)]
+    for name in ("paths", "valid_paths", "test_paths"):
+        paths += [(f"data.{name}[{i}]", p) for i, p in enumerate(getattr(data, name))]
+    paths += [(f"data.{name}", getattr(data, name)) for name in ("tokenizer", "cache_dir", "embedded_dir")]
+    paths += [(f"checkpoint.{name}", getattr(checkpoint, name)) for name in ("dir", "load")]
+    for key, value in paths:
+        if value is not None and "$" in value:
+            raise ValueError(
+                f"{key}={value!r} uses an environment variable that is not set; export it or "
+                f"override {key}"
+            )
 
 
 def runs_on_cpu(cfg: TrainConfig) -> bool:

@@ -26,20 +26,11 @@ CUDA_GRAPH_MODES = ("none", "full_iteration")
 """Values of ``training.cuda_graph`` (see :mod:`megatron_mhar.training.cuda_graphs`)."""
 
 
-def expand_path(text: str, key: str) -> str:
-    """``~`` and ``${VAR}`` expanded; an unset variable is an error naming ``key``. Every path
-    of a configuration is expanded once, when the configuration is built."""
-    expanded = os.path.expandvars(os.path.expanduser(text))
-    if "$" in expanded:
-        raise ValueError(
-            f"{key}={text!r} uses an environment variable that is not set; export it or "
-            f"override {key}"
-        )
-    return expanded
-
-
-def _expand_list(paths: List[str], key: str) -> List[str]:
-    return [expand_path(p, f"{key}[{i}]") for i, p in enumerate(paths)]
+def expand_path(text: str) -> str:
+    """``~`` and every set ``${VAR}`` expanded. Every path of a configuration is expanded
+    once, when the configuration is built; an unset variable stays as written, so that a
+    recipe for another machine still loads, and the launch checks name it."""
+    return os.path.expandvars(os.path.expanduser(text))
 
 
 @dataclasses.dataclass
@@ -59,7 +50,7 @@ class RunConfig:
     """``auto`` (CUDA when available), ``cuda`` or ``cpu`` (gloo; smoke runs and tests)."""
 
     def __post_init__(self):
-        self.output_dir = expand_path(self.output_dir, "run.output_dir")
+        self.output_dir = expand_path(self.output_dir)
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"run.device must be auto, cuda or cpu, got {self.device!r}")
         if not self.name or "/" in self.name:
@@ -291,7 +282,8 @@ class DataConfig:
 
     paths: List[str] = dataclasses.field(default_factory=list)
     """Dataset prefixes (``path/name`` for ``path/name.bin`` + ``.idx``); ``~`` and
-    ``${VAR}`` are expanded, as in every path of the configuration, when it is built.
+    ``${VAR}`` are expanded, as in every path of the configuration, when it is built (an
+    unset variable is an error at launch).
     Empty: the embedded corpus (the standard library's source)."""
 
     weights: Optional[List[float]] = None
@@ -344,12 +336,12 @@ class DataConfig:
     def __post_init__(self):
         for prefix in ("", "valid_", "test_"):
             key = f"{prefix}paths"
-            setattr(self, key, _expand_list(getattr(self, key), f"data.{key}"))
+            setattr(self, key, [expand_path(p) for p in getattr(self, key)])
         if self.tokenizer != "builtin":
-            self.tokenizer = expand_path(self.tokenizer, "data.tokenizer")
+            self.tokenizer = expand_path(self.tokenizer)
         for key in ("cache_dir", "embedded_dir"):
             if getattr(self, key) is not None:
-                setattr(self, key, expand_path(getattr(self, key), f"data.{key}"))
+                setattr(self, key, expand_path(getattr(self, key)))
         for prefix in ("", "valid_", "test_"):
             _check_blend_weights(getattr(self, f"{prefix}paths"), getattr(self, f"{prefix}weights"), prefix)
         if self.test_paths and not self.valid_paths:
@@ -453,7 +445,7 @@ class CheckpointConfig:
     def __post_init__(self):
         for key in ("dir", "load"):
             if getattr(self, key) is not None:
-                setattr(self, key, expand_path(getattr(self, key), f"checkpoint.{key}"))
+                setattr(self, key, expand_path(getattr(self, key)))
         if self.interval < 0 or self.keep_last < 0:
             raise ValueError("checkpoint.interval and checkpoint.keep_last must be >= 0")
         if self.verify not in VERIFY_LEVELS:

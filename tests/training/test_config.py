@@ -116,12 +116,13 @@ def test_bad_values_fail_at_load(override, message):
     pytest.param("checkpoint.load=${MHAR_TEST_UNSET_VAR}/ckpt", "checkpoint.load", id="load"),
     pytest.param("run.output_dir=${MHAR_TEST_UNSET_VAR}/runs", "run.output_dir", id="output-dir"),
 ])
-def test_unset_variables_in_paths_fail_at_load(override, key, monkeypatch):
-    """Paths are expanded once, when the configuration is built: an unset variable is an
-    error there, naming the key."""
+def test_unset_variables_in_paths_fail_at_launch(override, key, monkeypatch):
+    """A path's unset variable stays as written when the configuration loads (a recipe for
+    another machine loads), and the launch checks name it."""
     monkeypatch.delenv("MHAR_TEST_UNSET_VAR", raising=False)
+    cfg = load_config("smoke_cpu", [override])
     with pytest.raises(ValueError, match=rf"{re.escape(key)}=.*uses an environment variable that is not set"):
-        load_config("smoke_cpu", [override])
+        validate_launch(cfg, 1)
 
 
 def test_paths_are_expanded_when_the_config_loads(monkeypatch, tmp_path):
@@ -252,6 +253,7 @@ def test_apply_overrides_does_not_mutate():
             2, "micro-batches per step (3) to be a multiple of pipeline_model_parallel_size=2", id="vpp-micro",
         ),
         pytest.param(["data.paths=[/nonexistent/corpus]"], 1, "/nonexistent/corpus.bin and /nonexistent/corpus.idx not found", id="data-path"),
+        pytest.param(["data.paths=[\"${MHAR_TEST_UNSET_VAR}/x\"]"], 1, "uses an environment variable that is not set", id="env-var"),
         pytest.param(["data.tokenizer=/nonexistent/tok"], 1, "no tokenizer.json in /nonexistent/tok", id="tokenizer"),
         pytest.param(["model.vocab_size=1000"], 1, "model.vocab_size=1000 is smaller than data.embedded_vocab_size", id="vocab"),
         pytest.param(["mhar.kernel_impl=triton", "run.device=cpu"], 1, "on CPU set mhar.kernel_impl=auto or torch", id="triton-cpu"),
