@@ -105,6 +105,12 @@ class CausalLM(torch.nn.Module):
             ) from None
         from megatron_mhar.conversion import checkpoint, hf_config, mapping
 
+        if self.config.is_moe:
+            raise ValueError(
+                "an MoE model has no in-memory transformers form here (transformers holds the experts "
+                "of a layer fused); export the checkpoint with mhar-convert mcore-to-hf and load the "
+                "directory with AutoModelForCausalLM.from_pretrained, which generates with the KV cache"
+            )
         dtype = next(self.gpt.parameters()).dtype
         state = checkpoint.full_state_dict(self.gpt)
         tensors = mapping.hf_tensors(state, self.config, mapping.Shapes.of(self.config), self.mhar)

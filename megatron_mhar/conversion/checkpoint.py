@@ -199,6 +199,9 @@ def check_layout(model: GPTModelConfig, tp: int, pp: int) -> None:
         )
     if model.num_layers % pp:
         raise ValueError(f"--pp {pp} must divide the number of layers ({model.num_layers})")
+    expert_width = model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size
+    if model.is_moe and expert_width % tp:
+        raise ValueError(f"--tp {tp} must divide the experts' width (moe_intermediate_size {expert_width})")
 
 
 def global_name(chunk, name: str) -> str:
@@ -232,7 +235,7 @@ def tp_slice(name: str, full: torch.Tensor, param: torch.nn.Parameter, tp_rank: 
             f"{tuple(param.shape)} (TP rank {tp_rank} of {tp_size})"
         )
     dim = split[0]
-    if name.endswith("mlp.linear_fc1.weight"):
+    if name.endswith("linear_fc1.weight"):  # dense MLPs and experts alike
         gate, up = full.chunk(2, dim=dim)
         return torch.cat([gate.chunk(tp_size, dim)[tp_rank], up.chunk(tp_size, dim)[tp_rank]], dim)
     return full.chunk(tp_size, dim=dim)[tp_rank]
@@ -311,7 +314,8 @@ def read_streamed(
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Collective: ``(TP=1/PP=1 name, tensor)`` for each of ``chunk``'s tensors in ``checkpoint``.
 
-    One stored tensor (all its layers) is loaded at a time, in place: into fresh tensors
+    One stored tensor (all its layers; an MoE layer's experts, one layer at a time) is
+    loaded at a time, in place: into fresh tensors
     where ``chunk`` is a meta chunk (:func:`build_model`), else into the chunk's own
     parameters; ``before_load(nbytes)`` is told its size first. Megatron's own load of a
     whole model holds a second copy of each SwiGLU ``linear_fc1`` (the two halves it
@@ -322,13 +326,13 @@ def read_streamed(
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
     sharded = chunk.sharded_state_dict()
-    groups: Dict[str, list] = {}  # stored key -> local names
+    groups: Dict[Any, list] = {}  # stored key (and layer, for experts) -> local names
     for local, entry in sharded.items():
         if not isinstance(entry, ShardedObject):
-            groups.setdefault(entry.key, []).append(local)
+            groups.setdefault(_load_group(chunk, local, entry.key), []).append(local)
     with reading(checkpoint):
         stored = dist_checkpointing.load_tensors_metadata(str(checkpoint))
-    missing = sorted(set(groups) - set(stored))
+    missing = sorted({_stored_key(group) for group in groups} - set(stored))
     if missing:
         raise ValueError(
             f"checkpoint {checkpoint} has no {', '.join(missing[:4])}"
@@ -358,7 +362,20 @@ def read_streamed(
             yield global_name(chunk, local), targets.pop(local)
 
 
-def _keys_of_all_ranks(groups: Dict[str, list]) -> list:
+def _load_group(chunk, local: str, key: str):
+    """What :func:`read_streamed` loads in one go: a stored tensor, or for experts (whose
+    stored tensor holds every expert of every MoE layer, 97% of a Qwen3-30B-A3B) the part of
+    one layer."""
+    if ".mlp.experts." not in local:
+        return key
+    return key, global_name(chunk, local).split(".")[2]
+
+
+def _stored_key(group) -> str:
+    return group[0] if isinstance(group, tuple) else group
+
+
+def _keys_of_all_ranks(groups: Dict[Any, list]) -> list:
     """The stored keys of every rank's chunk, in one order on every rank (each load is a
     collective: every rank takes part, with its part of the key or none)."""
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:

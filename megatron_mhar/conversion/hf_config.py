@@ -28,7 +28,10 @@ from megatron_mhar.models.mhar_config import MHARConfig, function_fields
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", False, None),
     "Qwen3ForCausalLM": ("qwen3", True, 128),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", True, 128),
 }
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+"""Architectures whose MLPs are mixtures of experts (:func:`_moe_fields`)."""
 _BY_MODEL_TYPE = {model_type: arch for arch, (model_type, _, _) in ARCHITECTURES.items()}
 
 # MHAR architecture (megatron_mhar/hf/modeling_mhar.py) -> (model_type, config class, base architecture)
@@ -177,14 +180,45 @@ def model_config_from_hf(
         init_method_std=float(hf.get("initializer_range", 0.02)),
         attention_dropout=float(hf.get("attention_dropout", 0.0)),
     )
+    if arch in MOE_ARCHITECTURES:
+        fields.update(_moe_fields(hf))
     fields.update(overrides)
     return GPTModelConfig(**fields)
+
+
+def _moe_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE config: every MoE layer Megatron's ``MoELayer`` (top-k
+    router, experts of ``moe_intermediate_size``), the others dense MLPs of
+    ``intermediate_size`` (``mlp_only_layers``, ``decoder_sparse_step``)."""
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+                       ("moe_intermediate_size", hf.get("moe_intermediate_size"))):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"config.json: {key}={value!r}; a Qwen3-MoE model needs a positive integer")
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    pattern = [int(layer not in dense and (layer + 1) % step == 0) for layer in range(hf["num_hidden_layers"])]
+    if not any(pattern):
+        raise ValueError(
+            f"config.json: mlp_only_layers={sorted(dense)} and decoder_sparse_step={step} leave no MoE "
+            f"layer; convert it as a dense Qwen3 (architectures: Qwen3ForCausalLM)"
+        )
+    _refuse(hf, "shared_expert_intermediate_size", None, "Qwen3-MoE has no shared expert")
+    return dict(
+        num_moe_experts=experts,
+        moe_router_topk=hf["num_experts_per_tok"],
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_layer_freq=1 if all(pattern) else pattern,
+        # renormalised top-k (norm_topk_prob) is Megatron's softmax over the top-k logits
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+        moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
+    )
 
 
 def hf_config_from_model(model: GPTModelConfig, dtype: str = "float32") -> Dict[str, Any]:
     """A ``config.json`` for a checkpoint that has no source HF config (trained from scratch).
 
-    Qwen3ForCausalLM when the model has q/k norms, LlamaForCausalLM otherwise.
+    Qwen3MoeForCausalLM for an MoE model, Qwen3ForCausalLM when the model has q/k norms,
+    LlamaForCausalLM otherwise.
     """
     problems = []
     if model.normalization != "RMSNorm":
@@ -195,9 +229,13 @@ def hf_config_from_model(model: GPTModelConfig, dtype: str = "float32") -> Dict[
         problems.append("add_bias_linear and add_qkv_bias must be false")
     if model.rotary_percent != 1.0:
         problems.append("rotary_percent must be 1.0")
+    if model.is_moe and not model.qk_layernorm:
+        problems.append("an MoE model needs qk_layernorm (Qwen3-MoE's q/k norms)")
+    if model.moe_shared_expert_intermediate_size is not None:
+        problems.append("moe_shared_expert_intermediate_size must be null (Qwen3-MoE has no shared expert)")
     if problems:
         raise ValueError(f"model config has no Llama/Qwen3 equivalent: {'; '.join(problems)}")
-    arch = "Qwen3ForCausalLM" if model.qk_layernorm else "LlamaForCausalLM"
+    arch = "Qwen3MoeForCausalLM" if model.is_moe else "Qwen3ForCausalLM" if model.qk_layernorm else "LlamaForCausalLM"
     heads = model.num_attention_heads
     rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": float(model.rotary_base)}
     if model.rope_scaling:
@@ -233,6 +271,17 @@ def hf_config_from_model(model: GPTModelConfig, dtype: str = "float32") -> Dict[
     }
     if arch == "LlamaForCausalLM":
         config["mlp_bias"] = False
+    if model.is_moe:
+        pattern = model.moe_layer_pattern()
+        config.update(
+            num_experts=model.num_moe_experts,
+            num_experts_per_tok=model.moe_router_topk,
+            moe_intermediate_size=model.moe_ffn_hidden_size or config["intermediate_size"],
+            norm_topk_prob=not model.moe_router_pre_softmax,
+            decoder_sparse_step=1,
+            mlp_only_layers=[layer for layer, moe in enumerate(pattern) if not moe],
+            router_aux_loss_coef=model.moe_aux_loss_coeff,
+        )
     return config
 
 
@@ -278,6 +327,12 @@ def plain_hf_config(config: Dict[str, Any]) -> Dict[str, Any]:
 def mhar_hf_config(config: Dict[str, Any], mhar: MHARConfig) -> Dict[str, Any]:
     """The config.json of an MHAR export: a Llama / Qwen3 ``config`` turned into its MHAR form."""
     base = architecture(config)
+    if base not in _MHAR_BY_BASE:
+        raise ValueError(
+            f"{base} has no MHAR transformers form: an mhar_variant={mhar.variant} model of it runs in "
+            f"Megatron (training, megatron_mhar.load_model); only its variant none checkpoints export, "
+            f"as a plain {base}"
+        )
     arch = _MHAR_BY_BASE[base]
     model_type, config_class, _ = MHAR_ARCHITECTURES[arch]
     fields = function_fields(dataclasses.asdict(mhar))
@@ -324,6 +379,13 @@ def _function_fields(model: GPTModelConfig) -> Dict[str, Any]:
         rotary_percent=model.rotary_percent,
         rope_scaling_factor=model.rope_scaling_factor if model.rope_scaling else None,
         tie_embeddings=model.tie_embeddings,
+        num_moe_experts=model.num_moe_experts,
+        moe_router_topk=model.moe_router_topk if model.is_moe else None,
+        moe_ffn_hidden_size=(model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size)
+        if model.is_moe else None,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_layer_pattern=model.moe_layer_pattern(),
+        moe_router_pre_softmax=model.moe_router_pre_softmax if model.is_moe else None,
     )
 
 

@@ -7,7 +7,11 @@ is written as ``self_attention.linear_qkv.layer_norm_`` by the local spec's
 ``sharded_state_dict_keys_map``), so one checkpoint serves the local and the
 Transformer Engine spec at any TP/PP layout.
 
-``{}`` in a pattern is the 0-based layer index, the same on both sides.
+``{}`` in a pattern is the 0-based layer index, the same on both sides; a second ``{}``
+is the 0-based index of an expert (an MoE layer's routed experts, Qwen3-MoE's
+``mlp.experts.{e}`` and Megatron's ``mlp.experts.local_experts.{e}`` at expert-parallel
+size 1). A rule's ``layers`` says which decoder layers hold its tensors: all, those with a
+dense MLP, or those with an MoE MLP (``GPTModelConfig.moe_layer_pattern``).
 
 Special cases are named functions, each with its inverse:
 
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -152,10 +156,14 @@ class Rule:
     when: Optional[str] = None
     """Only for models where this predicate of (GPTModelConfig, MHARConfig) holds (see
     :data:`CONDITIONS`)."""
+    layers: str = "all"
+    """The decoder layers holding the tensor: ``all``, ``dense`` (a dense MLP) or ``moe``."""
 
 
 L = "model.layers.{}."
 M = "decoder.layers.{}."
+HF_EXPERT = L + "mlp.experts.{}."
+EXPERT = M + "mlp.experts.local_experts.{}."
 
 RULES: Tuple[Rule, ...] = (
     # Megatron (local spec)                            HF                                      special case
@@ -169,8 +177,15 @@ RULES: Tuple[Rule, ...] = (
     Rule(M + "self_attention.linear_proj.weight",      (L + "self_attn.o_proj.weight",)),
     Rule(M + "pre_mlp_layernorm.weight",               (L + "post_attention_layernorm.weight",)),
     Rule(M + "mlp.linear_fc1.weight",                  (L + "mlp.gate_proj.weight",
-                                                        L + "mlp.up_proj.weight"),            fuse_gate_up, split_gate_up),
-    Rule(M + "mlp.linear_fc2.weight",                  (L + "mlp.down_proj.weight",)),
+                                                        L + "mlp.up_proj.weight"),            fuse_gate_up, split_gate_up,
+         layers="dense"),
+    Rule(M + "mlp.linear_fc2.weight",                  (L + "mlp.down_proj.weight",),         layers="dense"),
+    # MoE layers (Qwen3-MoE): the router and each routed expert's SwiGLU MLP
+    Rule(M + "mlp.router.weight",                      (L + "mlp.gate.weight",),              layers="moe"),
+    Rule(EXPERT + "linear_fc1.weight",                 (HF_EXPERT + "gate_proj.weight",
+                                                        HF_EXPERT + "up_proj.weight"),        fuse_gate_up, split_gate_up,
+         layers="moe"),
+    Rule(EXPERT + "linear_fc2.weight",                 (HF_EXPERT + "down_proj.weight",),     layers="moe"),
     Rule("decoder.final_layernorm.weight",             ("model.norm.weight",)),
     Rule("output_layer.weight",                        ("lm_head.weight",),                   pad_vocab, strip_vocab,
          when="untied"),
@@ -241,12 +256,25 @@ def _applies(rule: Rule, model: GPTModelConfig, mhar=None) -> bool:
     return rule.when is None or CONDITIONS[rule.when](model, mhar)
 
 
-def _expand(pattern: str, layer: Optional[int]) -> str:
-    return pattern.format(layer) if "{}" in pattern else pattern
+Index = Union[None, int, Tuple[int, int]]
+"""Where a rule's tensor is: ``None`` (no index), the layer, or (layer, expert)."""
 
 
-def _instances(rule: Rule, model: GPTModelConfig) -> List[Optional[int]]:
-    return list(range(model.num_layers)) if "{}" in rule.megatron else [None]
+def _expand(pattern: str, index: Index) -> str:
+    if index is None:
+        return pattern
+    return pattern.format(*index) if isinstance(index, tuple) else pattern.format(index)
+
+
+def _instances(rule: Rule, model: GPTModelConfig) -> List[Index]:
+    if "{}" not in rule.megatron:
+        return [None]
+    moe = model.moe_layer_pattern()
+    layers = [layer for layer in range(model.num_layers)
+              if rule.layers == "all" or moe[layer] == (rule.layers == "moe")]
+    if rule.megatron.count("{}") == 2:
+        return [(layer, expert) for layer in layers for expert in range(model.num_moe_experts)]
+    return layers
 
 
 def is_mhar_param(name: str) -> bool:
@@ -254,12 +282,14 @@ def is_mhar_param(name: str) -> bool:
     return any(r.match(name) for r in _MHAR_RE)
 
 
-def rule_for_megatron(name: str) -> Tuple[Rule, Optional[int]]:
-    """The rule producing Megatron tensor ``name`` and its layer index; raises if none."""
+def rule_for_megatron(name: str) -> Tuple[Rule, Index]:
+    """The rule producing Megatron tensor ``name`` and its index (the layer, or the layer and
+    the expert); raises if none."""
     for regex, rule in _MEGATRON_RE:
         match = regex.match(name)
         if match:
-            return rule, int(match.group(1)) if match.groups() else None
+            groups = tuple(int(g) for g in match.groups())
+            return rule, groups[0] if len(groups) == 1 else (groups or None)
     raise KeyError(f"no conversion rule for Megatron tensor {name!r}")
 
 
@@ -301,7 +331,9 @@ def check_hf_names(names: Iterable[str], model: GPTModelConfig, where: str, mhar
 
 def _arch(model: GPTModelConfig, mhar=None) -> str:
     routing = f", mhar_variant={mhar.variant}" if mhar is not None and mhar.variant != "none" else ""
-    return ("Qwen3" if model.qk_layernorm else "Llama") + f" ({model.num_layers} layers{routing})"
+    family = ("Qwen3" if model.qk_layernorm else "Llama") + ("-MoE" if model.is_moe else "")
+    experts = f", {model.num_moe_experts} experts" if model.is_moe else ""
+    return family + f" ({model.num_layers} layers{experts}{routing})"
 
 
 def _explain_extra(name: str, model: GPTModelConfig, mhar=None) -> str:
@@ -310,6 +342,12 @@ def _explain_extra(name: str, model: GPTModelConfig, mhar=None) -> str:
         if match:
             if match.groups() and int(match.group(1)) >= model.num_layers:
                 return f"layer {match.group(1)} >= num_hidden_layers={model.num_layers}"
+            if len(match.groups()) == 2 and int(match.group(2)) >= (model.num_moe_experts or 0):
+                return f"expert {match.group(2)} >= num_experts={model.num_moe_experts}"
+            if rule.layers != "all" and match.groups():
+                moe = model.moe_layer_pattern()[int(match.group(1))]
+                if moe != (rule.layers == "moe"):
+                    return f"layer {match.group(1)} has {'an MoE' if moe else 'a dense'} MLP in the config"
             if rule not in rules(mhar):
                 return "a routing tensor, only expected in an MHAR export"
             if not _applies(rule, model, mhar):
@@ -324,8 +362,8 @@ def _head(items: Sequence[str], n: int = 8) -> str:
 
 def megatron_tensor(name: str, read_hf: Callable[[str], torch.Tensor], shapes: Shapes) -> torch.Tensor:
     """Megatron tensor ``name`` (global layer index) built from HF tensors read by ``read_hf``."""
-    rule, layer = rule_for_megatron(name)
-    return rule.to_megatron(*(read_hf(_expand(p, layer)) for p in rule.hf), shapes)
+    rule, index = rule_for_megatron(name)
+    return rule.to_megatron(*(read_hf(_expand(p, index)) for p in rule.hf), shapes)
 
 
 def hf_tensors(
@@ -346,7 +384,7 @@ def hf_tensors_streamed(
     converted when it arrives, so the caller can drop it (and write its HF tensors) before
     the next is read. A tensor without a rule raises when it arrives, a missing one at the end.
     """
-    required: Dict[str, Tuple[Rule, Optional[int]]] = {
+    required: Dict[str, Tuple[Rule, Index]] = {
         _expand(rule.megatron, layer): (rule, layer)
         for rule in rules(mhar) if _applies(rule, model, mhar)
         for layer in _instances(rule, model)

@@ -49,7 +49,14 @@ def expected_shapes(model: GPTModelConfig) -> Dict[str, Tuple[int, ...]]:
     groups = model.num_query_groups or heads
     ffn = model.ffn_hidden_size or 4 * hidden
     layer = "model.layers.{}."
-    return {
+    moe = {}
+    if model.is_moe:  # Qwen3-MoE: the router, and each expert's SwiGLU MLP ({}: the expert)
+        width = model.moe_ffn_hidden_size or ffn
+        moe = {layer + "mlp.gate.weight": (model.num_moe_experts, hidden),
+               layer + "mlp.experts.{}.gate_proj.weight": (width, hidden),
+               layer + "mlp.experts.{}.up_proj.weight": (width, hidden),
+               layer + "mlp.experts.{}.down_proj.weight": (hidden, width)}
+    return moe | {
         "model.embed_tokens.weight": (model.vocab_size, hidden),
         "lm_head.weight": (model.vocab_size, hidden),
         "model.norm.weight": (hidden,),

@@ -3,8 +3,9 @@
 Fixtures:
     hf_dirs: {name: directory} of ``save_pretrained(safe_serialization=True)`` models:
         ``llama`` (GQA, untied, RoPE theta 5e5 with llama3 scaling), ``qwen3_tied``
-        (q/k norms, head_dim != d/heads, tied embeddings), ``qwen3_untied``, and
-        ``qwen3_bf16`` (bf16 tensors).
+        (q/k norms, head_dim != d/heads, tied embeddings), ``qwen3_untied``,
+        ``qwen3_bf16`` (bf16 tensors) and ``qwen3_moe`` (Qwen3-MoE: 4 experts top-2 with the
+        top-2 weights renormalised, layer 1 a dense MLP).
     convert: ``convert(name, variant, tp=1, pp=1, divisible_by=32, **mhar) -> checkpoint dir``,
         cached; ``tp * pp > 1`` spawns that many gloo ranks, as the CLI does.
 
@@ -33,15 +34,20 @@ MODELS = {
     "qwen3_tied": ("qwen3", dict(tie_word_embeddings=True, head_dim=24, rope_theta=10000.0)),
     "qwen3_untied": ("qwen3", dict(tie_word_embeddings=False, head_dim=16, rope_theta=1000000.0)),
     "qwen3_bf16": ("qwen3", dict(tie_word_embeddings=True, head_dim=16)),
+    "qwen3_moe": ("qwen3_moe", dict(tie_word_embeddings=False, head_dim=16, rope_theta=1000000.0,
+                                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    norm_topk_prob=True, mlp_only_layers=[1])),
 }
 
 
 def build_hf_model(kind: str, options: dict, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     config_class, model_class = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }[kind]
     return redraw_hf_weights(model_class(config_class(**COMMON, **options)), seed)
 
