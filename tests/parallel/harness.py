@@ -334,6 +334,25 @@ def reference(variant: str):
     return full, losses, {name: grad for name, (grad, *_) in grads.items()}
 
 
+def references(variants) -> Dict[str, tuple]:
+    """:func:`reference` of each variant, in this process as a world of one (launcher
+    variables of the environment set aside): {variant: (weights, losses, grads)}."""
+    import os
+    from unittest import mock
+
+    from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
+    from tests.helpers import LAUNCHER_ENV
+
+    with mock.patch.dict(os.environ, {}):
+        for name in LAUNCHER_ENV:
+            os.environ.pop(name, None)
+        initialize_model_parallel_from_env(tp=1, pp=1, seed=SEED, device="cpu")
+        try:
+            return {variant: reference(variant) for variant in variants}
+        finally:
+            destroy()
+
+
 def _run_job(layout: Layout, variant: str, full: Dict[str, torch.Tensor]):
     from megatron.core import parallel_state
 

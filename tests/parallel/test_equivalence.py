@@ -20,7 +20,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from tests.helpers import LAUNCHER_ENV, DistributedStream
+from tests.helpers import DistributedStream
 from tests.parallel import harness as H
 
 L = H.Layout
@@ -60,16 +60,7 @@ GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-5  # atol relative to the tensor's largest refer
 @pytest.fixture(scope="module")
 def references():
     """Single-process run of each variant: (weights, losses, step-1 grads)."""
-    from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
-
-    with pytest.MonkeyPatch.context() as mp:
-        for name in LAUNCHER_ENV:
-            mp.delenv(name, raising=False)
-        initialize_model_parallel_from_env(tp=1, pp=1, seed=H.SEED, device="cpu")
-        try:
-            return {variant: H.reference(variant) for variant in H.VARIANTS}
-        finally:
-            destroy()
+    return H.references(H.VARIANTS)
 
 
 def _all_jobs() -> List[Tuple[H.Layout, str]]:

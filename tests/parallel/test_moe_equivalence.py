@@ -20,7 +20,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from tests.helpers import LAUNCHER_ENV, DistributedStream
+from tests.helpers import DistributedStream
 from tests.parallel import harness as H
 from tests.parallel.test_equivalence import GRAD_ATOL, JOB_TIMEOUT_S, LOSS_RTOL, _assert_grads_close
 
@@ -49,16 +49,7 @@ VARIANTS = sorted({p.values[1] for p in JOBS} | {reference_variant(*p.values) fo
 
 @pytest.fixture(scope="module")
 def references():
-    from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
-
-    with pytest.MonkeyPatch.context() as mp:
-        for name in LAUNCHER_ENV:
-            mp.delenv(name, raising=False)
-        initialize_model_parallel_from_env(tp=1, pp=1, seed=H.SEED, device="cpu")
-        try:
-            return {variant: H.reference(variant) for variant in VARIANTS}
-        finally:
-            destroy()
+    return H.references(VARIANTS)
 
 
 @pytest.fixture(scope="module")
