@@ -161,9 +161,11 @@ def _is_str_field(hint) -> bool:
 
 
 def _is_list_field(hint) -> bool:
-    """``List[...]`` or ``Optional[List[...]]``."""
+    """``List[...]`` or ``Optional[List[...]]``; not a union that also takes a scalar
+    (``Union[int, List[int]]``: one value there is the scalar, not a list of one)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return any(_is_list_field(arg) for arg in typing.get_args(hint))
+        args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return all(_is_list_field(arg) for arg in args)
     return typing.get_origin(hint) is list
 
 

@@ -227,6 +227,15 @@ def test_a_list_field_takes_a_single_value(tmp_path):
         load_config(str(recipe))
 
 
+def test_a_field_of_a_scalar_or_a_list_keeps_a_single_value_scalar():
+    """``model.moe_layer_freq`` takes an int or a list of flags: ``=1`` is the int (every
+    layer), so a dense model with the default written out (as a checkpoint's config is)
+    loads, and ``=[1,0]`` is the list."""
+    assert load_config("smoke_cpu", ["model.moe_layer_freq=1"]).model.moe_layer_freq == 1
+    cfg = load_config("smoke_cpu", ["model.num_layers=2", "model.num_moe_experts=4", "model.moe_layer_freq=[1,0]"])
+    assert cfg.model.moe_layer_freq == [1, 0]
+
+
 def test_round_trip_through_dict():
     cfg = load_config("smoke_cpu", ["model.num_layers=2"])
     assert from_dict(cfg.to_dict()) == cfg
