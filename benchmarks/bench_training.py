@@ -2,13 +2,16 @@
 
     python -m benchmarks.bench_training      # writes benchmarks/results/training/<device>.json
     python -m benchmarks.bench_training --sizes tiny --steps 2 --out /tmp/tiny.json   # CPU smoke
+    python -m benchmarks.bench_training --sizes 350m_moe --models baseline,mhar,mhar_block   # MoE
     python -m tools.perf.base_kernels HEAD~1 /tmp/mhar_base    # another revision's kernels, then:
     python -m benchmarks.bench_training --base-kernels /tmp/mhar_base --cuda-graph full_iteration \\
         --models baseline,mhar_lookahead,mhar_lookahead@kernels=base --out /tmp/ab.json
 
 Every model is the training driver's, built and stepped by it: the size's recipe
 (``benchmarks.common.SIZE_RECIPES``: the paper's configurations, ``recipes/base/scale_*.yaml``;
-``tiny`` is ``smoke_cpu``) with the model's routing as its ``mhar`` section, loaded by
+``tiny`` is ``smoke_cpu``; ``350m_moe`` is the 350M recipe with every MLP Megatron's MoE
+layer of 8 experts top-2, each expert half the dense MLP's width, so a token's MLP FLOPs are
+the dense model's; ``tiny_moe`` is ``smoke_cpu_moe``) with the model's routing as its ``mhar`` section, loaded by
 ``megatron_mhar.training.recipes`` and checked by its launch checks; one
 ``megatron_mhar.training.loop.Trainer`` per model (the TransformerConfig, model chunks and
 DDP of ``training/model.py``, Megatron's optimizer with fp32 main weights and its
@@ -69,8 +72,13 @@ import torch
 
 from benchmarks import common
 
-SIZES = {**{size: common.SIZE_RECIPES[size] for size in common.PAPER_SIZES}, "tiny": "smoke_cpu"}
-"""The sizes this benchmark trains: the paper's three, and ``smoke_cpu``'s tiny model (CPU smoke)."""
+SIZES = {**{size: common.SIZE_RECIPES[size] for size in common.PAPER_SIZES}, "tiny": "smoke_cpu",
+         "350m_moe": common.SIZE_RECIPES["350m"], "tiny_moe": "smoke_cpu_moe"}
+"""The sizes this benchmark trains: the paper's three, ``smoke_cpu``'s tiny model (CPU smoke),
+and the MoE cases (:data:`MOE_OVERRIDES`, ``smoke_cpu_moe``)."""
+MOE_OVERRIDES = {"350m_moe": ["model.num_moe_experts=8", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=2048",
+                              "model.moe_aux_loss_coeff=1.0e-2", "model.moe_router_dtype=fp32"]}
+"""The recipe overrides that make a size an MoE model (every model of the size)."""
 
 SPECS = ("local", "transformer_engine")  # the resolved values of model.spec
 PRECISIONS = ("bf16", "fp8")
@@ -83,12 +91,18 @@ step and the host profile."""
 
 
 def flops_per_token(model, vocab: int) -> float:
-    """Training FLOPs per token: 6 x matmul params + causal attention (fwd + bwd)."""
+    """Training FLOPs per token: 6 x matmul params + causal attention (fwd + bwd); an MoE
+    layer counts the router and the ``moe_router_topk`` experts a token passes through."""
     d, layers, seq = model.hidden_size, model.num_layers, model.seq_length
     kv_dim = d // model.num_attention_heads * (model.num_query_groups or model.num_attention_heads)
     ffn = model.ffn_hidden_size
-    per_layer = d * (d + 2 * kv_dim) + d * d + d * ffn * (3 if model.swiglu else 2)
-    matmul_params = layers * per_layer + vocab * d
+    glu = 3 if model.swiglu else 2
+    attention_params = d * (d + 2 * kv_dim) + d * d
+    moe = sum(model.moe_layer_pattern())
+    expert = (model.moe_ffn_hidden_size or ffn) if model.is_moe else 0
+    mlp_params = ((layers - moe) * d * ffn * glu
+                  + moe * (model.moe_router_topk * d * expert * glu + d * (model.num_moe_experts or 0)))
+    matmul_params = layers * attention_params + mlp_params + vocab * d
     attention = 6 * layers * seq * d  # 12 L s d for QK^T and AV, halved by the causal mask
     return 6 * matmul_params + attention
 
@@ -116,7 +130,10 @@ def size_overrides(args, size: str, device: str, work: Path, data: dict) -> list
 
     precision = args.precision if device == "cuda" else "fp32"
     steps = args.warmup + args.steps + EXTRA_STEPS
-    return [
+    moe = MOE_OVERRIDES.get(size, [])
+    if moe or size == "tiny_moe":  # all-to-all on GPUs, Megatron-LM's choice; CPUs all-gather
+        moe = moe + [f"model.moe_token_dispatcher_type={'alltoall' if device == 'cuda' else 'allgather'}"]
+    return [*moe,
         f"run.device={device}", f"run.output_dir={work / 'runs'}", f"model.spec={args.spec}",
         f"model.fused_kernels={str(not args.no_fusions).lower()}", f"training.precision={precision}",
         f"training.cuda_graph={args.cuda_graph}", f"training.train_iters={steps}",

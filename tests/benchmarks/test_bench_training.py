@@ -161,3 +161,28 @@ def test_default_report_is_the_file_of_record():
     out = Path(args.out)
     device = "cpu" if not torch.cuda.is_available() else out.stem
     assert out == ROOT / "benchmarks" / "results" / "training" / f"{device}.json"
+
+
+
+def test_moe_case_is_the_350m_recipe_with_experts(tmp_path):
+    """``350m_moe``: every MLP of the 350M recipe an MoE layer of 8 experts top-2 at half the
+    dense width (a token's MLP FLOPs are the dense model's), all-to-all on GPUs and
+    all-gather on CPU, the TE spec's fused permutation with the fused kernels. (The tiny
+    MoE case runs on CPU: python -m benchmarks.bench_training --sizes tiny_moe.)"""
+    from benchmarks.bench_training import SIZES, build_parser, flops_per_token, size_overrides
+    from megatron_mhar.models.builder import fused_kernel_fields
+    from megatron_mhar.training.recipes import load_config
+
+    data = {"prefix": str(tmp_path / "ids"), "tokenizer": str(tmp_path / "tokenizer")}
+    args = build_parser().parse_args(["--sizes", "350m_moe", "--spec", "transformer_engine"])
+    gpu = load_config(SIZES["350m_moe"], size_overrides(args, "350m_moe", "cuda", tmp_path, data)).model
+    cpu = load_config(SIZES["350m_moe"], size_overrides(args, "350m_moe", "cpu", tmp_path, data)).model
+    dense = load_config(SIZES["350m"]).model
+    assert (gpu.num_moe_experts, gpu.moe_router_topk, 2 * gpu.moe_ffn_hidden_size) == (8, 2, dense.ffn_hidden_size)
+    assert (gpu.moe_token_dispatcher_type, cpu.moe_token_dispatcher_type) == ("alltoall", "allgather")
+    assert fused_kernel_fields(gpu)["moe_permute_fusion"]
+    # the same MLP FLOPs per token, plus the router's
+    assert flops_per_token(gpu, 151936) - flops_per_token(dense, 151936) == 6 * 24 * 1024 * 8
+    tiny_args = build_parser().parse_args(["--sizes", "tiny_moe", "--spec", "local"])
+    tiny = load_config(SIZES["tiny_moe"], size_overrides(tiny_args, "tiny_moe", "cpu", tmp_path, data)).model
+    assert (tiny.num_moe_experts, tiny.moe_token_dispatcher_type) == (8, "allgather")
