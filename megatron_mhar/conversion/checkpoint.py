@@ -314,8 +314,9 @@ def read_streamed(
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Collective: ``(TP=1/PP=1 name, tensor)`` for each of ``chunk``'s tensors in ``checkpoint``.
 
-    One stored tensor (all its layers; an MoE layer's experts, one layer at a time) is
-    loaded at a time, in place: into fresh tensors
+    One stored tensor (all its layers; for an MoE model whose layers are all MoE, every
+    expert of every layer: Megatron's loads cover whole stored tensors) is loaded at a time,
+    in place: into fresh tensors
     where ``chunk`` is a meta chunk (:func:`build_model`), else into the chunk's own
     parameters; ``before_load(nbytes)`` is told its size first. Megatron's own load of a
     whole model holds a second copy of each SwiGLU ``linear_fc1`` (the two halves it
@@ -326,13 +327,13 @@ def read_streamed(
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
 
     sharded = chunk.sharded_state_dict()
-    groups: Dict[Any, list] = {}  # stored key (and layer, for experts) -> local names
+    groups: Dict[str, list] = {}  # stored key -> local names
     for local, entry in sharded.items():
         if not isinstance(entry, ShardedObject):
-            groups.setdefault(_load_group(chunk, local, entry.key), []).append(local)
+            groups.setdefault(entry.key, []).append(local)
     with reading(checkpoint):
         stored = dist_checkpointing.load_tensors_metadata(str(checkpoint))
-    missing = sorted({_stored_key(group) for group in groups} - set(stored))
+    missing = sorted(set(groups) - set(stored))
     if missing:
         raise ValueError(
             f"checkpoint {checkpoint} has no {', '.join(missing[:4])}"
@@ -362,20 +363,7 @@ def read_streamed(
             yield global_name(chunk, local), targets.pop(local)
 
 
-def _load_group(chunk, local: str, key: str):
-    """What :func:`read_streamed` loads in one go: a stored tensor, or for experts (whose
-    stored tensor holds every expert of every MoE layer, 97% of a Qwen3-30B-A3B) the part of
-    one layer."""
-    if ".mlp.experts." not in local:
-        return key
-    return key, global_name(chunk, local).split(".")[2]
-
-
-def _stored_key(group) -> str:
-    return group[0] if isinstance(group, tuple) else group
-
-
-def _keys_of_all_ranks(groups: Dict[Any, list]) -> list:
+def _keys_of_all_ranks(groups: Dict[str, list]) -> list:
     """The stored keys of every rank's chunk, in one order on every rank (each load is a
     collective: every rank takes part, with its part of the key or none)."""
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:

@@ -38,6 +38,7 @@ _BY_MODEL_TYPE = {model_type: arch for arch, (model_type, _, _) in ARCHITECTURES
 MHAR_ARCHITECTURES = {
     "MHARLlamaForCausalLM": ("mhar_llama", "MHARLlamaConfig", "LlamaForCausalLM"),
     "MHARQwen3ForCausalLM": ("mhar_qwen3", "MHARQwen3Config", "Qwen3ForCausalLM"),
+    "MHARQwen3MoeForCausalLM": ("mhar_qwen3_moe", "MHARQwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 _MHAR_BY_BASE = {base: arch for arch, (_, _, base) in MHAR_ARCHITECTURES.items()}
 _MHAR_BY_MODEL_TYPE = {model_type: arch for arch, (model_type, _, _) in MHAR_ARCHITECTURES.items()}
@@ -327,12 +328,6 @@ def plain_hf_config(config: Dict[str, Any]) -> Dict[str, Any]:
 def mhar_hf_config(config: Dict[str, Any], mhar: MHARConfig) -> Dict[str, Any]:
     """The config.json of an MHAR export: a Llama / Qwen3 ``config`` turned into its MHAR form."""
     base = architecture(config)
-    if base not in _MHAR_BY_BASE:
-        raise ValueError(
-            f"{base} has no MHAR transformers form: an mhar_variant={mhar.variant} model of it runs in "
-            f"Megatron (training, megatron_mhar.load_model); only its variant none checkpoints export, "
-            f"as a plain {base}"
-        )
     arch = _MHAR_BY_BASE[base]
     model_type, config_class, _ = MHAR_ARCHITECTURES[arch]
     fields = function_fields(dataclasses.asdict(mhar))

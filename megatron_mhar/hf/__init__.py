@@ -1,4 +1,4 @@
-"""MHAR models in transformers: Llama and Qwen3 with routing over depth.
+"""MHAR models in transformers: Llama, Qwen3 and Qwen3-MoE with routing over depth.
 
 Importing this package registers the configs and models with ``AutoConfig``,
 ``AutoModel`` (the decoder without the output layer) and ``AutoModelForCausalLM``, so an
@@ -17,16 +17,19 @@ whose shipped modeling files differ from theirs (one exported by another version
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from megatron_mhar.hf.configuration_mhar import MHARLlamaConfig, MHARQwen3Config
+from megatron_mhar.hf.configuration_mhar import MHARLlamaConfig, MHARQwen3Config, MHARQwen3MoeConfig
 from megatron_mhar.hf.modeling_mhar import (
     MHARLlamaForCausalLM,
     MHARLlamaModel,
     MHARQwen3ForCausalLM,
     MHARQwen3Model,
+    MHARQwen3MoeForCausalLM,
+    MHARQwen3MoeModel,
 )
 
 for _config, _base, _causal in ((MHARLlamaConfig, MHARLlamaModel, MHARLlamaForCausalLM),
-                                (MHARQwen3Config, MHARQwen3Model, MHARQwen3ForCausalLM)):
+                                (MHARQwen3Config, MHARQwen3Model, MHARQwen3ForCausalLM),
+                                (MHARQwen3MoeConfig, MHARQwen3MoeModel, MHARQwen3MoeForCausalLM)):
     AutoConfig.register(_config.model_type, _config, exist_ok=True)
     AutoModel.register(_config, _base, exist_ok=True)
     AutoModelForCausalLM.register(_config, _causal, exist_ok=True)
@@ -38,4 +41,7 @@ __all__ = [
     "MHARQwen3Config",
     "MHARQwen3ForCausalLM",
     "MHARQwen3Model",
+    "MHARQwen3MoeConfig",
+    "MHARQwen3MoeForCausalLM",
+    "MHARQwen3MoeModel",
 ]

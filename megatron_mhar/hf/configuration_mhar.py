@@ -1,4 +1,4 @@
-"""Configurations of the MHAR forms of Llama and Qwen3 (transformers' ``PreTrainedConfig``).
+"""Configurations of the MHAR forms of Llama, Qwen3 and Qwen3-MoE (transformers' ``PreTrainedConfig``).
 
 Each is its family's config plus the routing fields (``mhar_*``) that define the
 function an MHAR checkpoint computes; the fields that only choose how Megatron runs the
@@ -34,7 +34,7 @@ def check_transformers_version() -> None:
 # Before the names below: an older transformers may not have them.
 check_transformers_version()
 
-from transformers import LlamaConfig, PreTrainedConfig, Qwen3Config  # noqa: E402
+from transformers import LlamaConfig, PreTrainedConfig, Qwen3Config, Qwen3MoeConfig  # noqa: E402
 
 try:  # an export: the routing layout shipped beside this file
     from .routing_layout import layout_error
@@ -119,4 +119,13 @@ class MHARQwen3Config(Qwen3Config, MHARRoutingFields):
     base_model_pp_plan = None
 
 
-__all__ = ["MHARLlamaConfig", "MHARQwen3Config"]
+class MHARQwen3MoeConfig(Qwen3MoeConfig, MHARRoutingFields):
+    """A Qwen3-MoE whose residual stream is replaced (or corrected) by routing over depth; its
+    MLPs are Qwen3-MoE's own (experts, top-k router)."""
+
+    model_type = "mhar_qwen3_moe"
+    # transformers' pipeline plan hands one hidden state between stages; MHAR layers read every earlier source
+    base_model_pp_plan = None
+
+
+__all__ = ["MHARLlamaConfig", "MHARQwen3Config", "MHARQwen3MoeConfig"]

@@ -1,7 +1,8 @@
-"""MHAR forms of Llama and Qwen3 as transformers models: ``from_pretrained``, ``generate``, KV cache.
+"""MHAR forms of Llama, Qwen3 and Qwen3-MoE as transformers models: ``from_pretrained``,
+``generate``, KV cache.
 
-The attention, MLP, norms and rotary embedding are transformers' own Llama / Qwen3
-modules; only the decoder loop differs. Each sublayer reads a routed mixture of earlier
+The attention, MLP (Qwen3-MoE's experts and router), norms and rotary embedding are
+transformers' own Llama / Qwen3 / Qwen3-MoE modules; only the decoder loop differs. Each sublayer reads a routed mixture of earlier
 sources (the MHAR paper) instead of the residual stream:
 
 * ``full`` / ``block``: sources are the embedding and every sublayer output (``full``), or
@@ -43,12 +44,13 @@ from typing import Optional, Tuple, Union
 
 # First: it refuses a transformers older than these models support, before the imports
 # below can fail on a name that version lacks.
-from .configuration_mhar import MHARLlamaConfig, MHARQwen3Config  # isort: skip
+from .configuration_mhar import MHARLlamaConfig, MHARQwen3Config, MHARQwen3MoeConfig  # isort: skip
 
 import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -64,6 +66,12 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3DecoderLayer,
     Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
+)
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeAttention,
+    Qwen3MoeDecoderLayer,
+    Qwen3MoeRMSNorm,
+    Qwen3MoeRotaryEmbedding,
 )
 from transformers.utils import can_return_tuple
 from transformers.utils.deprecation import deprecate_kwarg
@@ -250,6 +258,10 @@ class MHARLlamaDecoderLayer(RoutedDecoderLayer, LlamaDecoderLayer):
 
 
 class MHARQwen3DecoderLayer(RoutedDecoderLayer, Qwen3DecoderLayer):
+    pass
+
+
+class MHARQwen3MoeDecoderLayer(RoutedDecoderLayer, Qwen3MoeDecoderLayer):
     pass
 
 
@@ -513,7 +525,7 @@ class MHARForCausalLM:
         )
 
 
-# ---------------------------------------------------------------- the two families
+# ---------------------------------------------------------------- the families
 
 
 class MHARLlamaPreTrainedModel(MHARPreTrainedModel):
@@ -550,6 +562,30 @@ class MHARQwen3ForCausalLM(MHARForCausalLM, MHARQwen3PreTrainedModel, Generation
     model_class = MHARQwen3Model
 
 
+class MHARQwen3MoePreTrainedModel(MHARPreTrainedModel):
+    config_class = MHARQwen3MoeConfig
+    config: MHARQwen3MoeConfig
+    _no_split_modules = ["MHARQwen3MoeDecoderLayer"]
+    _can_record_outputs = recorded_outputs(Qwen3MoeAttention, Qwen3MoeRMSNorm)
+
+
+class MHARQwen3MoeModel(MHARModel, MHARQwen3MoePreTrainedModel):
+    layer_class = MHARQwen3MoeDecoderLayer
+    norm_class = Qwen3MoeRMSNorm
+    rotary_class = Qwen3MoeRotaryEmbedding
+
+
+class MHARQwen3MoeForCausalLM(MHARForCausalLM, MHARQwen3MoePreTrainedModel, GenerationMixin):
+    model_class = MHARQwen3MoeModel
+
+
+# Qwen3-MoE checkpoints store each expert's projections apart (``mlp.experts.{e}.gate_proj``) while
+# transformers holds a layer's experts fused, converting on load by model type: the MHAR form's as Qwen3-MoE's.
+register_checkpoint_conversion_mapping(
+    MHARQwen3MoeConfig.model_type, get_checkpoint_conversion_mapping("qwen3_moe"), overwrite=True
+)
+
+
 __all__ = [
     "MHARLlamaForCausalLM",
     "MHARLlamaModel",
@@ -557,4 +593,7 @@ __all__ = [
     "MHARQwen3ForCausalLM",
     "MHARQwen3Model",
     "MHARQwen3PreTrainedModel",
+    "MHARQwen3MoeForCausalLM",
+    "MHARQwen3MoeModel",
+    "MHARQwen3MoePreTrainedModel",
 ]

@@ -146,16 +146,3 @@ def test_cpt_recipe_matches_a_converted_qwen3_30b_a3b():
     assert converted["moe_aux_loss_coeff"] == wanted["moe_aux_loss_coeff"] == 1e-3
     assert dataclasses.asdict(MHARConfig(variant="delta")) == dataclasses.asdict(recipe.mhar)
 
-
-def test_mhar_moe_export_and_generation_are_refused_by_name(megatron_world1, convert, tmp_path):
-    """No MHAR transformers form of Qwen3-MoE: the export of a delta checkpoint and
-    ``generate`` of a loaded MoE model say so and what works instead (no traceback, no file)."""
-    import megatron_mhar
-    from megatron_mhar.conversion.convert import mcore_to_hf
-
-    checkpoint = convert("qwen3_moe", "delta", delta_block_layers=1)
-    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM has no MHAR transformers form: an mhar_variant=delta"):
-        mcore_to_hf(checkpoint, tmp_path / "hf")
-    assert not (tmp_path / "hf").exists()
-    with pytest.raises(ValueError, match="export the checkpoint with mhar-convert mcore-to-hf"):
-        megatron_mhar.load_model(checkpoint).to_hf()

@@ -27,9 +27,10 @@ def tiny_moe(tmp_path, embedded_dir, single_process):
     return make
 
 
-def test_smoke_cpu_moe_trains_logs_expert_load_and_resumes_exactly(tiny_moe):
+def test_smoke_cpu_moe_trains_logs_expert_load_resumes_exactly_and_exports(tiny_moe, tmp_path):
     """6 steps straight == 3 steps, stop (SIGUSR1), resume, 3 steps: every logged record
-    bitwise, the router losses and the expert loads included."""
+    bitwise, the router losses and the expert loads included; the trained checkpoint
+    exports as an MHAR Qwen3-MoE transformers model (:func:`_exports_as_mhar_qwen3_moe`)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from megatron_mhar.training.loop import run
@@ -56,6 +57,9 @@ def test_smoke_cpu_moe_trains_logs_expert_load_and_resumes_exactly(tiny_moe):
         for shares in load.values():
             assert len(shares) == 8 and sum(shares) == pytest.approx(1.0) and min(shares) >= 0
     assert records[0]["expert_load"] != records[1]["expert_load"]  # counted per step
+    # the routing diagnostics of dense models: entropy per site, the routing maps
+    assert len(records[-1]["routing_entropy"]) == 2 * 2 + 1
+    assert (cfg.run.dir / "routing_maps.json").is_file() and (cfg.run.dir / "routing_maps.png").is_file()
 
     events = EventAccumulator(str(cfg.run.dir / "tensorboard"), size_guidance={"histograms": 0})
     events.Reload()
@@ -64,6 +68,48 @@ def test_smoke_cpu_moe_trains_logs_expert_load_and_resumes_exactly(tiny_moe):
     assert [e.step for e in events.Scalars("expert_load/layer001/max_over_mean")] == list(range(1, 7))
     assert imbalance == pytest.approx([8 * max(r["expert_load"]["layer001"]) for r in records])
     assert "expert_load/layer001" in events.Tags()["histograms"]
+    _exports_as_mhar_qwen3_moe(straight.run_dir, tmp_path)
+
+
+def _exports_as_mhar_qwen3_moe(run_dir, out):
+    """The trained checkpoint (full variant, routing trained away from its identity start) as
+    an MHAR Qwen3-MoE transformers directory: it computes the Megatron model's logits,
+    generates the same tokens with and without the KV cache, and imports back into Megatron
+    as the same model."""
+    from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
+
+    initialize_model_parallel_from_env(device="cpu")  # for load_model and the import, then torn down
+    try:
+        _check_export(run_dir, out)
+    finally:
+        destroy()
+
+
+def _check_export(run_dir, out):
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import megatron_mhar
+    import megatron_mhar.hf  # noqa: F401  (registers the MHAR classes)
+    from megatron_mhar.conversion.convert import hf_to_mcore, mcore_to_hf, plan_import
+
+    exported = mcore_to_hf(run_dir / "checkpoints", out / "hf")
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == ["MHARQwen3MoeForCausalLM"] and config["mhar_variant"] == "full"
+    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (8, 2, 16)
+    tokens = torch.randint(0, config["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    megatron = megatron_mhar.load_model(run_dir)
+    model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected, logits = megatron(tokens), model(tokens).logits
+    assert (logits - expected).abs().max() <= 1e-5 * expected.abs().max()
+    prompt = dict(max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert torch.equal(model.generate(tokens[:1, :8], **prompt), model.generate(tokens[:1, :8], use_cache=False, **prompt))
+    back = hf_to_mcore(plan_import(exported, out / "back", seq_length=32))
+    with torch.no_grad():
+        assert torch.equal(megatron_mhar.load_model(back)(tokens), expected)
 
 
 def test_moe_and_dense_checkpoints_refuse_each_other(megatron_world1, tmp_path):
