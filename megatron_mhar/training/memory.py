@@ -40,11 +40,18 @@ class MemoryEstimate:
     def describe(self, layout: str) -> str:
         """One line for the console."""
         params = self.dense_params + self.expert_params
-        experts = f" ({self.expert_params / 1e9:.2f}B in experts)" if self.expert_params else ""
-        return (f"memory estimate per GPU ({layout}): {params / 1e9:.2f}B parameters{experts}; weights "
-                f"{self.weights / GB:.1f} GB, gradients {self.gradients / GB:.1f} GB, optimizer "
-                f"{self.optimizer / GB:.1f} GB, activations ~{self.activations / GB:.1f} GB; "
-                f"~{self.total / GB:.1f} GB")
+        experts = f" ({_count(self.expert_params)} in experts)" if self.expert_params else ""
+        return (f"memory estimate per GPU ({layout}): {_count(params)} parameters{experts}; weights "
+                f"{_size(self.weights)}, gradients {_size(self.gradients)}, optimizer "
+                f"{_size(self.optimizer)}, activations ~{_size(self.activations)}; ~{_size(self.total)}")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GB:.1f} GB" if nbytes >= GB / 10 else f"{nbytes / 2**20:.1f} MB"
 
 
 def layer_params(cfg, moe: bool) -> tuple:
