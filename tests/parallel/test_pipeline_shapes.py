@@ -68,7 +68,6 @@ def _model_config():
 
 REJECTED = [
     pytest.param(dict(context_parallel_size=2), "context_parallel_size", id="context-parallel"),
-    pytest.param(dict(num_moe_experts=4), "num_moe_experts", id="moe"),
     pytest.param(dict(cuda_graph_impl="local"), "cuda_graph_impl", id="cuda-graphs"),
     pytest.param(dict(cuda_graph_impl="transformer_engine"), "cuda_graph_impl", id="te-cuda-graphs"),
     pytest.param(dict(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
