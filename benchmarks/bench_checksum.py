@@ -3,16 +3,16 @@
     python -m benchmarks.bench_checksum --out benchmarks/results/checksum/cpu.json
 
 Every checkpoint carries a manifest of its files' sizes and checksums
-(:mod:`megatron_mhar.manifest`). This measures what that costs against Megatron's
+(:mod:`megatron_mhar.checkpoint.manifest`). This measures what that costs against Megatron's
 ``dist_checkpointing.save`` (fsynced) of ``--gib`` GiB of bf16 tensors on one process
 (default 2.4: the 1B model's weights). Each round, interleaved because the machine may be
 shared:
 
 * ``save``: the plain save;
 * ``save_checksummed``: the save as the training driver runs it, its shard files
-  checksummed as they are written (``checkpoint_format.checksummed_writes``: hashed chunk
+  checksummed as they are written (``megatron_mhar.checkpoint.format.checksummed_writes``: hashed chunk
   by chunk while cache-hot, the disk's writeback started early), plus the manifest
-  (:func:`megatron_mhar.manifest.write_manifest`);
+  (:func:`megatron_mhar.checkpoint.manifest.write_manifest`);
 * ``save_unhashed``: the same save with a checksum that does nothing, so that
   ``save_checksummed / save_unhashed`` is what the checksum itself costs; the three saves
   take turns going first;
@@ -138,8 +138,8 @@ def main(argv=None):
 
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
 
-    from megatron_mhar import manifest
-    from megatron_mhar.checkpoint_format import checksummed_writes
+    from megatron_mhar.checkpoint import manifest
+    from megatron_mhar.checkpoint.format import checksummed_writes
 
     candidates = _candidates()
     initialize_model_parallel_from_env(tp=1, pp=1, device="cpu")

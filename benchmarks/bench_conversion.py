@@ -143,7 +143,7 @@ def check_first_step(checkpoint: Path, hf_dir: Path, recipe_overrides: List[str]
       parameters hold their identity values;
     * a forward pass of ``tokens`` tokens gives finite logits.
 
-    The weights load in place one stored tensor at a time (``conversion.checkpoint.load_into``):
+    The weights load in place one stored tensor at a time (``megatron_mhar.checkpoint.streaming.load_into``):
     Megatron's own whole-model load also holds every SwiGLU weight twice over, more than
     a 24 GB machine has at 8B.
     """
@@ -151,8 +151,8 @@ def check_first_step(checkpoint: Path, hf_dir: Path, recipe_overrides: List[str]
 
     from megatron.core import dist_checkpointing
 
-    from megatron_mhar.checkpoint_format import check_config, find_checkpoint, reading
-    from megatron_mhar.conversion import checkpoint as conversion
+    from megatron_mhar.checkpoint.format import check_config, find_checkpoint, reading
+    from megatron_mhar.checkpoint.streaming import global_name, load_into
     from megatron_mhar.conversion import hf_io, mapping
     from megatron_mhar.models.builder import build_gpt_model
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
@@ -177,11 +177,11 @@ def check_first_step(checkpoint: Path, hf_dir: Path, recipe_overrides: List[str]
         config = dataclasses.replace(transformer_config(single, on_cpu=True), perform_initialization=False)
         model = build_gpt_model(cfg.model, cfg.mhar, config).eval()
         start = time.perf_counter()
-        conversion.load_into(model, found)
+        load_into(model, found)
         load_s = time.perf_counter() - start
         reader, shapes = hf_io.SafetensorsReader(hf_dir), mapping.Shapes.of(cfg.model)
         for local, param in model.named_parameters():
-            name = conversion.global_name(model, local)
+            name = global_name(model, local)
             if mapping.is_mhar_param(name):
                 identity = 1.0 if name.endswith("norm_weight") else 0.0
                 equal = bool((param == identity).all())

@@ -37,7 +37,7 @@ import time
 import torch
 
 from benchmarks.common import ROOT, check_out, command, write_json
-from megatron_mhar.checkpoint_format import code_provenance
+from megatron_mhar.checkpoint.format import code_provenance
 
 ARCHITECTURE = dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,
                     head_dim=64, intermediate_size=1536, vocab_size=151936, rms_norm_eps=1e-6,

@@ -103,7 +103,8 @@ class CausalLM(torch.nn.Module):
                 f"{err}; the transformers form of the model needs transformers (the eval extra: "
                 f"pip install -e '.[eval]')"
             ) from None
-        from megatron_mhar.conversion import checkpoint, hf_config, mapping
+        from megatron_mhar.checkpoint.streaming import full_state_dict
+        from megatron_mhar.conversion import hf_config, mapping
 
         if self.config.is_moe:
             raise ValueError(
@@ -112,7 +113,7 @@ class CausalLM(torch.nn.Module):
                 "directory with AutoModelForCausalLM.from_pretrained, which generates with the KV cache"
             )
         dtype = next(self.gpt.parameters()).dtype
-        state = checkpoint.full_state_dict(self.gpt)
+        state = full_state_dict(self.gpt)
         tensors = mapping.hf_tensors(state, self.config, mapping.Shapes.of(self.config), self.mhar)
         config = hf_config.hf_config_from_model(self.config, str(dtype).removeprefix("torch."))
         if self.tokenizer is not None:
@@ -217,8 +218,9 @@ def load_model(
     quiet_known_warnings()  # before Megatron's imports, which warn
     from megatron.core import parallel_state
 
-    from megatron_mhar.checkpoint_format import read_configs, stored_dtype
-    from megatron_mhar.conversion import checkpoint
+    from megatron_mhar.checkpoint.format import read_configs, require_checkpoint, stored_dtype
+    from megatron_mhar.checkpoint.model import build_model
+    from megatron_mhar.checkpoint.streaming import load_into
     from megatron_mhar.runtime import initialize_model_parallel_from_env
 
     device = _check_device(device)
@@ -227,7 +229,7 @@ def load_model(
             f"dtype must be None (the checkpoint's) or one of {DTYPES}, got {dtype!r}; "
             f"pass a torch.dtype such as torch.bfloat16, not a string"
         )
-    found = checkpoint.find_checkpoint(checkpoints_of(Path(path)))
+    found = require_checkpoint(checkpoints_of(Path(path)))
     model_cfg, mhar, common = read_configs(found)
     if not torch.distributed.is_initialized():
         initialize_model_parallel_from_env(
@@ -237,10 +239,10 @@ def load_model(
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if tp != 1 or pp != 1:
         raise ValueError(f"load_model builds a TP=PP=1 model; Megatron is initialised with TP={tp}, PP={pp}")
-    gpt = checkpoint.build_model(
+    gpt = build_model(
         model_cfg, mhar, dtype or stored_dtype(found), device="cpu" if device.type == "cpu" else "cuda"
     )
-    checkpoint.load_into(gpt, found)
+    load_into(gpt, found)
     eod_token = (common.get("config", {}).get("data") or {}).get("eod_token")
     if tokenizer is not None:
         loaded = _read_tokenizer(Path(os.path.expanduser(str(tokenizer))), eod_token, model_cfg.vocab_size)
@@ -252,7 +254,7 @@ def load_model(
 def checkpoints_of(path: Path) -> Path:
     """``path``, or where a run directory keeps its checkpoints (``checkpoint.dir`` of its
     ``config.yaml``, by default ``checkpoints/``)."""
-    from megatron_mhar.checkpoint_format import LATEST, is_complete
+    from megatron_mhar.checkpoint.format import LATEST, is_complete
 
     run_config = path / RUN_CONFIG_FILE
     if (path / LATEST).is_file() or is_complete(path) or not run_config.is_file():
@@ -275,8 +277,7 @@ def checkpoint_tokenizer(
     """The tokenizer a checkpoint carries: a trained one's ``tokenizer/``, a converted
     one's ``hf/``; ``None`` when it has neither, or (with a warning that says why) when
     that one cannot serve: the model's logits do not need it."""
-    from megatron_mhar.checkpoint_format import TOKENIZER_DIR
-    from megatron_mhar.conversion.checkpoint import HF_SUBDIR
+    from megatron_mhar.checkpoint.format import HF_SUBDIR, TOKENIZER_DIR
     from megatron_mhar.data.tokenizer import TOKENIZER_FILE
 
     for directory in (Path(checkpoint) / TOKENIZER_DIR, Path(checkpoint) / HF_SUBDIR):

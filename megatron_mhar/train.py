@@ -46,7 +46,7 @@ def _epilog() -> str:
 def _resume_hint(cfg, command: str) -> str:
     """What stopping the run now loses, and how it goes on: from its newest checkpoint, or
     from step 0 where none was saved yet (read when asked, at a Ctrl-C)."""
-    from megatron_mhar.checkpoint_format import published_checkpoints
+    from megatron_mhar.checkpoint.format import published_checkpoints
 
     saved = published_checkpoints(cfg.checkpoint_dir)
     if saved:

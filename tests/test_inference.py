@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import megatron_mhar
-from megatron_mhar import manifest
+from megatron_mhar.checkpoint import manifest
 from megatron_mhar.models.mhar_config import MHARConfig
 from tests.helpers import EMBEDDED_BYTES, EMBEDDED_VOCAB, LAUNCHER_ENV, TINY
 
@@ -19,18 +19,20 @@ VOCAB, SEQ = 100, 8  # VOCAB pads to 128 rows: ids 100..127 index padding rows
 
 def _save_model(directory, mhar: MHARConfig, **model_fields):
     """A tiny model at its initialisation, saved in the driver's layout (``latest`` -> ``iter_0000000``)."""
-    from megatron_mhar.conversion import checkpoint
+    from megatron_mhar.checkpoint.format import LATEST, common_state
+    from megatron_mhar.checkpoint.streaming import save
+    from megatron_mhar.conversion.output import ITERATION_DIR
     from megatron_mhar.models.builder import build_gpt_model, make_transformer_config
     from megatron_mhar.models.gpt_config import GPTModelConfig
 
     model = GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
                            seq_length=SEQ, **model_fields)
     gpt = build_gpt_model(model, mhar, make_transformer_config(model, mhar, use_cpu_initialization=True))
-    iteration = directory / checkpoint.ITERATION_DIR
+    iteration = directory / ITERATION_DIR
     iteration.mkdir(parents=True)
-    checkpoint.save(gpt, iteration, checkpoint.common_state(model, mhar, {}))
+    save(gpt, iteration, common_state(model, mhar, {}))
     manifest.write_manifest(iteration)  # as a conversion publishes it
-    (directory / checkpoint.LATEST).write_text(checkpoint.ITERATION_DIR)
+    (directory / LATEST).write_text(ITERATION_DIR)
     return directory
 
 

@@ -4,7 +4,7 @@
 * :mod:`~megatron_mhar.conversion.hf_config`: HF ``config.json`` <-> ``GPTModelConfig``.
 * :mod:`~megatron_mhar.conversion.hf_io`: safetensors directories and the modeling files
   of an MHAR export.
-* :mod:`~megatron_mhar.conversion.checkpoint`: the distributed-checkpoint layout.
+* :mod:`~megatron_mhar.conversion.output`: the output directory: checked, locked, staged, published.
 * :mod:`~megatron_mhar.conversion.convert`: :func:`plan_import` / :func:`hf_to_mcore`
   and :func:`mcore_to_hf`.
 * :mod:`~megatron_mhar.conversion.cli`: the ``mhar-convert`` command (``hf-to-mcore``,

@@ -116,8 +116,7 @@ def run_mcore_to_hf(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     """Run the export, naming the checkpoint it reads (and a newer one passed over as damaged)."""
     from transformers.utils.hub import convert_file_size_to_int
 
-    from megatron_mhar.checkpoint_format import LATEST, read_common_state
-    from megatron_mhar.conversion.checkpoint import find_checkpoint
+    from megatron_mhar.checkpoint.format import LATEST, read_common_state, require_checkpoint
     from megatron_mhar.conversion.convert import mcore_to_hf
 
     size = args.max_shard_size
@@ -125,7 +124,7 @@ def run_mcore_to_hf(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         max_shard_bytes = int(size) if size.isdigit() else convert_file_size_to_int(size)
     except ValueError:
         parser.error(f"--max-shard-size {size!r}: give a number of bytes or a size such as 5GB or 500MiB")
-    found = find_checkpoint(args.ckpt)  # verified here once: mcore_to_hf reads it as found
+    found = require_checkpoint(args.ckpt)  # verified here once: mcore_to_hf reads it as found
     source = f"{found} (step {read_common_state(found).get('iteration')})"
     latest = Path(args.ckpt) / LATEST
     named = latest.read_text(errors="replace").strip() if latest.is_file() else None

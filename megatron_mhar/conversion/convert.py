@@ -28,12 +28,25 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from megatron_mhar import checkpoint_format
-from megatron_mhar.errors import UserError
-from megatron_mhar.models.mhar_config import MHARConfig, function_fields
-from megatron_mhar.conversion import checkpoint, hf_config, hf_io, mapping, weight_checks
+from megatron_mhar.checkpoint.format import (
+    HF_SUBDIR,
+    LATEST,
+    TOKENIZER_DIR,
+    common_state,
+    read_configs,
+    require_checkpoint,
+    staging_dir,
+    stored_dtype,
+    write_train_config,
+)
+from megatron_mhar.checkpoint.model import build_model, check_layout, tp_slice
+from megatron_mhar.checkpoint.streaming import read_streamed, save_streamed
+from megatron_mhar.conversion import hf_config, hf_io, mapping, weight_checks
 from megatron_mhar.conversion.model_card import model_card
+from megatron_mhar.conversion.output import CONVERSION_FILE, ITERATION_DIR, check_output, prepare_output, publish
+from megatron_mhar.errors import UserError
 from megatron_mhar.models.gpt_config import GPTModelConfig
+from megatron_mhar.models.mhar_config import MHARConfig, function_fields
 from megatron_mhar.runtime import lifetime
 from megatron_mhar.runtime.lock import DirectoryInUse
 
@@ -83,14 +96,14 @@ def plan_import(
 ) -> ImportPlan:
     """Validate everything that can be checked before any process starts."""
     hf_dir = Path(hf_dir)
-    checkpoint.check_output(out, overwrite, inputs=(hf_dir,))
+    check_output(out, overwrite, inputs=(hf_dir,))
     if make_vocab_size_divisible_by < 1:
         raise ValueError(f"--make-vocab-size-divisible-by must be at least 1, got {make_vocab_size_divisible_by}")
     raw = hf_io.read_config(hf_dir)
     model = hf_config.model_config_from_hf(
         raw, seq_length, make_vocab_size_divisible_by, **(model_overrides or {})
     )
-    checkpoint.check_layout(model, tp, pp)
+    check_layout(model, tp, pp)
     hf_io.check_no_side_file(hf_dir)
     exported = hf_config.mhar_config_from_hf(raw) if hf_config.is_mhar_export(raw) else None
     fields: Dict[str, Any] = {}
@@ -172,7 +185,7 @@ def hf_to_mcore(plan: ImportPlan) -> Path:
             spawn(_import_rank, world, plan)
         except BaseException as err:  # a rank stopped inside a collective leaves its staging behind
             if not isinstance(err, DirectoryInUse):  # that staging is another conversion's
-                shutil.rmtree(checkpoint.staging_dir(Path(plan.out)), ignore_errors=True)
+                shutil.rmtree(staging_dir(Path(plan.out)), ignore_errors=True)
             raise
     else:
         _import_rank(plan)
@@ -187,17 +200,17 @@ def _import_rank(plan: ImportPlan) -> None:
     started = _ensure_parallel_state(plan.tp, plan.pp)
     rank = torch.distributed.get_rank()
     out = Path(plan.out)
-    tmp = checkpoint.staging_dir(out)
+    tmp = staging_dir(out)
     lock = None
     try:
         if rank == 0:
-            _, lock = checkpoint.prepare_output(out, plan.overwrite, inputs=(Path(plan.hf_dir),))
+            _, lock = prepare_output(out, plan.overwrite, inputs=(Path(plan.hf_dir),))
         lifetime.start_writer_helper()
         torch.distributed.barrier()
 
-        chunk = checkpoint.build_model(plan.model, plan.mhar, DTYPES[plan.dtype], device="meta")
+        chunk = build_model(plan.model, plan.mhar, DTYPES[plan.dtype], device="meta")
         value_of = _hf_values(chunk, plan)
-        iteration_dir = tmp / checkpoint.ITERATION_DIR
+        iteration_dir = tmp / ITERATION_DIR
         if rank == 0:
             iteration_dir.mkdir()
         torch.distributed.barrier()
@@ -209,16 +222,16 @@ def _import_rank(plan: ImportPlan) -> None:
             "routing_source": plan.routing_source,
             "ignored_hf_tensors": list(plan.hf_ignored),
         }
-        common = checkpoint.common_state(plan.model, plan.mhar, conversion)
-        checkpoint.save_streamed(chunk, iteration_dir, common, value_of)
+        common = common_state(plan.model, plan.mhar, conversion)
+        save_streamed(chunk, iteration_dir, common, value_of)
         if rank == 0:
-            checkpoint.write_train_config(iteration_dir, plan.model, plan.mhar)
-            (iteration_dir / checkpoint.CONVERSION_FILE).write_text(json.dumps(conversion, indent=2) + "\n")
-            hf_dir = iteration_dir / checkpoint.HF_SUBDIR
+            write_train_config(iteration_dir, plan.model, plan.mhar)
+            (iteration_dir / CONVERSION_FILE).write_text(json.dumps(conversion, indent=2) + "\n")
+            hf_dir = iteration_dir / HF_SUBDIR
             hf_dir.mkdir()
             hf_io.copy_auxiliary(Path(plan.hf_dir), hf_dir, ("config.json",) + hf_io.AUXILIARY_FILES)
-            (tmp / checkpoint.LATEST).write_text(checkpoint.ITERATION_DIR + "\n")
-            checkpoint.publish(tmp, out)
+            (tmp / LATEST).write_text(ITERATION_DIR + "\n")
+            publish(tmp, out)
         torch.distributed.barrier()
     except BaseException as err:
         # never leave a half-written checkpoint behind (nor touch another conversion's)
@@ -253,7 +266,7 @@ def _ensure_parallel_state(tp: int, pp: int) -> bool:
 
 
 def _hf_values(chunk, plan: ImportPlan):
-    """``value_of(name, param)`` for :func:`checkpoint.save_streamed`: this rank's part of
+    """``value_of(name, param)`` for :func:`save_streamed`: this rank's part of
     each tensor of ``chunk``, read from the HF checkpoint when asked for."""
     from megatron.core import parallel_state
 
@@ -271,7 +284,7 @@ def _hf_values(chunk, plan: ImportPlan):
             full = mapping.megatron_tensor("embedding.word_embeddings.weight", reader, shapes)
         else:
             full = mapping.megatron_tensor(key, reader, shapes)
-        return checkpoint.tp_slice(key, full, param, tp_rank, tp_size)
+        return tp_slice(key, full, param, tp_rank, tp_size)
 
     return value_of
 
@@ -315,22 +328,22 @@ def mcore_to_hf(
     index when there are several), each checked for NaN/Inf unless ``allow_nonfinite``;
     every file gets the mode a new file gets (:func:`hf_io.set_file_modes`).
     ``verify``: how the checkpoint is checked against its manifest first (``full``, ``size``,
-    or ``off`` for one :func:`checkpoint.find_checkpoint` has just verified).
+    or ``off`` for one :func:`require_checkpoint` has just verified).
     """
     if max_shard_bytes < 1:
         raise ValueError(f"--max-shard-size must be positive, got {max_shard_bytes} bytes")
-    found = checkpoint.find_checkpoint(Path(ckpt), verify)
-    own_tokenizer = found / checkpoint_format.TOKENIZER_DIR
-    if tokenizer is None and not hf_reference and not (found / checkpoint.HF_SUBDIR / "config.json").is_file():
+    found = require_checkpoint(Path(ckpt), verify)
+    own_tokenizer = found / TOKENIZER_DIR
+    if tokenizer is None and not hf_reference and not (found / HF_SUBDIR / "config.json").is_file():
         tokenizer = own_tokenizer if (own_tokenizer / "tokenizer.json").is_file() else None
     inputs = (Path(ckpt), found) + tuple(Path(p) for p in (hf_reference, tokenizer) if p)
-    checkpoint.check_output(out, overwrite, inputs)
-    source_hf = Path(hf_reference) if hf_reference else found / checkpoint.HF_SUBDIR
+    check_output(out, overwrite, inputs)
+    source_hf = Path(hf_reference) if hf_reference else found / HF_SUBDIR
     if hf_reference and not (source_hf / "config.json").is_file():
         raise FileNotFoundError(f"--hf-reference {hf_reference} has no config.json")
     tokenizer_files = hf_io.tokenizer_files(Path(tokenizer)) if tokenizer else None
-    model_cfg, mhar, common = checkpoint.read_configs(found)
-    stored = checkpoint.stored_dtype(found)
+    model_cfg, mhar, common = read_configs(found)
+    stored = stored_dtype(found)
     target = DTYPES[dtype] if dtype else stored
     source_config = (source_hf / "config.json").is_file()
     ids = {}  # special token ids from the tokenizer, for a derived config
@@ -352,7 +365,7 @@ def mcore_to_hf(
         config = hf_config.mhar_hf_config(config, mhar)
 
     out = Path(out).absolute()
-    tmp, lock = checkpoint.prepare_output(out, overwrite, inputs)  # the lock: held until published or cleaned up
+    tmp, lock = prepare_output(out, overwrite, inputs)  # the lock: held until published or cleaned up
     try:
         if source_config:
             hf_io.copy_auxiliary(source_hf, tmp)
@@ -366,7 +379,7 @@ def mcore_to_hf(
         if mhar.enabled:
             hf_io.copy_remote_code(tmp)
         hf_io.set_file_modes(tmp)
-        return checkpoint.publish(tmp, out)
+        return publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written directory behind
         raise
@@ -382,12 +395,12 @@ def _write_hf_tensors(found: Path, model_cfg: GPTModelConfig, mhar: MHARConfig, 
 
     started = _ensure_parallel_state(1, 1)
     try:
-        chunk = checkpoint.build_model(model_cfg, mhar, stored, device="meta")
+        chunk = build_model(model_cfg, mhar, stored, device="meta")
         writer = hf_io.ShardWriter(out_dir, max_shard_bytes)
         scale = target.itemsize / stored.itemsize
         # A new shard where the next stored tensor would overflow this one: at most one
         # shard's worth of tensors, or one stored tensor's, is held at a time.
-        tensors = checkpoint.read_streamed(chunk, found, before_load=lambda n: writer.make_room(int(n * scale)))
+        tensors = read_streamed(chunk, found, before_load=lambda n: writer.make_room(int(n * scale)))
         megatron = ((name, _finite(name, tensor.to(target), found, allow_nonfinite)) for name, tensor in tensors)
         for name, tensor in mapping.hf_tensors_streamed(megatron, model_cfg, mapping.Shapes.of(model_cfg), mhar):
             writer.add(name, tensor)

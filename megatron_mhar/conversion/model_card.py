@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict
 
-from megatron_mhar.checkpoint_format import TRAIN_CONFIG_FILE
+from megatron_mhar.checkpoint.format import TRAIN_CONFIG_FILE
 from megatron_mhar.conversion.hf_config import MHAR_FIELDS, architecture
 
 # routing fields only one variant reads

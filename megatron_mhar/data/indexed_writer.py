@@ -7,7 +7,7 @@ place once complete, so an interrupted write never leaves a truncated dataset be
 
 Beside the pair goes ``PREFIX.meta.json`` (:data:`METADATA_SUFFIX`): the tokenizer's
 vocabulary size, the largest token id written, the counts, and the ``.bin``'s size, time
-stamp and checksum (XXH3-64, :func:`megatron_mhar.manifest.new_digest`), so that a launch
+stamp and checksum (XXH3-64, :func:`megatron_mhar.checkpoint.manifest.new_digest`), so that a launch
 checks the ids against the model in O(1) (:func:`read_metadata`). It is renamed into place
 last, after any older one is removed: a pair never sits beside another pair's metadata.
 A ``.bin`` changed since (edited, regenerated, copied) no longer matches its size or time
@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 import numpy
 
 from megatron_mhar.data.tokenizer import Tokenizer
-from megatron_mhar.manifest import new_digest, read_pieces
+from megatron_mhar.checkpoint.manifest import new_digest, read_pieces
 
 _BATCH_DOCS = 256
 

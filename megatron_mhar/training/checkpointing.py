@@ -1,9 +1,9 @@
 """Checkpoints of a training run: saved aside, verified, published atomically, resumed, pruned.
 
 The directory layout, the stored run config, the manifest and how a checkpoint is found
-and read are :mod:`megatron_mhar.checkpoint_format`'s. A save writes into the staging
+and read are :mod:`megatron_mhar.checkpoint.format`'s. A save writes into the staging
 directory ``.tmp.<name>``; each rank then checksums the files it wrote and rank 0 writes
-the manifest (:mod:`megatron_mhar.manifest`), renames the directory to ``<name>`` (a new
+the manifest (:mod:`megatron_mhar.checkpoint.manifest`), renames the directory to ``<name>`` (a new
 name, never over an existing checkpoint), checks the published files against the
 manifest, and only then replaces ``latest`` with ``os.replace`` and prunes. A save
 interrupted at any point leaves ``latest`` naming the last good checkpoint, which no step
@@ -34,8 +34,8 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
-from megatron_mhar import manifest
-from megatron_mhar.checkpoint_format import (
+from megatron_mhar.checkpoint import manifest
+from megatron_mhar.checkpoint.format import (
     CHECKPOINT_VERSION,
     LATEST,
     TMP_PREFIX,

@@ -140,7 +140,7 @@ def with_resolved_spec(cfg: TrainConfig) -> TrainConfig:
 
     The run's ``config.yaml`` and checkpoints then record the spec that ran. A checkpoint
     does not depend on it: both specs store the same tensors under the same keys, and a
-    resume may change it (:func:`megatron_mhar.checkpoint_format.check_config`).
+    resume may change it (:func:`megatron_mhar.checkpoint.format.check_config`).
     """
     from megatron_mhar.models.specs import resolve_spec
 

@@ -33,7 +33,7 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_mhar.checkpoint_format import changed_fields
+from megatron_mhar.checkpoint.format import changed_fields
 from megatron_mhar.data.datasets import MicroBatches, build_gpt_datasets
 from megatron_mhar.errors import PeerFailure, UserError, message_of
 from megatron_mhar.files import write_atomic
@@ -291,7 +291,7 @@ class Trainer(RoutingOutputs, RunReports):
 
         Leftovers of interrupted saves go first (they may hold the space a save needs).
         The checkpoint is verified first; one that fails is named, and the run resumes
-        from the newest one that passes (:func:`megatron_mhar.checkpoint_format.find_checkpoint`).
+        from the newest one that passes (:func:`megatron_mhar.checkpoint.format.find_checkpoint`).
         """
         cfg = self.cfg
         if self.is_logger and cfg.checkpoint_dir.is_dir():

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import List, Optional
 
-from megatron_mhar.manifest import VERIFY_LEVELS
+from megatron_mhar.checkpoint.manifest import VERIFY_LEVELS
 
 DEFAULT_SPLIT = "98,2,0"
 """``data.split`` when none is given and no held-out paths are."""

@@ -119,7 +119,7 @@ def test_exported_variant_must_match(megatron_world1, convert, tmp_path):
 def test_cli_reports_errors_and_converts(hf_dirs, tmp_path, capsys):
     """The CLIs are thin: argument parsing, one library call, errors as exit code 2, and
     a good directory converted into a checkpoint that verifies against its manifest."""
-    from megatron_mhar.checkpoint_format import checkpoint_problem, read_configs
+    from megatron_mhar.checkpoint.format import checkpoint_problem, read_configs
 
     sys.path.insert(0, str(REPO / "checkpoint_tools"))
     try:
@@ -279,7 +279,7 @@ def test_a_second_conversion_into_one_output_refuses(convert, tmp_path, capsys):
     leaves the first one's staging directory alone."""
     import os
 
-    from megatron_mhar.conversion.checkpoint import output_lock
+    from megatron_mhar.conversion.output import output_lock
 
     out = tmp_path / "hf"
     staging = tmp_path / ".tmp.hf"

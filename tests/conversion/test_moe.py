@@ -73,15 +73,17 @@ def _expert_parallel_logits(checkpoint, tokens):
     this rank's two experts of each MoE layer; logits of ``tokens``."""
     from megatron.core import parallel_state
 
-    from megatron_mhar.conversion import checkpoint as ckpt
+    from megatron_mhar.checkpoint.format import read_configs, require_checkpoint
+    from megatron_mhar.checkpoint.model import build_model
+    from megatron_mhar.checkpoint.streaming import load_into
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
 
     initialize_model_parallel_from_env(ep=2, device="cpu", create_gloo_process_groups=False)
     try:
-        found = ckpt.find_checkpoint(checkpoint)
-        model_cfg, mhar, _ = ckpt.read_configs(found)
-        model = ckpt.build_model(model_cfg, mhar, torch.float32)
-        ckpt.load_into(model, found)
+        found = require_checkpoint(checkpoint)
+        model_cfg, mhar, _ = read_configs(found)
+        model = build_model(model_cfg, mhar, torch.float32)
+        load_into(model, found)
         model.eval()
         experts = model.decoder.layers[0].mlp.local_expert_indices
         assert experts == [2 * parallel_state.get_expert_model_parallel_rank() + i for i in range(2)]
@@ -135,7 +137,7 @@ def test_cpt_recipe_matches_a_converted_qwen3_30b_a3b():
     model and mhar sections of recipes/cpt_30b_a3b_mhar_delta.yaml, but for the fields that
     choose how the model runs (the spec, the token dispatcher, the router's precision), which
     the driver does not compare."""
-    from megatron_mhar.checkpoint_format import MODEL_EXECUTION_FIELDS
+    from megatron_mhar.checkpoint.format import MODEL_EXECUTION_FIELDS
     from megatron_mhar.models.mhar_config import MHARConfig
     from megatron_mhar.training.recipes import load_config
 

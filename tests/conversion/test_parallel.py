@@ -47,15 +47,17 @@ def _forward(chunk, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(tp: int, pp: int, checkpoint_dir: str, tokens: torch.Tensor):
-    from megatron_mhar.conversion import checkpoint
+    from megatron_mhar.checkpoint.format import read_configs, require_checkpoint
+    from megatron_mhar.checkpoint.model import build_model
+    from megatron_mhar.checkpoint.streaming import load_into
     from megatron_mhar.runtime import destroy, initialize_model_parallel_from_env
 
     initialize_model_parallel_from_env(tp=tp, pp=pp, device="cpu", create_gloo_process_groups=False)
     try:
-        found = checkpoint.find_checkpoint(checkpoint_dir)
-        model_cfg, mhar, _ = checkpoint.read_configs(found)
-        chunk = checkpoint.build_model(model_cfg, mhar, torch.float32).eval()
-        checkpoint.load_into(chunk, found)
+        found = require_checkpoint(checkpoint_dir)
+        model_cfg, mhar, _ = read_configs(found)
+        chunk = build_model(model_cfg, mhar, torch.float32).eval()
+        load_into(chunk, found)
         with torch.no_grad():
             return _forward(chunk, tokens)[..., : model_cfg.vocab_size]
     finally:

@@ -94,7 +94,7 @@ def test_delta_export_is_an_mhar_directory(megatron_world1, hf_dirs, convert, tm
 def test_bf16_checkpoint_loads_into_fp32(megatron_world1, hf_dirs, convert):
     """A bf16 conversion (the HF dtype is kept) loads into fp32 parameters exactly."""
     import megatron_mhar
-    from megatron_mhar.checkpoint_format import find_checkpoint, stored_dtype
+    from megatron_mhar.checkpoint.format import find_checkpoint, stored_dtype
 
     ckpt = convert("qwen3_bf16", "delta")
     assert stored_dtype(find_checkpoint(ckpt)) == torch.bfloat16

@@ -14,7 +14,7 @@ from megatron_mhar.data.corpus import prepare_embedded, stdlib_files
 from megatron_mhar.data.indexed_writer import write_indexed_dataset
 from megatron_mhar.data.preprocess import main as preprocess_main
 from megatron_mhar.data.tokenizer import EOD_TOKEN, Tokenizer
-from megatron_mhar.manifest import file_checksum
+from megatron_mhar.checkpoint.manifest import file_checksum
 
 VOCAB = 384
 BYTES = 120_000

@@ -130,7 +130,7 @@ def _legacy_export(export_dir: Path, checkpoint: Path, out: Path) -> Path:
     the routing parameters under their Megatron names in mhar_params.safetensors."""
     from safetensors.torch import save_file
 
-    from megatron_mhar.conversion import checkpoint as ckpt
+    from megatron_mhar.checkpoint.format import read_configs, require_checkpoint
     from megatron_mhar.conversion import hf_config, mapping
 
     out.mkdir()
@@ -144,7 +144,7 @@ def _legacy_export(export_dir: Path, checkpoint: Path, out: Path) -> Path:
             if name in tensors:
                 routing[rule.megatron.format(layer)] = tensors.pop(name)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    model, mhar, _ = ckpt.read_configs(ckpt.find_checkpoint(checkpoint))
+    model, mhar, _ = read_configs(require_checkpoint(checkpoint))
     description = {"format": "megatron_mhar.routing.v1", "variant": mhar.variant,
                    "mhar": dataclasses.asdict(mhar), "model": dataclasses.asdict(model),
                    "source_checkpoint": str(checkpoint)}
@@ -192,7 +192,7 @@ def test_export_is_hub_ready(exports, case):
     import yaml
     from transformers import AutoTokenizer, GenerationConfig
 
-    from megatron_mhar.checkpoint_format import code_provenance
+    from megatron_mhar.checkpoint.format import code_provenance
     from megatron_mhar.hf.configuration_mhar import MIN_TRANSFORMERS_VERSION
 
     out = exports[case]

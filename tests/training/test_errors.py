@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mhar import manifest
+from megatron_mhar.checkpoint import manifest
 from megatron_mhar.errors import UserError
 from megatron_mhar.training.metrics import read_metrics
 from tests.helpers import EMBEDDED_VOCAB, LAUNCHER_ENV, TINY, metric_records

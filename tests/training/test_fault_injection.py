@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mhar import manifest
-from megatron_mhar.checkpoint_format import checkpoint_problem
+from megatron_mhar.checkpoint import manifest
+from megatron_mhar.checkpoint.format import checkpoint_problem
 from tests.helpers import LAUNCHER_ENV, TINY, metric_records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,7 +82,7 @@ def _assert_intact(checkpoint: Path) -> None:
 KILLED_RUN = r"""
 import os, signal, sys
 from pathlib import Path
-from megatron_mhar import manifest
+from megatron_mhar.checkpoint import manifest
 from megatron_mhar.training import checkpointing, loop
 from megatron_mhar.training.recipes import load_config
 
@@ -211,7 +211,7 @@ def test_a_flipped_byte_falls_back_to_the_previous_checkpoint(tmp_path, embedded
 def test_a_checkpoint_given_itself_names_the_intact_one(reference, tmp_path):
     """``checkpoint.load`` or a converter pointed at a damaged ``iter_*`` directory: the
     error names the file and the intact checkpoint beside it."""
-    from megatron_mhar.checkpoint_format import find_checkpoint
+    from megatron_mhar.checkpoint.format import find_checkpoint
 
     source, _ = reference
     checkpoints = shutil.copytree(source / "checkpoints", tmp_path / "checkpoints")

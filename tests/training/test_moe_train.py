@@ -120,7 +120,7 @@ def test_moe_and_dense_checkpoints_refuse_each_other(megatron_world1, tmp_path):
 
     from megatron.core import dist_checkpointing
 
-    from megatron_mhar import checkpoint_format as fmt
+    from megatron_mhar.checkpoint import format as fmt
     from megatron_mhar.errors import ConfigError
     from megatron_mhar.models.gpt_config import GPTModelConfig
 

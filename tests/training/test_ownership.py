@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from megatron_mhar.checkpoint_format import checkpoint_problem
+from megatron_mhar.checkpoint.format import checkpoint_problem
 from megatron_mhar.training.metrics import read_metrics
 from tests.helpers import LAUNCHER_ENV, TINY
 from tests.training import paused_run

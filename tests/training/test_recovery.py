@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from megatron_mhar.checkpoint_format import LATEST, find_checkpoint
+from megatron_mhar.checkpoint.format import LATEST, find_checkpoint
 from megatron_mhar.training.metrics import METRICS_FILE, read_metrics
 
 COMMON = ("eval.interval=0", "optimizer.lr_decay_iters=4", "checkpoint.interval=2")

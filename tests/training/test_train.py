@@ -10,7 +10,7 @@ import signal
 import pytest
 import torch
 
-from megatron_mhar import manifest
+from megatron_mhar.checkpoint import manifest
 from megatron_mhar.training.metrics import read_metrics
 
 
@@ -207,7 +207,7 @@ def test_checkpoints_without_latest_are_resumed(tiny, capsys):
     assert "has no 'latest' file; using the newest verified checkpoint, iter_0000003" in capsys.readouterr().out
     assert min(resumed.losses) == 4 and resumed.iteration == 5
     assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["iter_0000005", "latest"]
-    from megatron_mhar.checkpoint_format import find_checkpoint
+    from megatron_mhar.checkpoint.format import find_checkpoint
 
     for name in ("iter_0000005.2", "iter_0000004", "iter_notes"):
         (cfg.checkpoint_dir / name).mkdir()
@@ -314,7 +314,7 @@ def test_spec_auto_is_said_and_recorded_and_spec_is_not_part_of_the_model(tiny, 
     tensors under the same keys), while a change of the model is still refused."""
     import yaml
 
-    from megatron_mhar.checkpoint_format import check_config
+    from megatron_mhar.checkpoint.format import check_config
 
     cfg = tiny("model.spec=auto", "training.train_iters=3", "eval.interval=0", name="auto")
     result = _run(cfg)

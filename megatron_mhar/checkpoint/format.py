@@ -1,8 +1,8 @@
 """What a checkpoint directory is: its layout, the run config stored with it, and how it is read.
 
-The training driver (:mod:`megatron_mhar.training.checkpointing`: save, resume, prune)
-and the conversion and inference (:mod:`megatron_mhar.conversion.checkpoint`,
-:mod:`megatron_mhar.inference`: convert, load) both write and read this layout::
+The training driver (:mod:`megatron_mhar.training.checkpointing`: save, resume, prune),
+the conversion (:mod:`megatron_mhar.conversion`) and inference (:mod:`megatron_mhar.inference`)
+all write and read this layout::
 
     checkpoints/
       latest                 text: the name of the newest verified checkpoint
@@ -11,7 +11,8 @@ and the conversion and inference (:mod:`megatron_mhar.conversion.checkpoint`,
         train_config.yaml    the run config (of a converted checkpoint: its model and mhar sections)
         tokenizer/           the run's tokenizer, a Hugging Face tokenizer directory
                              (tokenizer.json, tokenizer_config.json); trained checkpoints
-        manifest.json        every other file's size and checksum (megatron_mhar.manifest)
+        hf/                  a converted checkpoint's source config.json and tokenizer files
+        manifest.json        every other file's size and checksum (megatron_mhar.checkpoint.manifest)
       .tmp.iter_0000300/     a save in progress (or interrupted): never read
 
 A checkpoint is complete once its ``metadata.json`` exists (dist_checkpointing writes it
@@ -22,7 +23,7 @@ renamed into place whole. The common state (``common.pt``) holds ``checkpoint_ve
 network, and ``provenance``, the code that wrote it (:func:`code_provenance`).
 
 Every reader finds its checkpoint through :func:`find_checkpoint`, which verifies it
-against its manifest first (``full``, ``size`` or ``off``: :mod:`megatron_mhar.manifest`);
+against its manifest first (``full``, ``size`` or ``off``: :mod:`megatron_mhar.checkpoint.manifest`);
 one without a manifest (``checkpoint_version`` 1 had none) is read only with ``off``.
 
 Importing this module does not import Megatron.
@@ -41,7 +42,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_mhar import manifest
+from megatron_mhar.checkpoint import manifest
 from megatron_mhar.errors import ConfigError
 from megatron_mhar.files import TMP_PREFIX
 from megatron_mhar.models.gpt_config import GPTModelConfig
@@ -56,6 +57,8 @@ METADATA_FILE = "metadata.json"
 TRAIN_CONFIG_FILE = "train_config.yaml"
 TOKENIZER_DIR = "tokenizer"
 """The run's tokenizer inside a trained checkpoint (converted ones carry theirs in ``hf/``)."""
+HF_SUBDIR = "hf"
+"""A converted checkpoint's source ``config.json`` and tokenizer files, for its export."""
 # Config sections that define the network; any difference makes a checkpoint unusable.
 MODEL_SECTIONS = ("model", "mhar")
 MODEL_EXECUTION_FIELDS = ("spec", "fused_kernels", "moe_token_dispatcher_type", "moe_router_dtype",
@@ -105,7 +108,7 @@ def published_checkpoints(path: Path) -> List[Path]:
 
 def checkpoint_problem(checkpoint: Path, verify: str = "full", share: Optional[Tuple[int, int]] = None) -> Optional[str]:
     """Why ``checkpoint`` is not to be read (incomplete, or not matching its manifest at
-    the ``verify`` level), or ``None``. ``share``: see :func:`megatron_mhar.manifest.verify`."""
+    the ``verify`` level), or ``None``. ``share``: see :func:`megatron_mhar.checkpoint.manifest.verify`."""
     checkpoint = Path(checkpoint)
     if not is_complete(checkpoint):
         return f"{checkpoint} is not a complete checkpoint (no {METADATA_FILE})"
@@ -187,6 +190,17 @@ def find_checkpoint(path: Path, verify: str = "full", problem: Optional[Problem]
     return None
 
 
+def require_checkpoint(path: Path, verify: str = "full") -> Path:
+    """The checkpoint ``path`` designates (:func:`find_checkpoint`'s rule:
+    its ``latest`` file, or itself, verified at ``verify``); raises where there is none."""
+    found = find_checkpoint(Path(path), verify)
+    if found is None:
+        raise FileNotFoundError(
+            f"{path} is not a Megatron distributed checkpoint (no {LATEST} file, no metadata.json)"
+        )
+    return found
+
+
 def _instead(directory: Path, problem: Problem, broken: Path) -> str:
     """The fix for a damaged checkpoint: the next intact one beside it, if any."""
     for candidate in published_checkpoints(directory):
@@ -199,7 +213,7 @@ def _instead(directory: Path, problem: Problem, broken: Path) -> str:
 @contextlib.contextmanager
 def checksummed_writes() -> Iterator[None]:
     """Inside, the files Megatron's checkpoint writer creates are checksummed as they are
-    written (:class:`megatron_mhar.manifest.ChecksummingFile`), so that the manifest need
+    written (:class:`megatron_mhar.checkpoint.manifest.ChecksummingFile`), so that the manifest need
     not read them back.
 
     The writer (``FileSystemWriterAsync.write_preloaded_data``, run in processes forked
@@ -354,3 +368,36 @@ def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:
             "checkpoint directory"
         )
     return common
+
+
+# ---------------------------------------------------------------- converted checkpoints
+
+
+def config_dicts(model: GPTModelConfig, mhar: MHARConfig) -> Dict[str, Any]:
+    """The ``config`` entry of the common state (the driver compares these sections)."""
+    return {"model": dataclasses.asdict(model), "mhar": dataclasses.asdict(mhar)}
+
+
+def common_state(model: GPTModelConfig, mhar: MHARConfig, conversion: Dict[str, Any]) -> Dict[str, Any]:
+    """The non-tensor part of a converted checkpoint: iteration 0, no training state, the
+    ``conversion`` record (:mod:`megatron_mhar.conversion.output`)."""
+    return {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": 0,
+        "config": config_dicts(model, mhar),
+        "train_state": {},
+        "conversion": conversion,
+        "provenance": code_provenance(),
+    }
+
+
+def write_train_config(iteration_dir: Path, model: GPTModelConfig, mhar: MHARConfig) -> None:
+    """``train_config.yaml`` of a converted checkpoint: the sections a recipe must repeat."""
+    import yaml
+
+    text = (
+        "# The model and mhar sections a recipe continuing from this checkpoint must use\n"
+        "# (megatron_mhar.train compares them field by field before loading).\n"
+    )
+    text += yaml.safe_dump(config_dicts(model, mhar), sort_keys=False)
+    (iteration_dir / TRAIN_CONFIG_FILE).write_text(text)

@@ -1,4 +1,4 @@
-"""megatron_mhar.checkpoint_format: which directory a path designates, how the stored
+"""megatron_mhar.checkpoint.format: which directory a path designates, how the stored
 config is read and compared, how unreadable checkpoints are named; and that conversion
 and inference read checkpoints without the training driver."""
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_mhar import checkpoint_format as fmt
-from megatron_mhar import manifest
+from megatron_mhar.checkpoint import format as fmt
+from megatron_mhar.checkpoint import manifest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _published(root: Path, *names: str, complete: bool = True) -> None:
@@ -146,7 +146,8 @@ def test_stored_dtype_is_read_from_metadata(megatron_world1, tmp_path):
 
 def test_conversion_and_inference_do_not_import_the_training_driver():
     """The modules ``load_model`` and the converters import, imported in a fresh process."""
-    modules = ("megatron_mhar.inference", "megatron_mhar.conversion.convert", "megatron_mhar.conversion.checkpoint",
+    modules = ("megatron_mhar.inference", "megatron_mhar.conversion.convert", "megatron_mhar.conversion.output",
+               "megatron_mhar.checkpoint.model", "megatron_mhar.checkpoint.streaming",
                "megatron_mhar.models.builder", "megatron_mhar.runtime")
     code = (
         f"import importlib, sys\n"

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megatron_mhar import manifest
+from megatron_mhar.checkpoint import manifest
 
 
 def _side(path):

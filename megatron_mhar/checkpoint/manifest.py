@@ -4,7 +4,7 @@ Written into a checkpoint directory before the directory is published (renamed i
 place), and checked whenever the checkpoint is read::
 
     iter_0000200/manifest.json
-      {"format": "megatron_mhar.manifest.v1", "checksum": "xxh3_64",
+      {"format": "megatron_mhar.checkpoint.manifest.v1", "checksum": "xxh3_64",
        "files": {"common.pt": {"size": 4711, "xxh3_64": "9f0c..."}, ...},
        "digest": "..."}
 
@@ -21,7 +21,7 @@ much as a good part of the write.
 Verification levels (``checkpoint.verify``): ``full`` reads every file and compares sizes
 and checksums; ``size`` compares the set of files and their sizes (no file is read);
 ``off`` checks nothing. The training driver and the conversion tools write and check the
-same manifest (:mod:`megatron_mhar.checkpoint_format`).
+same manifest (:mod:`megatron_mhar.checkpoint.format`).
 
 Imports no Megatron and no torch; xxhash is imported where a checksum is taken.
 """
@@ -36,7 +36,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence
 from megatron_mhar.files import write_atomic
 
 MANIFEST_FILE = "manifest.json"
-FORMAT = "megatron_mhar.manifest.v1"
+FORMAT = "megatron_mhar.checkpoint.manifest.v1"
 CHECKSUM = "xxh3_64"
 VERIFY_LEVELS = ("full", "size", "off")
 """Values of ``checkpoint.verify``: checksums and sizes, sizes only, nothing."""
