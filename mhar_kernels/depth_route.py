@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_sources
-from .launch import chunked_tile, num_sms, route_bwd_config, route_fwd_config, tile, tile_width
+from .launch import chunked_tile, num_sms, overrides, route_bwd_config, route_fwd_config, tile, tile_width
 from .primitives import (
     bwd_head_sums,
     fast_exp,
@@ -258,10 +258,10 @@ def route_dw_reduce_kernel(
     tl.store(DG_ptr + o_d, (b_dw * b_q).to(DG_ptr.dtype.element_ty), mask=m_d)
 
 
-def _launch_fwd(sources, extra, query, norm_weight, num_heads, eps, logit_scale, **loop):
+def _launch_fwd(sources, extra, query, norm_weight, num_heads, eps, logit_scale):
     t, n, d = sources.shape
     head_dim, bh, bhd, chunks = chunked_tile(d, num_heads)
-    block_t, num_warps, stages, l2_reuse, _ = route_fwd_config(tile_width(d, num_heads)).override(**loop)
+    block_t, num_warps, stages, l2_reuse, _ = route_fwd_config(tile_width(d, num_heads)).override(**overrides("route_fwd"))
     out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
     lse = torch.empty((t, num_heads), dtype=torch.float32, device=sources.device)
     if t == 0:
@@ -281,7 +281,7 @@ def _launch_fwd(sources, extra, query, norm_weight, num_heads, eps, logit_scale,
 
 def _launch_bwd(
     grad_out, sources, extra, query, norm_weight, lse, num_heads, eps, logit_scale,
-    grad_sources, accumulate, **loop,
+    grad_sources, accumulate,
 ):  # fmt: skip
     t, n, d = sources.shape
     # One padded chunk per head: the chunked tile is the forward's (launch.chunked_tile);
@@ -290,7 +290,7 @@ def _launch_bwd(
     chunks = 1
     block_t, num_warps, stages, l2_reuse, programs_per_sm = route_bwd_config(
         bh * bhd, num_heads == 1
-    ).override(**loop)
+    ).override(**overrides("route_bwd"))
     device = sources.device
     has_extra = extra is not None
     grad_extra = torch.empty((t, d), dtype=sources.dtype, device=device) if has_extra else None
@@ -338,7 +338,6 @@ def route_forward(
     num_heads: int,
     eps: float,
     logit_scale: float,
-    **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Route over a history view in one pass.
 
@@ -347,13 +346,12 @@ def route_forward(
         extra: None or [T, D], routed as source N (the block variant's running partial,
             or the delta variant's null source).
         query, norm_weight: [D] (any float dtype).
-        loop: :class:`LoopConfig` fields overriding the default launch (tools/perf).
 
     Returns:
         (out [T, D] in the sources' dtype, saved = log-sum-exp [T, H] fp32).
     """
     check_sources(sources, extra, num_heads)
-    return _launch_fwd(sources, extra, query, norm_weight, num_heads, eps, float(logit_scale), **loop)
+    return _launch_fwd(sources, extra, query, norm_weight, num_heads, eps, float(logit_scale))
 
 
 def route_backward(
@@ -367,7 +365,6 @@ def route_backward(
     eps: float,
     logit_scale: float,
     grad_sources: torch.Tensor,
-    **loop,
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Backward of :func:`route_forward`; adds the source gradients into ``grad_sources``.
 
@@ -375,7 +372,6 @@ def route_backward(
         grad_out: [T, D] gradient of the routed output.
         saved: the log-sum-exp returned by :func:`route_forward`.
         grad_sources: fp32 [T, N, D] view (unit stride over D) that receives ``+=`` dsources.
-        loop: :class:`LoopConfig` fields overriding the default launch (tools/perf).
 
     Returns:
         (grad_extra [T, D] in the extra's dtype or None, grad_query, grad_norm_weight [D]
@@ -394,7 +390,7 @@ def route_backward(
         )
     return _launch_bwd(
         grad_out, sources, extra, query, norm_weight, saved, num_heads, eps,
-        float(logit_scale), grad_sources, accumulate=True, **loop,
+        float(logit_scale), grad_sources, accumulate=True,
     )  # fmt: skip
 
 

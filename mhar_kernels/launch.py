@@ -4,12 +4,15 @@ Every rule is a function of the shapes (the tile's padded width, the head count,
 group's size), cached, and returns a :class:`LoopConfig`. The tables in the docstrings
 give what each rule picks at the paper's model widths (100M: D = 512, 350M: 1024, 1B:
 1280, 8B delta: 4096, eight routing heads unless said) and why; the measurements behind
-them are in docs/performance.md. Tools that sweep launches (tools/perf) pass
-:class:`LoopConfig` fields as overrides to the public kernel functions.
+them are in docs/performance.md. Tools that sweep launches (tools/perf) and tests set
+other launches for a block of code with :func:`overridden`; the kernel functions take no
+launch arguments.
 """
 
+import contextlib
+import contextvars
 import functools
-from typing import NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -60,6 +63,53 @@ class LoopConfig(NamedTuple):
         if not fields:
             return self  # the model's path: no new tuple per launch
         return self._replace(**{k: v for k, v in fields.items() if v is not None})
+
+
+_LOOP = LoopConfig._fields
+_SITES = ("sites_per_program",)  # sites held by one program of a group's phase 1 (row loop)
+OVERRIDABLE: Dict[str, Tuple[str, ...]] = {
+    "route_fwd": _LOOP,
+    "route_bwd": _LOOP,
+    "group_fwd": _LOOP + _SITES,
+    "group_bwd": _LOOP + _SITES,
+    "merge_fwd": _LOOP,
+    "merge_bwd": _LOOP,
+    "merge_row_grad": _LOOP,
+    "add_row_grads": ("num_warps", "stages", "programs_per_sm"),
+}
+"""The kernels whose launch :func:`overridden` may change, and the fields of each."""
+_POSITIVE = ("block_t", "num_warps", "programs_per_sm", "sites_per_program")
+_overrides: contextvars.ContextVar[Mapping[str, Mapping[str, Any]]] = contextvars.ContextVar(
+    "mhar_kernels_launch_overrides", default={}
+)
+
+
+@contextlib.contextmanager
+def overridden(**kernels: Mapping[str, Any]) -> Iterator[None]:
+    """Launch the named kernels with other settings than the rules' while the block runs,
+    e.g. ``overridden(group_fwd=dict(sites_per_program=2, num_warps=16))``: for launch
+    sweeps (tools/perf) and tests; the model never sets any. A kernel family that cannot
+    take a field (the tensor-core phase 1: only ``num_warps``) refuses it when it runs."""
+    for kernel, fields in kernels.items():
+        if kernel not in OVERRIDABLE:
+            raise ValueError(f"no kernel {kernel!r} to override; one of {', '.join(OVERRIDABLE)}")
+        unknown = sorted(set(fields) - set(OVERRIDABLE[kernel]))
+        if unknown:
+            raise ValueError(f"{kernel} takes no launch field {', '.join(unknown)}; "
+                             f"its fields: {', '.join(OVERRIDABLE[kernel])}")  # fmt: skip
+        for name in _POSITIVE:
+            if fields.get(name) is not None and fields[name] < 1:
+                raise ValueError(f"{kernel}: {name} must be at least 1, got {fields[name]}")
+    token = _overrides.set({**_overrides.get(), **{k: dict(v) for k, v in kernels.items()}})
+    try:
+        yield
+    finally:
+        _overrides.reset(token)
+
+
+def overrides(kernel: str) -> Dict[str, Any]:
+    """The launch fields :func:`overridden` set for ``kernel`` (none on the model's path)."""
+    return dict(_overrides.get().get(kernel, ()))
 
 
 @functools.lru_cache(maxsize=None)

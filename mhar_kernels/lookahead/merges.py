@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..checks import check_output, check_sources
-from ..launch import backward_programs, merge_bwd_config, merge_fwd_config, tile
+from ..launch import backward_programs, merge_bwd_config, merge_fwd_config, overrides, tile
 from ..primitives import bwd_head_sums, fast_exp, folded_query, route_fwd_step, store_output, token_tile
 from .reduce import reduce_dw
 
@@ -166,21 +166,19 @@ def merge_forward(
     logit_scale: float,
     lse: torch.Tensor,
     out: Optional[torch.Tensor] = None,
-    **loop,
 ) -> torch.Tensor:
     """Fold the new rows [T, n, D] (n may be 0) into one site's partial (m, l [T, H] fp32,
     acc [T, D]: fp32, or normalised in the sources' half-precision dtype as
     :func:`group_forward` leaves it; contiguous); write its log-sum-exp into ``lse`` [T, H]
     and return the output [T, D] in the sources' dtype, written into ``out`` where given
-    (unit stride over D). ``loop``: :class:`LoopConfig` fields overriding the default
-    launch (tools/perf)."""
+    (unit stride over D)."""
     check_sources(sources, None, num_heads)
     t, n, d = sources.shape
     if acc.dtype not in (torch.float32, sources.dtype):
         raise ValueError(f"merge_forward: acc must be fp32 or normalised in the sources' dtype {sources.dtype}, "
                          f"got {acc.dtype}")  # fmt: skip
     head_dim, bh, bhd = tile(d, num_heads)
-    block_t, num_warps, stages, _, _ = merge_fwd_config(bh * bhd).override(**loop)
+    block_t, num_warps, stages, _, _ = merge_fwd_config(bh * bhd).override(**overrides("merge_fwd"))
     if out is None:
         out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
     else:
@@ -211,7 +209,6 @@ def merge_backward(
     delta_out: Optional[torch.Tensor] = None,
     grad_out_copy: Optional[torch.Tensor] = None,
     dw_out: Optional[torch.Tensor] = None,
-    **loop,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Backward of :func:`merge_forward` in one pass over the new rows, whose gradients it
     leaves as factors in ``row_factors`` (fp32 views factors [T, n, H, 2] with unit stride
@@ -221,8 +218,7 @@ def merge_backward(
     no copy kernels). ``dw_out``: an fp32 [P, D] view (unit stride over D, P =
     :func:`merge_dw_partials`) receiving the per-program partials of dL/dw unreduced, for
     the group's phase-1 backward to sum with its own (``merge_dw``): one reduction per group
-    instead of one per merge. ``loop``: :class:`LoopConfig` fields overriding the default
-    launch (tools/perf).
+    instead of one per merge.
 
     Returns:
         (delta [T, H] fp32 (``delta_out`` if given), grad_query fp32 [D],
@@ -231,7 +227,7 @@ def merge_backward(
     check_sources(sources, None, num_heads)
     t, n, d = sources.shape
     head_dim, bh, bhd = tile(d, num_heads)
-    block_t, num_warps, stages, _, programs_per_sm = merge_bwd_config(bh * bhd).override(**loop)
+    block_t, num_warps, stages, _, programs_per_sm = merge_bwd_config(bh * bhd).override(**overrides("merge_bwd"))
     device = sources.device
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()

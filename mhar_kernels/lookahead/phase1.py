@@ -16,16 +16,9 @@ import torch
 import triton
 
 from ..checks import check_output, check_sources
-from ..launch import dot_heads, group_fwd_dots_config, use_tensor_cores
+from ..launch import dot_heads, group_fwd_dots_config, overrides, use_tensor_cores
 from .phase1_dots import RowFactors, group_backward_dots, group_forward_dots
 from .phase1_rows import group_backward_rows, group_forward_rows
-
-
-def _check_sites_per_program(sites_per_program: Optional[int]) -> None:
-    if sites_per_program is not None and sites_per_program < 1:
-        raise ValueError(
-            f"sites_per_program must be at least 1 (or None for the default), got {sites_per_program}"
-        )
 
 
 def group_forward(
@@ -36,9 +29,7 @@ def group_forward(
     eps: float,
     logit_scale: float,
     first_out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-    sites_per_program: Optional[int] = None,
     lookahead_kernels: str = "auto",
-    **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Phase 1: partials of G sites over the old rows, each row read once per token tile.
 
@@ -49,13 +40,14 @@ def group_forward(
             contiguous) to finish site 0 here, as ``merge_forward`` would with no new rows
             (bitwise the same). The row loop then leaves its partials unwritten; the
             tensor-core kernel writes them and merges them in a second launch.
-        sites_per_program: sites held by one program (default: as many as about 4K fp32
-            accumulators allow); the others go to sibling programs of the same token tile.
-            The tensor-core kernel always holds SLOTS sites per program.
         lookahead_kernels: ``tensor_cores``, the dot-product kernel
             (``group_fwd_dots_kernel``); ``row_loop``, the row loop; ``auto`` (the default):
             the family the launch rule picks (``launch.use_tensor_cores``).
-        loop: :class:`LoopConfig` fields overriding the default launch (tools/perf).
+
+    Launch: the row loop holds as many sites per program as about 4K fp32 accumulators
+    allow (``sites_per_program`` of ``launch.overridden(group_fwd=...)`` sets fewer; the
+    others go to sibling programs of the same token tile); the tensor-core kernel always
+    holds SLOTS sites per program.
 
     Returns:
         (m [G, T, H], l [G, T, H], acc [G, T, D]) online-softmax partials: m and l fp32;
@@ -69,8 +61,9 @@ def group_forward(
     g = queries.shape[0]
     if n < 1:
         raise ValueError("group_forward needs at least one old row")
-    _check_sites_per_program(sites_per_program)
     _check_first_out(first_out, sources, num_heads)
+    loop = overrides("group_fwd")
+    sites_per_program = loop.pop("sites_per_program", None)
     queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
     _, _, dot_dim, dot_bh = dot_heads(d, num_heads)
     use_dots = use_tensor_cores(lookahead_kernels, g, dot_dim, backward=False, dtype=sources.dtype)
@@ -124,11 +117,9 @@ def group_backward_deferred(
     logit_scale: float,
     grad_sources: torch.Tensor,
     site_range: Optional[Tuple[int, int]] = None,
-    sites_per_program: Optional[int] = None,
     lookahead_kernels: str = "auto",
     merge_dw: Optional[torch.Tensor] = None,
     accumulate: bool = True,
-    **loop,
 ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[RowFactors, ...]]:
     """Backward of phase 1 for the sites ``site_range`` (default all) over the old rows
     [T, N, D], each row read once per kernel. The row loop adds the rows' gradients into
@@ -139,8 +130,6 @@ def group_backward_deferred(
     Args:
         grad_outs: [G, T, D] contiguous gradients of the sites' outputs.
         queries, norm_weights: [G, D]; lse, delta: [G, T, H] fp32 contiguous.
-        sites_per_program: sites per launch of the row-loop kernels (default: as
-            registers allow); the launches run over the rows last chunk first.
         lookahead_kernels: ``tensor_cores``, the dot-product kernels where the dot heads
             (``dot_heads``) are at most 256 columns wide (padded); ``row_loop``, the
             row-loop kernel, which holds the sites in registers and adds them one by one;
@@ -151,7 +140,10 @@ def group_backward_deferred(
             parameters' gradients with phase 1's (zeros for a site that did not run).
         accumulate: False where ``grad_sources`` holds no gradient yet: the row loop then
             stores into it instead of adding (the tensor-core kernels do not touch it).
-        loop: :class:`LoopConfig` fields overriding the default launch (tools/perf).
+
+    Launch: the row loop runs as many sites per launch as registers allow
+    (``sites_per_program`` of ``launch.overridden(group_bwd=...)`` sets fewer), the
+    launches over the rows last chunk first.
 
     Returns:
         (grad_query, grad_norm_weight) fp32 [hi - lo, D] for the sites in ``site_range``
@@ -164,7 +156,8 @@ def group_backward_deferred(
     lo, hi = site_range if site_range is not None else (0, g)
     if not (0 <= lo < hi <= g):
         raise ValueError(f"site_range {site_range} outside the group's {g} sites")
-    _check_sites_per_program(sites_per_program)
+    loop = overrides("group_bwd")
+    sites_per_program = loop.pop("sites_per_program", None)
     if grad_sources.shape != sources.shape or grad_sources.dtype != torch.float32:
         raise ValueError(
             f"grad_sources must be an fp32 view of shape {tuple(sources.shape)}, got "

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import ROW_GRADS_ENTRIES, head_chunks, head_programs, merge_row_grad_config, tile
+from ..launch import ROW_GRADS_ENTRIES, head_chunks, head_programs, merge_row_grad_config, overrides, tile
 from ..primitives import SLOTS, dot_split, folded_query, slot_operand, split_operand, token_tile
 from .phase1_dots import RowFactors
 
@@ -188,7 +188,6 @@ def merge_row_grad(
     site_range: Tuple[int, int],
     num_heads: int,
     accumulate: bool = True,
-    **loop,
 ) -> None:
     """A new row's gradient from the factors its group's merges left
     (:func:`merge_backward`) and its fp32 gradient from every other read, written into
@@ -196,8 +195,7 @@ def merge_row_grad(
     gradient (none with ``accumulate`` False, where no other read added one) and of each
     site's output gradient, one write. Arguments as the reference's
     (``megatron_mhar.ops.lookahead_reference.torch_merge_row_grad``); ``row``, ``row_grad`` and
-    ``out`` [T, D] with unit stride over D, the group's tensors contiguous. ``loop``:
-    :class:`LoopConfig` fields overriding the default launch (tools/perf)."""
+    ``out`` [T, D] with unit stride over D, the group's tensors contiguous."""
     t, d = row.shape
     g, _, r, _, _ = factors.shape
     lo, hi = site_range
@@ -221,7 +219,7 @@ def merge_row_grad(
     if t == 0:
         return
     head_dim, bh, bhd = tile(d, num_heads)
-    block_t, num_warps, stages, _, _ = merge_row_grad_config(bh * bhd).override(**loop)
+    block_t, num_warps, stages, _, _ = merge_row_grad_config(bh * bhd).override(**overrides("merge_row_grad"))
     merge_bwd_row_grad_kernel[(triton.cdiv(t, block_t),)](
         row, row_grad, out, grad_outs, queries, norm_weights, factors, kv,
         t, r, index, lo, hi, row.stride(0), row_grad.stride(0), out.stride(0),
@@ -236,9 +234,6 @@ def add_row_grads(
     grad_sources: torch.Tensor,
     start: int,
     accumulate: bool = True,
-    num_warps: int = 4,
-    stages: int = 2,
-    programs_per_sm: int = 4,
 ) -> None:
     """Add deferred phase-1 gradients to rows ``[start, owed)`` of the history.
 
@@ -248,11 +243,13 @@ def add_row_grads(
         sources, grad_sources: [T, R, D] the rows from row 0 and their fp32 gradients.
         accumulate: False where the rows ``[start, max owed)`` hold no gradient yet: the
             sums are stored, the gradients not read.
-        num_warps, stages, programs_per_sm: the launch (tools/perf sweeps it). Two stages
-            overlap an entry's loads with the previous entry's dots; ``programs_per_sm *
-            SMs / H`` token programs per head stride over the tokens."""
-    if programs_per_sm < 1:
-        raise ValueError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
+
+    Launch: four warps and two stages (an entry's loads overlap the previous entry's dots);
+    ``programs_per_sm * SMs / H`` token programs per head (four per SM) stride over the
+    tokens (:func:`launch.overridden` sets others)."""
+    override = overrides("add_row_grads")
+    num_warps, stages = override.get("num_warps") or 4, override.get("stages") or 2
+    programs_per_sm = override.get("programs_per_sm") or 4
     entries = [(f, owed) for factors, owed in deferred for f in factors if owed > start]
     if not entries or sources.shape[0] == 0:
         return

@@ -15,6 +15,7 @@ from megatron_mhar.ops.depth_route import (
     torch_route_backward,
     torch_route_forward,
 )
+from mhar_kernels import launch
 from mhar_kernels.depth_route import fused_depth_route, route_backward, route_forward
 
 CUDA = torch.cuda.is_available()
@@ -243,11 +244,10 @@ def test_loop_variants(stages):
     """Both source loops (plain, loads pipelined through shared memory) give the same result."""
     t, n, d, heads = _tokens(6), 5, 512, 8
     sources, extra, query, norm_weight, grad_out = _inputs(t, n, d, heads, True, 1.0, "buffer", torch.float32)
-    out, lse = route_forward(sources, extra, query, norm_weight, heads, EPS, 1.0, stages=stages)
-    grad_sources = torch.zeros(sources.shape, device=DEVICE)
-    ge, gq, gg = route_backward(
-        grad_out, sources, extra, query, norm_weight, lse, heads, EPS, 1.0, grad_sources, stages=stages
-    )
+    with launch.overridden(route_fwd=dict(stages=stages), route_bwd=dict(stages=stages)):
+        out, lse = route_forward(sources, extra, query, norm_weight, heads, EPS, 1.0)
+        grad_sources = torch.zeros(sources.shape, device=DEVICE)
+        ge, gq, gg = route_backward(grad_out, sources, extra, query, norm_weight, lse, heads, EPS, 1.0, grad_sources)
     ref = _reference(sources, extra, query, norm_weight, grad_out, heads, 1.0)
     for name, g, r in zip(NAMES, (out, grad_sources, ge, gq, gg), ref):
         scale = r.abs().max().item()

@@ -525,21 +525,14 @@ def test_add_row_grads_independent_of_the_token_programs():
         is_fused = backend is BACKENDS["triton-tensor-cores"]
         for override in [dict(programs_per_sm=p) for p in (1, 3, 1024)] if is_fused else [{}]:
             rows = start.clone()
-            backend.add_row_grads(owed, buffer, rows, 0, **override)
+            with launch.overridden(add_row_grads=override):
+                backend.add_row_grads(owed, buffer, rows, 0)
             results.append(rows)
     *fused_rows, ref = results
     for got in fused_rows[1:]:
         assert torch.equal(got, fused_rows[0])
     torch.testing.assert_close(fused_rows[0], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     assert not torch.equal(fused_rows[0][:, :20], start[:, :20])
-
-
-def test_add_row_grads_needs_a_program_per_sm():
-    """A launch override of no token programs is refused by name, before anything runs."""
-    rows = torch.zeros(3, 2, 64, device=DEVICE)
-    with pytest.raises(ValueError, match="programs_per_sm must be >= 1, got 0"):
-        fused.add_row_grads([], rows.bfloat16(), rows, 0, programs_per_sm=0)
-    assert not rows.any()
 
 
 def test_add_row_grads_more_entries_than_one_launch():
@@ -667,9 +660,11 @@ def test_sites_per_program_split():
     t, n0, g, d, heads = _tokens(4), 3, 5, 512, 8
     buffer, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
     rows = buffer[:, :n0]
-    row_loop = dict(lookahead_kernels="row_loop", block_t=1)
-    whole = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=g, **row_loop)
-    split = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=2, **row_loop)
+    row_loop = dict(lookahead_kernels="row_loop")
+    with launch.overridden(group_fwd=dict(sites_per_program=g, block_t=1)):
+        whole = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, **row_loop)
+    with launch.overridden(group_fwd=dict(sites_per_program=2, block_t=1)):
+        split = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, **row_loop)
     for a, b in zip(whole, split):
         assert torch.equal(a, b)
     lse = (whole[0] + whole[1].log()).contiguous()
@@ -677,8 +672,9 @@ def test_sites_per_program_split():
     grads = []
     for sites in (g, 2, 1):
         grad_rows = torch.zeros(rows.shape, device=DEVICE)
-        dq, dg = _fused_group_backward(grad_outs, rows, queries, norms, lse, delta, heads, EPS, 1.0,
-                                      grad_rows, sites_per_program=sites, lookahead_kernels="row_loop")  # fmt: skip
+        with launch.overridden(group_bwd=dict(sites_per_program=sites)):
+            dq, dg = _fused_group_backward(grad_outs, rows, queries, norms, lse, delta, heads, EPS, 1.0,
+                                          grad_rows, lookahead_kernels="row_loop")  # fmt: skip
         grads.append((grad_rows, dq, dg))
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
@@ -694,9 +690,10 @@ def test_sites_per_program_keeps_a_power_of_two_tile():
     t, n0, g, d, heads = _tokens(5), 2, 6, 256, 8
     buffer, queries, norms, _ = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
     rows = buffer[:, :n0]
-    row_loop = dict(lookahead_kernels="row_loop")
-    whole = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=g, **row_loop)
-    split = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=3, **row_loop)
+    with launch.overridden(group_fwd=dict(sites_per_program=g)):
+        whole = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, lookahead_kernels="row_loop")
+    with launch.overridden(group_fwd=dict(sites_per_program=3)):
+        split = fused.group_forward(rows, queries, norms, heads, EPS, 1.0, lookahead_kernels="row_loop")
     for a, b in zip(whole, split):
         if CUDA:
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
@@ -725,17 +722,18 @@ def test_first_site_finished_by_phase1(name, sites_per_program, t, n0, g, d, hea
     backend = BACKENDS[name]
     if sites_per_program is not None and name != "triton-row-loop":
         pytest.skip("sites_per_program is the row loop's")
-    kw = {} if sites_per_program is None else dict(sites_per_program=sites_per_program)
     t = _tokens(t)
     for dtype in DTYPES:
         buffer, queries, norms, _ = _inputs(t, n0, g, d, heads, 1.0, dtype)
         rows = buffer[:, :n0]
-        m, l, acc = backend.group_forward(rows, queries, norms, heads, EPS, 1.0, **kw)
+        with launch.overridden(group_fwd=dict(sites_per_program=sites_per_program)):
+            m, l, acc = backend.group_forward(rows, queries, norms, heads, EPS, 1.0)
         lse = torch.empty((t, heads), device=DEVICE)
         merged = backend.merge_forward(m[0], l[0], acc[0], buffer[:, n0:n0], queries[0], norms[0],
                                        heads, EPS, 1.0, lse)  # fmt: skip
         first, first_lse = torch.full_like(merged, float("nan")), torch.full_like(lse, float("nan"))
-        parts = backend.group_forward(rows, queries, norms, heads, EPS, 1.0, first_out=(first, first_lse), **kw)
+        with launch.overridden(group_fwd=dict(sites_per_program=sites_per_program)):
+            parts = backend.group_forward(rows, queries, norms, heads, EPS, 1.0, first_out=(first, first_lse))
         assert torch.equal(first, merged) and torch.equal(first_lse, lse)
         for a, b in zip((m, l, acc), parts):
             assert torch.equal(a[1:], b[1:])
@@ -771,19 +769,21 @@ def test_merge_out_is_checked():
                                 lse, out=bad)  # fmt: skip
 
 
-@pytest.mark.parametrize("call", ["group_forward", "group_backward"])
-def test_sites_per_program_must_be_positive(call):
-    """A non-positive split is an error, not a launch that silently covers no site."""
-    t, n0, g, d, heads = _tokens(2), 2, 3, 512, 8
-    buffer, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
-    rows = buffer[:, :n0]
-    with pytest.raises(ValueError, match="sites_per_program must be at least 1"):
-        if call == "group_forward":
-            fused.group_forward(rows, queries, norms, heads, EPS, 1.0, sites_per_program=0)
-        else:
-            stats = torch.zeros(g, t, heads, device=DEVICE)
-            _fused_group_backward(grad_outs, rows, queries, norms, stats, stats, heads, EPS, 1.0,
-                                 torch.zeros(rows.shape, device=DEVICE), sites_per_program=-2)  # fmt: skip
+@pytest.mark.parametrize("kernel, fields, message", [
+    ("group_fwd", dict(sites_per_program=0), "group_fwd: sites_per_program must be at least 1, got 0"),
+    ("group_bwd", dict(sites_per_program=-2), "group_bwd: sites_per_program must be at least 1, got -2"),
+    ("add_row_grads", dict(programs_per_sm=0), "add_row_grads: programs_per_sm must be at least 1, got 0"),
+    ("merge_fwd", dict(sites_per_program=2), "merge_fwd takes no launch field sites_per_program"),
+    ("group_forward", dict(num_warps=4), "no kernel 'group_forward' to override"),
+])
+def test_launch_overrides_are_checked(kernel, fields, message):
+    """A launch override that would cover no site or program, or that names a field or
+    kernel there is none of, is an error when it is set, not a launch that silently
+    covers nothing or ignores it; the block it would have covered does not run."""
+    with pytest.raises(ValueError, match=message):
+        with launch.overridden(**{kernel: fields}):
+            raise AssertionError("not reached")
+    assert launch.overrides(kernel) == {}
 
 
 def test_unknown_kernel_family_is_refused():
@@ -801,13 +801,15 @@ def test_tensor_cores_reject_row_loop_overrides():
     rows, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
     for override in (dict(block_t=2), dict(sites_per_program=1), dict(l2_reuse=True)):
         with pytest.raises(ValueError, match="tensor-core kernels take num_warps, stages and programs_per_sm"):
-            fused.group_forward(rows, queries, norms, heads, EPS, 1.0, lookahead_kernels="tensor_cores", **override)
+            with launch.overridden(group_fwd=override):
+                fused.group_forward(rows, queries, norms, heads, EPS, 1.0, lookahead_kernels="tensor_cores")
     stats = torch.zeros(g, t, heads, device=DEVICE)
     grad_rows = torch.zeros(rows.shape, device=DEVICE)
     for override in (dict(block_t=2), dict(sites_per_program=1)):
         with pytest.raises(ValueError, match="the tensor-core kernels take only num_warps"):
-            _fused_group_backward(grad_outs, rows, queries, norms, stats, stats, heads, EPS, 1.0,
-                                 grad_rows, lookahead_kernels="tensor_cores", **override)  # fmt: skip
+            with launch.overridden(group_bwd=override):
+                _fused_group_backward(grad_outs, rows, queries, norms, stats, stats, heads, EPS, 1.0,
+                                     grad_rows, lookahead_kernels="tensor_cores")  # fmt: skip
     assert not grad_rows.any()  # nothing written before the error
 
 

@@ -45,6 +45,17 @@ SWEEP_CASES = SITE_CASES[:4] + SITE_CASES[5:] + [
 ]
 
 
+def launched(call, **kernels):
+    """``call`` with the named kernels' launches overridden (``launch.overridden``) while it
+    runs: the settings hold when the kernels are captured into the timing's CUDA graph."""
+
+    def run():
+        with launch.overridden(**kernels):
+            return call()
+
+    return run
+
+
 def run_sweep(copy_gbps):
     """Forward and history backward around the default launch configs, timed from CUDA
     graphs (the kernels' own time): tiles, warps, pipeline stages, the L2 eviction hints
@@ -78,14 +89,14 @@ def run_sweep(copy_gbps):
                      bwd.override(block_t=2 * bwd.block_t), bwd.override(num_warps=4),
                      launch.LoopConfig(max(1, 2048 // (bh * bhd)), 4, 2)]  # fmt: skip
         fwd_loops, bwd_loops = list(dict.fromkeys(fwd_loops)), list(dict.fromkeys(bwd_loops))
-        variants = [("fwd", "fwd", loop, lambda loop: K.route_forward(
-            view, None, query, norm_weight, HEADS, EPS, 1.0, **loop._asdict()))
+        variants = [("fwd", "fwd", loop, launched(lambda: K.route_forward(
+            view, None, query, norm_weight, HEADS, EPS, 1.0), route_fwd=loop._asdict()))
             for loop in fwd_loops]  # fmt: skip
-        variants += [("bwd_history", "bwd_history", loop, lambda loop: K.route_backward(
-            grad_out, view, None, query, norm_weight, lse, HEADS, EPS, 1.0, gsrc,
-            **loop._asdict())) for loop in bwd_loops]  # fmt: skip
+        variants += [("bwd_history", "bwd_history", loop, launched(lambda: K.route_backward(
+            grad_out, view, None, query, norm_weight, lse, HEADS, EPS, 1.0, gsrc), route_bwd=loop._asdict()))
+            for loop in bwd_loops]  # fmt: skip
         for mode, key, loop, call in variants:
-            t = bench(lambda: call(loop), graph=True)
+            t = bench(call, graph=True)
             frac = nb[key]["moved"] / t["ms"] / 1e6 / copy_gbps
             rows.append({"case": case.name, "mode": mode, **loop._asdict(), **t,
                          "frac_copy_moved": frac})  # fmt: skip
@@ -148,10 +159,12 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
         bwd_variants = [{"lookahead_kernels": "row_loop", **o} for o in bwd_variants]
         fwd_variants += [(None, dict(lookahead_kernels="tensor_cores", **o)) for o in dots_fwd]
         bwd_variants += [dict(lookahead_kernels="tensor_cores", num_warps=k) for k in (4, 8)]
-        variants = [("group_fwd", fwd_bytes, dict(sites_per_program=k, **o), lambda k=k, o=o: LA.group_forward(
-            buf, qs, ws, HEADS, EPS, 1.0, sites_per_program=k, **o)) for k, o in fwd_variants]  # fmt: skip
-        variants += [("group_bwd", bwd_bytes, o, lambda o=o: group_backward(
-            grad_outs, buf, qs, ws, lse, deltas, gbuf, **o)) for o in bwd_variants]  # fmt: skip
+        variants = [("group_fwd", fwd_bytes, dict(sites_per_program=k, **o), launched(
+            lambda o=o: LA.group_forward(buf, qs, ws, HEADS, EPS, 1.0, lookahead_kernels=o["lookahead_kernels"]),
+            group_fwd=dict(sites_per_program=k, **_launch_fields(o)))) for k, o in fwd_variants]  # fmt: skip
+        variants += [("group_bwd", bwd_bytes, o, launched(
+            lambda o=o: group_backward(grad_outs, buf, qs, ws, lse, deltas, gbuf, o["lookahead_kernels"]),
+            group_bwd=_launch_fields(o))) for o in bwd_variants]  # fmt: skip
         variants += merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, bh * bhd, group)
         variants += row_grads_sweep_variants(case, buf, gbuf, qs, ws, lse, deltas, grad_outs, group)
         for mode, nbytes, cfg, call in variants:
@@ -165,9 +178,15 @@ def run_lookahead_sweep(copy_gbps, modes=LOOKAHEAD_SWEEP_MODES):
     return rows
 
 
-def group_backward(grad_outs, buf, qs, ws, lse, deltas, gbuf, **options):
+def _launch_fields(variant):
+    """A variant's launch fields (all but its kernel family)."""
+    return {k: v for k, v in variant.items() if k != "lookahead_kernels"}
+
+
+def group_backward(grad_outs, buf, qs, ws, lse, deltas, gbuf, lookahead_kernels):
     """Phase 1's backward of one group with its rows' gradients added at once."""
-    _, _, deferred = LA.group_backward_deferred(grad_outs, buf, qs, ws, lse, deltas, HEADS, EPS, 1.0, gbuf, **options)
+    _, _, deferred = LA.group_backward_deferred(grad_outs, buf, qs, ws, lse, deltas, HEADS, EPS, 1.0, gbuf,
+                                                lookahead_kernels=lookahead_kernels)  # fmt: skip
     LA.add_row_grads([(deferred, buf.shape[1])], buf, gbuf, 0)
 
 
@@ -194,7 +213,7 @@ def row_grads_sweep_variants(case, buf, gbuf, qs, ws, lse, deltas, grad_outs, gr
               + group * case.t * case.d * (es + 8))  # fmt: skip
     configs = [dict(num_warps=w, stages=s) for s in (2, 1, 3) for w in (4, 8, 2)] + [
         dict(programs_per_sm=p) for p in (2, 6, 8, 12)]  # fmt: skip
-    return [("row_grads", nbytes, cfg, lambda cfg=cfg: LA.add_row_grads(owed, buf, gbuf, start, **cfg))
+    return [("row_grads", nbytes, cfg, launched(lambda: LA.add_row_grads(owed, buf, gbuf, start), add_row_grads=cfg))
             for cfg in configs]
 
 
@@ -236,30 +255,29 @@ def merge_sweep_variants(case, buf, qs, ws, m, l, acc, grad_outs, padded_d, grou
                  tile(1024, 2, 1, programs_per_sm=8), tile(4096, 8, 2, programs_per_sm=2),
                  launch.route_bwd_config(padded_d)]  # fmt: skip
 
-    def merges_fwd(loop):
+    def merges_fwd():
         for k in range(group):
-            LA.merge_forward(m[k], l[k], acc[k], new[:, :k], qs[k], ws[k], HEADS, EPS, 1.0, lse[k],
-                             **loop._asdict())  # fmt: skip
+            LA.merge_forward(m[k], l[k], acc[k], new[:, :k], qs[k], ws[k], HEADS, EPS, 1.0, lse[k])
 
     mr = launch.merge_row_grad_config(padded_d)
     row_grad_loops = [mr, mr.override(stages=2), mr.override(stages=3), tile(8192, 4, 2), tile(8192, 8, 2),
                       tile(2048, 4, 2), tile(2048, 2, 2), tile(16384, 8, 2)]  # fmt: skip
 
-    def merges_bwd(loop):
+    def merges_bwd():
         for k in range(group):
             LA.merge_backward(grad_outs[k], outs[k], new[:, :k], qs[k], ws[k], lse[k], HEADS, EPS, 1.0,
-                              (factors[k, :, :k], kv[k, :, :k]), **loop._asdict())  # fmt: skip
+                              (factors[k, :, :k], kv[k, :, :k]))  # fmt: skip
 
-    def row_grads(loop):
+    def row_grads():
         for i in reversed(range(group - 1)):
             LA.merge_row_grad(new[:, i], gnew[:, i], gnew[:, i], grad_outs, qs, ws, factors, kv, i, (i + 1, group),
-                              HEADS, **loop._asdict())  # fmt: skip
+                              HEADS)  # fmt: skip
 
-    variants = [("merge_fwd", fwd_bytes, loop._asdict(), lambda loop=loop: merges_fwd(loop))
+    variants = [("merge_fwd", fwd_bytes, loop._asdict(), launched(merges_fwd, merge_fwd=loop._asdict()))
                 for loop in dict.fromkeys(fwd_loops)]  # fmt: skip
-    variants += [("merge_bwd", bwd_bytes, loop._asdict(), lambda loop=loop: merges_bwd(loop))
+    variants += [("merge_bwd", bwd_bytes, loop._asdict(), launched(merges_bwd, merge_bwd=loop._asdict()))
                  for loop in dict.fromkeys(bwd_loops)]  # fmt: skip
-    variants += [("merge_row_grad", row_grad_bytes, loop._asdict(), lambda loop=loop: row_grads(loop))
+    variants += [("merge_row_grad", row_grad_bytes, loop._asdict(), launched(row_grads, merge_row_grad=loop._asdict()))
                  for loop in dict.fromkeys(row_grad_loops)]  # fmt: skip
     return variants
 
