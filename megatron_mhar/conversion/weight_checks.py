@@ -102,11 +102,23 @@ def check_hf_headers(hf_dir: Path, model: GPTModelConfig, dtype_chosen: bool) ->
         )
 
 
+FINITE_CHECK_ELEMENTS = 2**24
+"""Elements checked at once: ``isfinite``'s temporaries over a whole 8B vocabulary matrix
+(525M elements) come to twice its size, the conversion's peak (docs/performance.md)."""
+
+
+def count_nonfinite(tensor: torch.Tensor) -> int:
+    """NaN and Inf values in ``tensor``, counted piece by piece (at most
+    :data:`FINITE_CHECK_ELEMENTS` at once)."""
+    flat = tensor.reshape(-1)  # a view of a contiguous tensor, as read from safetensors
+    return sum(int((~torch.isfinite(piece)).sum()) for piece in flat.split(FINITE_CHECK_ELEMENTS))
+
+
 def check_finite(name: str, tensor: torch.Tensor, where: str, allow: bool) -> None:
     """Raise (or, with ``allow``, warn) if ``tensor`` holds NaN or Inf."""
     if not tensor.is_floating_point():
         return
-    bad = int((~torch.isfinite(tensor)).sum())
+    bad = count_nonfinite(tensor)
     if not bad:
         return
     message = f"{where}: {name} holds {bad} non-finite values (NaN/Inf) of {tensor.numel()}"

@@ -44,6 +44,20 @@ def test_non_finite_weights_are_refused_unless_allowed(hf_dirs, tmp_path, capsys
     assert (exported / "model.safetensors").is_file()
 
 
+def test_non_finite_values_are_counted_across_pieces(monkeypatch):
+    """The count is checked a piece at a time (bounded temporaries): values at either end
+    of a piece, in the last short piece and in a non-contiguous tensor all count."""
+    from megatron_mhar.conversion import weight_checks
+
+    monkeypatch.setattr(weight_checks, "FINITE_CHECK_ELEMENTS", 7)
+    tensor = torch.zeros(5, 9, dtype=torch.bfloat16)
+    for index, value in ((0, "nan"), (6, "inf"), (7, "-inf"), (44, "nan")):
+        tensor.view(-1)[index] = float(value)
+    assert weight_checks.count_nonfinite(tensor) == 4
+    assert weight_checks.count_nonfinite(tensor.t()) == 4
+    assert weight_checks.count_nonfinite(torch.zeros(0)) == 0
+
+
 def test_mixed_dtypes_are_refused_unless_a_dtype_is_chosen(hf_dirs, tmp_path):
     hf_dir = edited_hf_dir(hf_dirs["llama"], tmp_path / "hf",
                      replace={"model.norm.weight": torch.ones(64, dtype=torch.bfloat16)})
