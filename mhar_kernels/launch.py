@@ -370,6 +370,15 @@ ROW_GRADS_ENTRIES = 16
 
 
 @functools.lru_cache(maxsize=None)
+def row_grads_config() -> LoopConfig:
+    """The deferred row gradients (``group_bwd_row_grads_kernel``, ``add_row_grads``): blocks
+    of 16 rows (the dots' smallest M; a block between group starts has G rows), four warps,
+    two stages (an entry's loads overlap the previous entry's dots) and four token programs
+    per SM and head."""
+    return LoopConfig(block_t=16, num_warps=4, stages=2, programs_per_sm=4)
+
+
+@functools.lru_cache(maxsize=None)
 def copy_tile(d: int) -> Tuple[int, int]:
     """(tokens, channels) of a row copy's tile (``copy_rows_kernel``, 4 warps): the channels
     the largest power of two that divides D, up to 1024 (1280 = 5 x 256: no masked lane),

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import ROW_GRADS_ENTRIES, head_chunks, head_programs, merge_row_grad_config, overrides, tile
+from ..launch import ROW_GRADS_ENTRIES, head_chunks, head_programs, merge_row_grad_config, overrides, row_grads_config, tile
 from ..primitives import SLOTS, dot_split, folded_query, slot_operand, split_operand, token_tile
 from .phase1_dots import RowFactors
 
@@ -244,12 +244,9 @@ def add_row_grads(
         accumulate: False where the rows ``[start, max owed)`` hold no gradient yet: the
             sums are stored, the gradients not read.
 
-    Launch: four warps and two stages (an entry's loads overlap the previous entry's dots);
-    ``programs_per_sm * SMs / H`` token programs per head (four per SM) stride over the
-    tokens (:func:`launch.overridden` sets others)."""
-    override = overrides("add_row_grads")
-    num_warps, stages = override.get("num_warps") or 4, override.get("stages") or 2
-    programs_per_sm = override.get("programs_per_sm") or 4
+    Launch: ``launch.row_grads_config`` (``launch.overridden`` sets others); ``programs_per_sm
+    * SMs / H`` token programs per head stride over the tokens."""
+    block_rows, num_warps, stages, _, programs_per_sm = row_grads_config().override(**overrides("add_row_grads"))
     entries = [(f, owed) for factors, owed in deferred for f in factors if owed > start]
     if not entries or sources.shape[0] == 0:
         return
@@ -258,7 +255,6 @@ def add_row_grads(
     head_dim = d // num_heads
     ka, kb = head_chunks(head_dim)
     stop = max(owed for _, owed in entries)
-    block_rows = 16  # the dots' smallest M; a block between group starts has G rows
     programs = head_programs(t, num_heads, sources.device, programs_per_sm)
     for i in range(0, len(entries), ROW_GRADS_ENTRIES):
         batch = entries[i : i + ROW_GRADS_ENTRIES]

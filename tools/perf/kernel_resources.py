@@ -13,7 +13,6 @@ checks every row against the H200's limit.
 """
 
 import argparse
-import inspect
 import json
 import os
 
@@ -122,13 +121,13 @@ def shape_rows(d, model_heads, dtype, launch_name, sizes):
         (phase1_dots.group_bwd_heads_kernel, dict(head_tile, STAGES=per_head.stages), per_head.num_warps),
     ]
     kernels = [(kernel, constexprs, warps, None) for kernel, constexprs, warps in kernels]
-    # The row-gradient kernel with a launch's most entries, at add_row_grads' defaults,
+    # The row-gradient kernel with a launch's most entries, at its launch rule's,
     # adding into the gradients (the variant that also loads them).
-    defaults = inspect.signature(row_grads.add_row_grads).parameters
+    row_launch = launch.row_grads_config()
     kernels.append((row_grads.group_bwd_row_grads_kernel,
-                    dict(D=d, H=heads, HD=head_dim, BR=16, KA=ka, KB=kb, J=launch.ROW_GRADS_ENTRIES,
-                         ACCUMULATE=True),
-                    defaults["num_warps"].default, defaults["stages"].default))  # fmt: skip
+                    dict(D=d, H=heads, HD=head_dim, BR=row_launch.block_t, KA=ka, KB=kb,
+                         J=launch.ROW_GRADS_ENTRIES, ACCUMULATE=True),
+                    row_launch.num_warps, row_launch.stages))  # fmt: skip
     for kernel, constexprs, warps, stages in kernels:
         yield {"width": d, "heads": model_heads, "dot_heads": heads, "dtype": dtype, "launch": launch_name,
                "kernel": kernel.fn.__name__, "num_warps": warps, "num_stages": stages,
