@@ -34,7 +34,7 @@ setup(
         # lm-eval: lm-evaluation-harness; transformers >= 5.24 for the cache API megatron_mhar.hf uses
         # (MIN_TRANSFORMERS_VERSION in megatron_mhar/hf/configuration_mhar.py).
         "eval": ["lm-eval[hf]>=0.4.13", "transformers>=5.24"],
-        "dev": ["pytest", "triton", "transformers>=5.24", "lm-eval[hf]>=0.4.13", "peft", "setuptools>=70.1"],
+        "dev": ["pytest", "pytest-xdist", "triton", "transformers>=5.24", "lm-eval[hf]>=0.4.13", "peft", "setuptools>=70.1"],
     },
     entry_points={
         "console_scripts": [
