@@ -261,7 +261,8 @@ def route_dw_reduce_kernel(
 def _launch_fwd(sources, extra, query, norm_weight, num_heads, eps, logit_scale):
     t, n, d = sources.shape
     head_dim, bh, bhd, chunks = chunked_tile(d, num_heads)
-    block_t, num_warps, stages, l2_reuse, _ = route_fwd_config(tile_width(d, num_heads)).override(**overrides("route_fwd"))
+    config = route_fwd_config(tile_width(d, num_heads))
+    block_t, num_warps, stages, l2_reuse, _ = config.override(**overrides("route_fwd"))
     out = torch.empty((t, d), dtype=sources.dtype, device=sources.device)
     lse = torch.empty((t, num_heads), dtype=torch.float32, device=sources.device)
     if t == 0:

@@ -12,6 +12,7 @@ launch arguments.
 import contextlib
 import contextvars
 import functools
+import types
 from typing import Any, Dict, Iterator, Mapping, NamedTuple, Optional, Tuple
 
 import torch
@@ -79,8 +80,9 @@ OVERRIDABLE: Dict[str, Tuple[str, ...]] = {
 }
 """The kernels whose launch :func:`overridden` may change, and the fields of each."""
 _POSITIVE = ("block_t", "num_warps", "programs_per_sm", "sites_per_program")
+_NONE: Mapping[str, Any] = types.MappingProxyType({})
 _overrides: contextvars.ContextVar[Mapping[str, Mapping[str, Any]]] = contextvars.ContextVar(
-    "mhar_kernels_launch_overrides", default={}
+    "mhar_kernels_launch_overrides", default=_NONE
 )
 
 
@@ -100,16 +102,18 @@ def overridden(**kernels: Mapping[str, Any]) -> Iterator[None]:
         for name in _POSITIVE:
             if fields.get(name) is not None and fields[name] < 1:
                 raise ValueError(f"{kernel}: {name} must be at least 1, got {fields[name]}")
-    token = _overrides.set({**_overrides.get(), **{k: dict(v) for k, v in kernels.items()}})
+    fixed = {kernel: types.MappingProxyType(dict(fields)) for kernel, fields in kernels.items()}
+    token = _overrides.set(types.MappingProxyType({**_overrides.get(), **fixed}))
     try:
         yield
     finally:
         _overrides.reset(token)
 
 
-def overrides(kernel: str) -> Dict[str, Any]:
-    """The launch fields :func:`overridden` set for ``kernel`` (none on the model's path)."""
-    return dict(_overrides.get().get(kernel, ()))
+def overrides(kernel: str) -> Mapping[str, Any]:
+    """The launch fields :func:`overridden` set for ``kernel``, read-only: none on the
+    model's path, where a launch reads them without copying anything."""
+    return _overrides.get().get(kernel, _NONE)
 
 
 @functools.lru_cache(maxsize=None)

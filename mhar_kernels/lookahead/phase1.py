@@ -62,7 +62,7 @@ def group_forward(
     if n < 1:
         raise ValueError("group_forward needs at least one old row")
     _check_first_out(first_out, sources, num_heads)
-    loop = overrides("group_fwd")
+    loop = dict(overrides("group_fwd"))
     sites_per_program = loop.pop("sites_per_program", None)
     queries, norm_weights = queries.contiguous(), norm_weights.contiguous()
     _, _, dot_dim, dot_bh = dot_heads(d, num_heads)
@@ -156,7 +156,7 @@ def group_backward_deferred(
     lo, hi = site_range if site_range is not None else (0, g)
     if not (0 <= lo < hi <= g):
         raise ValueError(f"site_range {site_range} outside the group's {g} sites")
-    loop = overrides("group_bwd")
+    loop = dict(overrides("group_bwd"))
     sites_per_program = loop.pop("sites_per_program", None)
     if grad_sources.shape != sources.shape or grad_sources.dtype != torch.float32:
         raise ValueError(

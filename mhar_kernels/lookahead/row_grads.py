@@ -246,7 +246,8 @@ def add_row_grads(
 
     Launch: ``launch.row_grads_config`` (``launch.overridden`` sets others); ``programs_per_sm
     * SMs / H`` token programs per head stride over the tokens."""
-    block_rows, num_warps, stages, _, programs_per_sm = row_grads_config().override(**overrides("add_row_grads"))
+    config = row_grads_config().override(**overrides("add_row_grads"))
+    block_rows, num_warps, stages, _, programs_per_sm = config
     entries = [(f, owed) for factors, owed in deferred for f in factors if owed > start]
     if not entries or sources.shape[0] == 0:
         return

@@ -240,7 +240,7 @@ def test_rejects_bad_layout():
 
 
 @pytest.mark.parametrize("stages", [1, 3], ids=["plain-loop", "pipelined"])
-def test_loop_variants(stages):
+def test_loop_variants(stages, launch_reads):
     """Both source loops (plain, loads pipelined through shared memory) give the same result."""
     t, n, d, heads = _tokens(6), 5, 512, 8
     sources, extra, query, norm_weight, grad_out = _inputs(t, n, d, heads, True, 1.0, "buffer", torch.float32)
@@ -248,6 +248,7 @@ def test_loop_variants(stages):
         out, lse = route_forward(sources, extra, query, norm_weight, heads, EPS, 1.0)
         grad_sources = torch.zeros(sources.shape, device=DEVICE)
         ge, gq, gg = route_backward(grad_out, sources, extra, query, norm_weight, lse, heads, EPS, 1.0, grad_sources)
+    assert launch_reads == {"route_fwd": [{"stages": stages}], "route_bwd": [{"stages": stages}]}
     ref = _reference(sources, extra, query, norm_weight, grad_out, heads, 1.0)
     for name, g, r in zip(NAMES, (out, grad_sources, ge, gq, gg), ref):
         scale = r.abs().max().item()

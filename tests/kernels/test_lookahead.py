@@ -507,7 +507,7 @@ def test_add_row_grads_spanning_blocks_and_owed_rows():
     assert torch.equal(got[:, 40:], start[:, 40:]) and not torch.equal(got[:, 30], start[:, 30])
 
 
-def test_add_row_grads_independent_of_the_token_programs():
+def test_add_row_grads_independent_of_the_token_programs(launch_reads):
     """The row-gradient kernel's token programs stride over the tokens, each with one loop
     over its (token, row block, entry) triples: one program for every token, a few, and
     one per token give bitwise the same gradients (a block's entries are summed in the
@@ -531,6 +531,7 @@ def test_add_row_grads_independent_of_the_token_programs():
     *fused_rows, ref = results
     for got in fused_rows[1:]:
         assert torch.equal(got, fused_rows[0])
+    assert launch_reads == {"add_row_grads": [dict(programs_per_sm=p) for p in (1, 3, 1024)]}
     torch.testing.assert_close(fused_rows[0], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     assert not torch.equal(fused_rows[0][:, :20], start[:, :20])
 
@@ -654,7 +655,7 @@ def test_tensor_cores_auto(d, heads, g, forward_dots, backward_dots, dtype):
         assert torch.equal(a, b)
 
 
-def test_sites_per_program_split():
+def test_sites_per_program_split(launch_reads):
     """Phase 1 with the sites split over sibling programs, and its backward with the sites
     split over launches, give the same bits as one program / one launch per token tile."""
     t, n0, g, d, heads = _tokens(4), 3, 5, 512, 8
@@ -679,9 +680,11 @@ def test_sites_per_program_split():
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
             assert torch.equal(a, b)
+    assert launch_reads == {"group_fwd": [dict(sites_per_program=k, block_t=1) for k in (g, 2)],
+                            "group_bwd": [dict(sites_per_program=k) for k in (g, 2, 1)]}  # fmt: skip
 
 
-def test_sites_per_program_keeps_a_power_of_two_tile():
+def test_sites_per_program_keeps_a_power_of_two_tile(launch_reads):
     """A sites-per-program override that leaves room for a token count that is not a power
     of two (three sites of 256: 5 tokens) runs on the tile's power of two below it (Triton
     refuses a tile of 5), with the partials of one program per token tile. The two tiles
@@ -699,6 +702,36 @@ def test_sites_per_program_keeps_a_power_of_two_tile():
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(a, b)
+    assert launch_reads == {"group_fwd": [dict(sites_per_program=k) for k in (g, 3)]}
+
+
+def test_merge_launch_overrides_reach_the_kernels(launch_reads):
+    """The merges' launches set with launch.overridden (as tools/perf sweeps them) reach
+    their kernels, which compute what they compute at the rules' launches."""
+    t, n0, g, d, heads = _tokens(3), 2, 3, 512, 8
+    torch.manual_seed(5)
+    buffer, queries, norms, grad_outs = _inputs(t, n0, g, d, heads, 1.0, torch.float32)
+    m, l, acc = fused.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.0)
+    new = buffer[:, n0:]  # site 2's two new rows
+    factors, kv = torch.randn(g, t, 2, heads, 2, device=DEVICE), torch.randn(g, t, 2, device=DEVICE)
+
+    def merges():
+        lse = torch.empty((t, heads), device=DEVICE)
+        out = fused.merge_forward(m[2], l[2], acc[2], new, queries[2], norms[2], heads, EPS, 1.0, lse)
+        row_factors = (torch.zeros(t, 2, heads, 2, device=DEVICE), torch.zeros(t, 2, device=DEVICE))
+        delta, dq, dg = fused.merge_backward(grad_outs[2], out, new, queries[2], norms[2], lse, heads, EPS, 1.0,
+                                             row_factors)  # fmt: skip
+        row_grad = torch.randn(t, d, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1))
+        fused.merge_row_grad(new[:, 0], row_grad, row_grad, grad_outs, queries, norms, factors, kv, 0, (1, g), heads)
+        return out, lse, delta, dq, dg, *row_factors, row_grad
+
+    rules = merges()
+    fields = dict(block_t=1, stages=2)
+    with launch.overridden(merge_fwd=fields, merge_bwd=fields, merge_row_grad=fields):
+        overridden = merges()
+    assert launch_reads == {kernel: [fields] for kernel in ("merge_fwd", "merge_bwd", "merge_row_grad")}
+    for want, got in zip(rules, overridden):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize(
