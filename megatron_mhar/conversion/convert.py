@@ -24,7 +24,7 @@ import queue
 import shutil
 import traceback
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -43,7 +43,15 @@ from megatron_mhar.checkpoint.model import build_model, check_layout, tp_slice
 from megatron_mhar.checkpoint.streaming import read_streamed, save_streamed
 from megatron_mhar.conversion import hf_config, hf_io, mapping, weight_checks
 from megatron_mhar.conversion.model_card import model_card
-from megatron_mhar.conversion.output import CONVERSION_FILE, ITERATION_DIR, check_output, prepare_output, publish
+from megatron_mhar.conversion.output import (
+    CONVERSION_FILE,
+    ITERATION_DIR,
+    SOURCE_CONFIG,
+    SOURCE_GENERATION_CONFIG,
+    check_output,
+    prepare_output,
+    publish,
+)
 from megatron_mhar.errors import UserError
 from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.mhar_config import MHARConfig, function_fields
@@ -214,13 +222,18 @@ def _import_rank(plan: ImportPlan) -> None:
         if rank == 0:
             iteration_dir.mkdir()
         torch.distributed.barrier()
+        source_config = hf_io.read_config(Path(plan.hf_dir))
         conversion = {
             "source": str(Path(plan.hf_dir).absolute()),
-            "architecture": hf_config.architecture(hf_io.read_config(Path(plan.hf_dir))),
+            "architecture": hf_config.architecture(source_config),
             "dtype": plan.dtype,
             "converted_at_layout": {"tp": plan.tp, "pp": plan.pp},
             "routing_source": plan.routing_source,
             "ignored_hf_tensors": list(plan.hf_ignored),
+            # The source's own config, carried by every checkpoint trained from this one
+            # (the training driver keeps this record), so that every export restores it.
+            SOURCE_CONFIG: source_config,
+            SOURCE_GENERATION_CONFIG: hf_io.read_generation_config(Path(plan.hf_dir)),
         }
         common = common_state(plan.model, plan.mhar, conversion)
         save_streamed(chunk, iteration_dir, common, value_of)
@@ -315,9 +328,14 @@ def mcore_to_hf(
     else its MHAR form, which ``AutoModelForCausalLM`` loads (``trust_remote_code=True``, or
     none once :mod:`megatron_mhar.hf` is imported).
 
-    ``config.json`` and the tokenizer files come from ``hf_reference`` if given, else
-    from the ``hf/`` folder a converted checkpoint carries; a checkpoint with neither
-    (trained from scratch) gets a config derived from its model config. ``tokenizer``
+    ``config.json`` is the source model's, from ``hf_reference`` if given, else from the
+    ``hf/`` folder a converted checkpoint carries, else from the conversion record a
+    checkpoint trained from a converted one carries (:data:`SOURCE_CONFIG`): every field
+    (context length, RoPE scaling, token ids, dtype, model-specific fields) is kept, except
+    what the checkpoint really changed (:func:`_trained_changes`), which is said in one line.
+    A checkpoint with none of them (trained from scratch) gets a config derived from its
+    model config. The tokenizer files come with the source config, except for a trained
+    checkpoint, which ships the tokenizer it trained with. ``tokenizer``
     (a directory holding ``tokenizer.json``, such as the one a run trained on) supplies
     the tokenizer files instead (with a pad token, :func:`hf_io.tokenizer_files`), and a
     derived config its special tokens (:func:`hf_io.special_token_ids`); by default a
@@ -345,13 +363,18 @@ def mcore_to_hf(
     model_cfg, mhar, common = read_configs(found)
     stored = stored_dtype(found)
     target = DTYPES[dtype] if dtype else stored
-    source_config = (source_hf / "config.json").is_file()
+    original, what = _source_config(source_hf, hf_reference, common)
+    generation = None  # the source's generation_config.json, where it is not copied with its files
     ids = {}  # special token ids from the tokenizer, for a derived config
-    if source_config:
-        what = f"--hf-reference {hf_reference}/config.json" if hf_reference else f"{source_hf}/config.json"
-        config = hf_config.plain_hf_config(hf_io.read_config(source_hf))
+    if original is not None:
+        config = hf_config.plain_hf_config(original)
         derived = hf_config.model_config_from_hf(config)
         hf_config.check_same_function(derived, model_cfg, f"{what} and the checkpoint's model")
+        config, changes = _trained_changes(config, model_cfg, _DTYPE_NAMES[target], dtype is not None)
+        if not (source_hf / "config.json").is_file():
+            generation = common["conversion"].get(SOURCE_GENERATION_CONFIG)
+        kept = f"config.json: the source model's ({what})"
+        print(kept + (f", changed: {'; '.join(changes)}" if changes else ", unchanged"), flush=True)
     else:
         config = hf_config.hf_config_from_model(model_cfg, _DTYPE_NAMES[target])
         if tokenizer is not None:
@@ -367,11 +390,13 @@ def mcore_to_hf(
     out = Path(out).absolute()
     tmp, lock = prepare_output(out, overwrite, inputs)  # the lock: held until published or cleaned up
     try:
-        if source_config:
+        if (source_hf / "config.json").is_file():
             hf_io.copy_auxiliary(source_hf, tmp)
         if tokenizer_files is not None:
             hf_io.write_tokenizer(tokenizer_files, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if generation is not None:
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if not (tmp / "generation_config.json").is_file():
             hf_io.write_generation_config({**config, **ids}, tmp)
         (tmp / "README.md").write_text(model_card(config, found, common))
@@ -385,6 +410,38 @@ def mcore_to_hf(
         raise
     finally:
         lock.release()
+
+
+def _source_config(source_hf: Path, hf_reference: Optional[Path],
+                   common: Dict[str, Any]) -> Tuple[Optional[Dict[str, Any]], str]:
+    """(the source model's config.json, where it comes from), or ``(None, "")`` for a
+    checkpoint that has no source model (trained from scratch)."""
+    if (source_hf / "config.json").is_file():
+        where = f"--hf-reference {hf_reference}/config.json" if hf_reference else f"{source_hf}/config.json"
+        return hf_io.read_config(source_hf), where
+    record = common.get("conversion") or {}
+    if isinstance(record.get(SOURCE_CONFIG), dict):
+        return record[SOURCE_CONFIG], f"{record.get('source')}/config.json, carried by the checkpoint"
+    return None, ""
+
+
+def _trained_changes(config: Dict[str, Any], model: GPTModelConfig, dtype: str,
+                     dtype_chosen: bool) -> Tuple[Dict[str, Any], List[str]]:
+    """The source ``config`` with what the checkpoint changed, and ``field old -> new (why)``
+    for each: the dtype of the written tensors, and a context longer than the source's
+    where the model trained on longer sequences. Everything else is the source's."""
+    out, changes = dict(config), []
+    why = "--dtype" if dtype_chosen else "the checkpoint's stored dtype"
+    for key in ("torch_dtype", "dtype"):
+        if key in out and out[key] != dtype:
+            changes.append(f"{key} {out[key]!r} -> {dtype!r} ({why})")
+            out[key] = dtype
+    context = out.get("max_position_embeddings")
+    if context is not None and model.seq_length > context:
+        changes.append(f"max_position_embeddings {context} -> {model.seq_length} (trained at "
+                       f"model.seq_length={model.seq_length})")
+        out["max_position_embeddings"] = model.seq_length
+    return out, changes
 
 
 def _write_hf_tensors(found: Path, model_cfg: GPTModelConfig, mhar: MHARConfig, stored: torch.dtype,

@@ -28,7 +28,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Mapping
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional
 
 import torch
 
@@ -295,6 +295,12 @@ def special_token_ids(files: Mapping[str, bytes], eod: int) -> Dict[str, int]:
         found = vocab.token_to_id(token) if token else None
         ids[f"{key}_token_id"] = eod if found is None else found
     return ids
+
+
+def read_generation_config(hf_dir: Path) -> Optional[Dict[str, Any]]:
+    """``generation_config.json`` of ``hf_dir``, or ``None`` where it has none."""
+    path = Path(hf_dir) / "generation_config.json"
+    return read_json_object(path) if path.is_file() else None
 
 
 def write_generation_config(config: Mapping[str, Any], out_dir: Path) -> None:

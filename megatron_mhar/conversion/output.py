@@ -8,13 +8,17 @@ A converted Megatron checkpoint (``mhar-convert hf-to-mcore``)::
       iter_0000000/           one megatron.core.dist_checkpointing checkpoint
         common.pt, metadata.json, __*.distcp
         train_config.yaml     the model and mhar sections a recipe must repeat
-        conversion.json       source, architecture, dtype, layout of the conversion
+        conversion.json       the conversion record: source, architecture, dtype, layout, and
+                              the source's config.json and generation_config.json
         hf/                   the source config.json and tokenizer files (for the export)
         manifest.json         every other file's size and checksum (megatron_mhar.checkpoint.manifest)
 
 It has the training driver's layout (:mod:`megatron_mhar.checkpoint.format`), so
 ``checkpoint.load`` of a recipe points at it directly; there is no optimizer state, so a
-run starting from it sets ``checkpoint.load_model_only: true``. An export
+run starting from it sets ``checkpoint.load_model_only: true``. The conversion record is
+also the ``conversion`` entry of the common state, which the training driver carries into
+every checkpoint of a run started from it (and of its resumes): an export of any of them
+restores the source model's config (:data:`SOURCE_CONFIG`). An export
 (``mhar-convert mcore-to-hf``) is a Hugging Face directory, staged and published the same way.
 """
 
@@ -33,6 +37,10 @@ from megatron_mhar.runtime.lock import DirectoryLock
 ITERATION_DIR = checkpoint_name(0)
 OLD_PREFIX = ".old."
 CONVERSION_FILE = "conversion.json"
+SOURCE_CONFIG = "hf_config"
+"""Conversion-record entry: the source model's ``config.json``, as it was."""
+SOURCE_GENERATION_CONFIG = "hf_generation_config"
+"""Conversion-record entry: the source's ``generation_config.json`` (``None`` if it had none)."""
 
 
 def check_output(out: Path, overwrite: bool, inputs: Tuple[Path, ...] = ()) -> None:

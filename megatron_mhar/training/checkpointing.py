@@ -148,13 +148,16 @@ def save_checkpoint(
     verify: str = "full",
     failed: Iterable[Path] = (),
     tokenizer=None,
+    conversion: Optional[Dict[str, Any]] = None,
 ) -> Path:
     """Save on every rank (a collective); returns the published checkpoint directory.
 
     ``failed``: checkpoints known to fail verification (found so at resume); pruning leaves
     them and does not count them among the ``keep_last`` kept. ``tokenizer`` (a
     :class:`megatron_mhar.data.tokenizer.Tokenizer`) is saved beside the weights, in
-    ``TOKENIZER_DIR``, and covered by the manifest.
+    ``TOKENIZER_DIR``, and covered by the manifest. ``conversion``: the conversion record of
+    the converted checkpoint the run's weights come from (:func:`load_checkpoint` returns
+    it), kept in the common state: an export restores the source model's config from it.
     """
     if iteration > 0:
         check_optimizer_checkpointable(optimizer)
@@ -178,6 +181,8 @@ def save_checkpoint(
             world_size=torch.distributed.get_world_size(),
             provenance=code_provenance(),
         )
+        if conversion is not None:
+            state["conversion"] = conversion
         with checksummed_writes():
             dist_checkpointing.save(state, str(tmp))  # ends with a barrier once all ranks wrote
         on_rank0(lambda: _write_run_files(tmp, config, tokenizer))
@@ -388,8 +393,10 @@ def load_checkpoint(
     checkpoint is of step 0, which holds weights only: saved before the first step, or
     converted).
 
-    Returns ``{"iteration", "train_state", "config"}``: iteration 0 and an empty train
-    state with ``model_only``; ``config`` is the run config the checkpoint was saved with.
+    Returns ``{"iteration", "train_state", "config", "conversion"}``: iteration 0 and an
+    empty train state with ``model_only``; ``config`` is the run config the checkpoint was
+    saved with, ``conversion`` the conversion record it carries (``None`` for weights
+    trained from scratch), which the run's saves carry on.
     """
     common = check_config(checkpoint, config)
     model_only = model_only or common.get("iteration") == 0
@@ -430,7 +437,7 @@ def load_checkpoint(
         # construction (this run's own initialisation); without a refresh the first step
         # would write that initialisation back over the loaded weights.
         optimizer.reload_model_params()
-        return {"iteration": 0, "train_state": {}, "config": saved_config}
+        return {"iteration": 0, "train_state": {}, "config": saved_config, "conversion": common.get("conversion")}
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     if same_layout:
@@ -442,4 +449,5 @@ def load_checkpoint(
             f"are resharded, the RNG streams are this layout's own",
             flush=True,
         )
-    return {"iteration": state["iteration"], "train_state": state["train_state"], "config": saved_config}
+    return {"iteration": state["iteration"], "train_state": state["train_state"], "config": saved_config,
+            "conversion": common.get("conversion")}

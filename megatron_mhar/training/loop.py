@@ -191,6 +191,9 @@ class Trainer(RoutingOutputs, RunReports):
         self.routing: Dict[int, SiteRouting] = {}  # routing of the last recorded step, by site
         self.checkpoint: Optional[Path] = None
         self.failed_checkpoints: Set[Path] = set()
+        self.conversion: Optional[dict] = None
+        """The conversion record of the converted checkpoint the weights come from, carried
+        into every save (an export restores the source model's config from it)."""
         self.changed_since_checkpoint: List[str] = []
         """``key old -> new`` of each config field a resume changed (said on the start line)."""
         self._unwritten_metrics: List[list] = []  # a resumed checkpoint's records its run could not write
@@ -311,6 +314,7 @@ class Trainer(RoutingOutputs, RunReports):
             found, self.model, self.optimizer, self.scheduler, cfg.to_dict(), model_only=model_only
         )
         self.iteration = loaded["iteration"]
+        self.conversion = loaded["conversion"]
         train_state = loaded["train_state"]
         self.val_losses = [list(v) for v in train_state.get("val_losses", [])]
         self._unwritten_metrics = train_state.get("unwritten_metrics", [])
@@ -442,6 +446,7 @@ class Trainer(RoutingOutputs, RunReports):
             verify=self.cfg.checkpoint.verify,
             failed=self.failed_checkpoints,
             tokenizer=self.tokenizer,
+            conversion=self.conversion,
         )
         self.metrics.console(f"saved checkpoint {self.checkpoint}")
 
