@@ -61,6 +61,10 @@ from megatron_mhar.training.schema import TrainConfig
 from megatron_mhar.training.signals import SIGNALS as STOP_SIGNALS
 from megatron_mhar.training.signals import StopSignal
 
+_GROUP_SETTINGS = ("max_lr", "min_lr", "betas", "eps")
+"""What a run's config sets in each optimizer param group (a resume keeps them: ``Trainer._resume``)."""
+
+
 def run(
     cfg: TrainConfig,
     step_hook: Optional[Callable[["Trainer", int], None]] = None,
@@ -170,6 +174,10 @@ class Trainer(RoutingOutputs, RunReports):
             end_wd=opt.weight_decay,
             wd_incr_steps=tr.train_iters,
             wd_incr_style="constant",
+            # A resume applies this run's schedule at the checkpoint's step (Megatron-LM's
+            # --override-opt_param-scheduler): what the start line reports as changed is used.
+            use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True,
         )
         self._wire_model_config()
         self.moe_metrics = (MoEMetrics(cfg.model, self.config, [unwrap(c) for c in self.model], self.num_microbatches)
@@ -310,6 +318,8 @@ class Trainer(RoutingOutputs, RunReports):
             model_only = cfg.checkpoint.load_model_only
         if found is None:
             return
+        own_settings = [{key: group[key] for key in _GROUP_SETTINGS if key in group}
+                        for group in self.optimizer.param_groups]
         loaded = checkpointing.load_checkpoint(
             found, self.model, self.optimizer, self.scheduler, cfg.to_dict(), model_only=model_only
         )
@@ -326,11 +336,20 @@ class Trainer(RoutingOutputs, RunReports):
         )
         self.checkpoint = found
         if not model_only:  # said on the start line: what this run does otherwise than the saved one
+            self._apply_optimizer_settings(own_settings)
             self.changed_since_checkpoint = [
                 f"{key} {old!r} -> {new!r}" for key, old, new in changed_fields(loaded["config"], cfg.to_dict())]
         if self.is_logger:
             what = "loaded weights from" if model_only else "resumed from"
             print(f"{what} {found} at step {self.iteration}", flush=True)
+
+    def _apply_optimizer_settings(self, own_settings: List[dict]) -> None:
+        """This run's settings over those of a loaded optimizer state: Megatron restores the
+        param groups whole (their peak and minimum lr, Adam's betas and epsilon), and the
+        scheduler computes each step's lr from the group's."""
+        for group, own in zip(self.optimizer.param_groups, own_settings):
+            group.update(own)
+        self.scheduler.step(increment=0)  # the resumed step's lr and weight decay from them
 
     # ---------------------------------------------------------------- steps
 
