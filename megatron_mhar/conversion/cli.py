@@ -66,6 +66,10 @@ def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec", choices=SPECS, help="model.spec recorded for training")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="stored dtype (default: the HF tensors' dtype)")
+    parser.add_argument("--tokenizer", type=Path,
+                        help="directory of the tokenizer the model trains with (tokenizer.json), checked "
+                             "against the model's vocabulary and carried for the export (default: the one "
+                             "in --hf-dir, if any)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     parser.add_argument("--allow-nonfinite", action="store_true", help=NONFINITE_HELP)
 
@@ -103,7 +107,7 @@ def run_hf_to_mcore(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         args.hf_dir, args.out, args.variant, tp=args.tp, pp=args.pp, dtype=args.dtype,
         seq_length=args.seq_length, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         overwrite=args.overwrite, mhar_overrides=mhar, model_overrides=model,
-        allow_nonfinite=args.allow_nonfinite,
+        allow_nonfinite=args.allow_nonfinite, tokenizer=args.tokenizer,
     )
     out = hf_to_mcore(plan)
     print(f"wrote {out} ({plan.mhar.variant}, {plan.dtype}); recipes continuing from it use the "

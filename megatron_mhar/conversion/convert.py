@@ -80,6 +80,9 @@ class ImportPlan:
     hf_ignored: tuple
     allow_nonfinite: bool = False
     """Convert weights holding NaN/Inf as they are (default: refuse)."""
+    tokenizer: Optional[str] = None
+    """The directory of ``--tokenizer``, whose tokenizer files the checkpoint carries instead
+    of those beside the model."""
 
 
 # The variants each routing option of the import changes; given with another, it would be
@@ -101,8 +104,13 @@ def plan_import(
     mhar_overrides: Optional[Dict[str, Any]] = None,
     model_overrides: Optional[Dict[str, Any]] = None,
     allow_nonfinite: bool = False,
+    tokenizer: Optional[Path] = None,
 ) -> ImportPlan:
-    """Validate everything that can be checked before any process starts."""
+    """Validate everything that can be checked before any process starts.
+
+    ``tokenizer``: the directory of the tokenizer the model is trained with, checked against
+    the model's vocabulary (:func:`_check_tokenizer`) and carried in the checkpoint's ``hf/``;
+    default: the one beside the model, where there is one."""
     hf_dir = Path(hf_dir)
     check_output(out, overwrite, inputs=(hf_dir,))
     if make_vocab_size_divisible_by < 1:
@@ -112,6 +120,7 @@ def plan_import(
         raw, seq_length, make_vocab_size_divisible_by, **(model_overrides or {})
     )
     check_layout(model, tp, pp)
+    _check_tokenizer(Path(tokenizer) if tokenizer else None, hf_dir, model.vocab_size)
     hf_io.check_no_side_file(hf_dir)
     exported = hf_config.mhar_config_from_hf(raw) if hf_config.is_mhar_export(raw) else None
     fields: Dict[str, Any] = {}
@@ -147,7 +156,34 @@ def plan_import(
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     source = "export" if exported is not None else "initial"
     return ImportPlan(str(hf_dir), str(Path(out).absolute()), model, mhar, dtype, tp, pp,
-                      overwrite, source, tuple(ignored), allow_nonfinite)
+                      overwrite, source, tuple(ignored), allow_nonfinite,
+                      str(Path(tokenizer).absolute()) if tokenizer else None)
+
+
+def _check_tokenizer(tokenizer: Optional[Path], hf_dir: Path, vocab_size: int) -> None:
+    """The tokenizer given (or, where none is, the one beside the model) has no token beyond
+    the model's embedding rows: data it writes would stop the training that reads it. A
+    tokenizer with fewer tokens is usual (the rows are padded to a round number)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    directory = tokenizer or hf_dir
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        if tokenizer is not None:
+            raise FileNotFoundError(f"--tokenizer {tokenizer} has no tokenizer.json")
+        return  # nothing beside the model to compare; training compares data.tokenizer
+    try:
+        size = HFTokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as err:  # the Rust library raises a bare Exception
+        raise ValueError(f"{path} is not a tokenizer the tokenizers library can read ({err})") from None
+    if size > vocab_size:
+        given = "--tokenizer" if tokenizer is not None else "the tokenizer beside the model,"
+        raise ValueError(
+            f"{given} {path} has {size} tokens but the model has {vocab_size} embedding rows (vocab_size "
+            f"in {hf_dir}/config.json): ids from {vocab_size} up would have no embedding, and training "
+            f"on data written with it stops at the first. Give the tokenizer this model was trained "
+            f"with (--tokenizer DIR), or convert a model whose vocabulary covers this tokenizer"
+        )
 
 
 def _hf_dtype(hf_dir: Path) -> str:
@@ -243,6 +279,8 @@ def _import_rank(plan: ImportPlan) -> None:
             hf_dir = iteration_dir / HF_SUBDIR
             hf_dir.mkdir()
             hf_io.copy_auxiliary(Path(plan.hf_dir), hf_dir, ("config.json",) + hf_io.AUXILIARY_FILES)
+            if plan.tokenizer is not None:  # the tokenizer checked against the model, not the one beside it
+                hf_io.write_tokenizer(hf_io.read_tokenizer_files(Path(plan.tokenizer)), hf_dir)
             (tmp / LATEST).write_text(ITERATION_DIR + "\n")
             publish(tmp, out)
         torch.distributed.barrier()

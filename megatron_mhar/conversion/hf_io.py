@@ -253,6 +253,12 @@ def _safetensors_read(path: Path) -> Iterator[None]:
         ) from None
 
 
+def read_tokenizer_files(directory: Path) -> Dict[str, bytes]:
+    """The tokenizer files of ``directory``, as they are, by name."""
+    return {name: (Path(directory) / name).read_bytes() for name in TOKENIZER_FILES
+            if (Path(directory) / name).is_file()}
+
+
 def tokenizer_files(directory: Path) -> Dict[str, bytes]:
     """The tokenizer files of ``directory`` (one holding ``tokenizer.json``), by name.
 
@@ -267,7 +273,7 @@ def tokenizer_files(directory: Path) -> Dict[str, bytes]:
     directory = Path(directory)
     if not (directory / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--tokenizer {directory} has no tokenizer.json")
-    files = {name: (directory / name).read_bytes() for name in TOKENIZER_FILES if (directory / name).is_file()}
+    files = read_tokenizer_files(directory)
     eod = Tokenizer.from_dir(str(directory)).eod_token
     if "tokenizer_config.json" in files:
         config = read_json_object(directory / "tokenizer_config.json")

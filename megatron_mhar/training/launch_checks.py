@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import os
 from pathlib import Path
+from typing import Tuple
 
 from megatron_mhar.files import nearest_existing
 from megatron_mhar.training.moe import check_moe_launch
@@ -75,27 +76,11 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
             f"training.cuda_graph={tr.cuda_graph} needs a GPU; on CPU set training.cuda_graph=none"
         )
 
-    data = cfg.data
-    check_data_prefixes(data.paths, "data.paths", cfg.model.vocab_size)
-    check_heldout_data(cfg)
-    if data.tokenizer != "builtin":
-        tok_dir = data.tokenizer
-        if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-            raise ValueError(
-                f"data.tokenizer={data.tokenizer!r}: no tokenizer.json in {tok_dir}; give a local "
-                f"Hugging Face tokenizer directory (e.g. a download of Qwen/Qwen3-0.6B) or 'builtin'"
-            )
-        from megatron_mhar.data.tokenizer import Tokenizer
-
-        vocab = Tokenizer.from_dir(tok_dir, data.eod_token).vocab_size
-        source = f"the tokenizer in {tok_dir}"
-    else:
-        vocab, source = data.embedded_vocab_size, "data.embedded_vocab_size (builtin tokenizer)"
-    if vocab > cfg.model.vocab_size:
-        raise ValueError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than {source} ({vocab} tokens); "
-            f"set model.vocab_size>={vocab}"
-        )
+    # The tokenizer against the model first: data written by a tokenizer larger than the
+    # model fails the data check too, whose message could only blame the data.
+    tokenizer = check_tokenizer(cfg)
+    check_data_prefixes(cfg.data.paths, "data.paths", cfg.model.vocab_size, tokenizer)
+    check_heldout_data(cfg, tokenizer)
     if importlib.util.find_spec("psutil") is None:
         # Megatron's checkpoint writer processes need it and hang the save without it.
         raise ValueError("megatron.core.dist_checkpointing needs psutil: pip install psutil")
@@ -211,9 +196,43 @@ def _check_distributed_optimizer(cfg: TrainConfig) -> None:
         )
 
 
-def check_data_prefixes(prefixes, key: str, vocab_size: int) -> None:
+def check_tokenizer(cfg: TrainConfig) -> Tuple[str, int]:
+    """``(data.tokenizer, its number of tokens)``, once the model's vocabulary holds every
+    token: a model with fewer embedding rows than its tokenizer has tokens cannot take the
+    data that tokenizer writes."""
+    data, rows = cfg.data, cfg.model.vocab_size
+    if data.tokenizer != "builtin":
+        tok_dir = data.tokenizer
+        if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+            raise ValueError(
+                f"data.tokenizer={data.tokenizer!r}: no tokenizer.json in {tok_dir}; give a local "
+                f"Hugging Face tokenizer directory (e.g. a download of Qwen/Qwen3-0.6B) or 'builtin'"
+            )
+        from megatron_mhar.data.tokenizer import Tokenizer
+
+        vocab = Tokenizer.from_dir(tok_dir, data.eod_token).vocab_size
+        source = f"data.tokenizer={tok_dir!r}"
+    else:
+        vocab, source = data.embedded_vocab_size, "the builtin tokenizer (data.embedded_vocab_size)"
+    if vocab > rows:
+        if cfg.checkpoint.load:  # a loaded model's embedding is what it is
+            fix = ("The loaded model's vocabulary is fixed: set data.tokenizer to the tokenizer it was "
+                   "converted with (mhar-convert hf-to-mcore checks the two) and write the data with it "
+                   "(mhar-preprocess --tokenizer)")
+        else:
+            fix = (f"Set model.vocab_size>={vocab}, or use a tokenizer of at most {rows} tokens and write "
+                   f"the data with it (mhar-preprocess --tokenizer)")
+        raise ValueError(
+            f"the model has {rows} embedding rows (model.vocab_size) but {source} has {vocab} tokens: "
+            f"ids from {rows} up have no embedding. {fix}"
+        )
+    return data.tokenizer, vocab
+
+
+def check_data_prefixes(prefixes, key: str, vocab_size: int, tokenizer: Tuple[str, int]) -> None:
     """Each prefix of the list ``key`` names one intact ``.bin/.idx`` pair whose token ids
-    fit ``vocab_size``."""
+    fit ``vocab_size``; ``tokenizer``: ``(data.tokenizer, its number of tokens)``, which
+    the data should have been written with."""
     from megatron_mhar.data.datasets import open_indexed
 
     for i, prefix in enumerate(prefixes):
@@ -225,15 +244,15 @@ def check_data_prefixes(prefixes, key: str, vocab_size: int) -> None:
         # step (a device-side assert on GPUs): data written with another tokenizer. Read on
         # rank 0 only: a blend of many prefixes on every rank would be a storm of reads.
         if int(os.environ.get("RANK", "0")) == 0:
-            _check_token_ids(prefix, f"{key}[{i}]={prefix!r}", vocab_size)
+            _check_token_ids(prefix, f"{key}[{i}]={prefix!r}", vocab_size, tokenizer)
 
 
-def check_heldout_data(cfg: TrainConfig) -> None:
+def check_heldout_data(cfg: TrainConfig, tokenizer: Tuple[str, int]) -> None:
     """``data.valid_paths`` and ``data.test_paths``: the training data's checks, and no
     prefix in two of the training, validation and test sets."""
     data = cfg.data
-    check_data_prefixes(data.valid_paths, "data.valid_paths", cfg.model.vocab_size)
-    check_data_prefixes(data.test_paths, "data.test_paths", cfg.model.vocab_size)
+    check_data_prefixes(data.valid_paths, "data.valid_paths", cfg.model.vocab_size, tokenizer)
+    check_data_prefixes(data.test_paths, "data.test_paths", cfg.model.vocab_size, tokenizer)
     first_use = {}  # real path -> (list key, index)
     for key in ("data.paths", "data.valid_paths", "data.test_paths"):
         for i, prefix in enumerate(getattr(data, key[len("data."):])):
@@ -247,12 +266,13 @@ def check_heldout_data(cfg: TrainConfig) -> None:
                 )
 
 
-def _check_token_ids(path: str, what: str, vocab_size: int) -> None:
+def _check_token_ids(path: str, what: str, vocab_size: int, tokenizer: Tuple[str, int]) -> None:
     """The largest token id of a pair against the model's vocabulary: from the pair's
     metadata (O(1)); from every id, read once, where the ``.bin`` changed since its metadata
     was written (the metadata is then rewritten); else from a sample of its first and last
     ids. Every id is checked again as training reads it
-    (:class:`megatron_mhar.data.datasets.MicroBatches`)."""
+    (:class:`megatron_mhar.data.datasets.MicroBatches`). The tokenizer already fits the
+    model (:func:`check_tokenizer`), so an id beyond it is data written otherwise."""
     from megatron_mhar.data.datasets import sampled_max_token
     from megatron_mhar.data.indexed_writer import read_metadata, rescan
 
@@ -261,14 +281,17 @@ def _check_token_ids(path: str, what: str, vocab_size: int) -> None:
         metadata = rescan(path, metadata, stale, say=lambda line: print(line, flush=True))
     largest = metadata["max_token_id"] if metadata else sampled_max_token(path)
     if largest >= vocab_size:
+        name, size = tokenizer
         if stale is not None:
             cause = "its .bin changed after preprocessing (edited or regenerated)"
+        elif metadata:
+            cause = (f"it was written with a tokenizer of {metadata['vocab_size']} tokens, not data.tokenizer "
+                     f"({name}, {size} tokens)")
         else:
-            written = f" by a tokenizer of {metadata['vocab_size']} tokens" if metadata else ""
-            cause = f"it was written{written} with another tokenizer"
+            cause = f"it was written with another tokenizer than data.tokenizer ({name}, {size} tokens)"
         raise ValueError(
-            f"{what} holds token id {largest}, beyond model.vocab_size={vocab_size}: {cause}; rewrite it "
-            f"with mhar-preprocess --tokenizer <data.tokenizer>, or fix the path"
+            f"{what} holds token id {largest}, beyond model.vocab_size={vocab_size} (the model's "
+            f"embedding rows): {cause}; rewrite it with mhar-preprocess --tokenizer {name}, or fix the path"
         )
 
 

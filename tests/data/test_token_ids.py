@@ -102,8 +102,8 @@ def test_metadata_checks_the_largest_id_at_launch_in_constant_time(tmp_path, emb
     small = metadata["max_token_id"]  # a model one id short of the data
     cfg = _launch_config(tmp_path, embedded_dir, prefix, f"model.vocab_size={small}",
                          f"data.embedded_vocab_size={small}")
-    with pytest.raises(ValueError, match=rf"holds token id {small}, beyond model.vocab_size={small}: it was written "
-                                         rf"by a tokenizer of {EMBEDDED_VOCAB} tokens"):
+    with pytest.raises(ValueError, match=rf"holds token id {small}, beyond model.vocab_size={small} \(the model.s embedding rows\): it was written "
+                                         rf"with a tokenizer of {EMBEDDED_VOCAB} tokens, not data.tokenizer \(builtin, {small} tokens\)"):
         validate_launch(cfg, 1)
     validate_launch(_launch_config(tmp_path, embedded_dir, prefix), 1)  # the right model passes
 
@@ -148,7 +148,7 @@ def test_a_bin_changed_after_preprocessing_is_read_whole_at_launch(tmp_path, emb
     ids.flush()
     del ids
     os.utime(prefix + ".bin", ns=(time.time_ns(), time.time_ns() + 10**9))  # a coarse clock still sees it
-    with pytest.raises(ValueError, match=rf"holds token id {BAD_ID}, beyond model.vocab_size={EMBEDDED_VOCAB}: its .bin "
+    with pytest.raises(ValueError, match=rf"holds token id {BAD_ID}, beyond model.vocab_size={EMBEDDED_VOCAB} \(the model.s embedding rows\): its .bin "
                                          r"changed after preprocessing \(edited or regenerated\)"):
         validate_launch(_launch_config(tmp_path, embedded_dir, prefix), 1)
     out = capsys.readouterr().out

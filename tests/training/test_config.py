@@ -264,7 +264,7 @@ def test_apply_overrides_does_not_mutate():
         pytest.param(["data.paths=[/nonexistent/corpus]"], 1, "/nonexistent/corpus.bin and /nonexistent/corpus.idx not found", id="data-path"),
         pytest.param(["data.paths=[\"${MHAR_TEST_UNSET_VAR}/x\"]"], 1, "uses an environment variable that is not set", id="env-var"),
         pytest.param(["data.tokenizer=/nonexistent/tok"], 1, "no tokenizer.json in /nonexistent/tok", id="tokenizer"),
-        pytest.param(["model.vocab_size=1000"], 1, "model.vocab_size=1000 is smaller than data.embedded_vocab_size", id="vocab"),
+        pytest.param(["model.vocab_size=1000"], 1, "the model has 1000 embedding rows (model.vocab_size) but the builtin tokenizer", id="vocab"),
         pytest.param(["mhar.kernel_impl=triton", "run.device=cpu"], 1, "on CPU set mhar.kernel_impl=auto or torch", id="triton-cpu"),
         pytest.param(["checkpoint.load=/nonexistent/ckpt"], 1, "checkpoint.load='/nonexistent/ckpt': no such directory", id="load"),
         pytest.param(["training.cuda_graph=full_iteration", "logging.routing_entropy=false", "run.device=cpu"], 1,
@@ -387,7 +387,8 @@ def test_data_of_another_vocabulary_fails_at_launch(tmp_path):
         builder.finalize(prefix + ".idx")
         cfg = load_config("smoke_cpu", [f"data.paths=[{prefix}]"])
         if fails:
-            with pytest.raises(ValueError, match=r"holds token id 4096, beyond model.vocab_size=4096"):
+            with pytest.raises(ValueError, match=r"holds token id 4096, beyond model.vocab_size=4096 \(the model's embedding rows\): it was "
+                               r"written with another tokenizer than data.tokenizer \(builtin, 4096 tokens\)"):
                 validate_launch(cfg, 1)
         else:
             validate_launch(cfg, 1)
