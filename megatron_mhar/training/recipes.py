@@ -4,8 +4,10 @@ A recipe is a YAML mapping whose top-level keys are the sections of
 :class:`~megatron_mhar.training.schema.TrainConfig`. Two mechanisms keep recipes free of
 copy-paste:
 
-* ``include: [base/pretrain.yaml, ...]`` (paths relative to the including file)
-  merges other recipes first, in order; the including file's own keys win.
+* ``include: [base/pretrain.yaml, smoke_cpu, ...]`` merges other recipes first, in order;
+  the including file's own keys win. An include is found as the command line finds a
+  recipe: a file beside the including file first (``.yaml`` may be left out), then a
+  packaged recipe of that name, so a user's recipe anywhere includes ``smoke_cpu``.
   Mappings merge key by key, lists and scalars replace.
 * Command-line overrides ``dotted.key=value`` (``model.num_layers=4``,
   ``data.paths=[a,b]``) apply last; the value is parsed as YAML except for string
@@ -133,14 +135,25 @@ def _read_yaml(path: Path, chain: Tuple[Path, ...] = ()) -> Dict[str, Any]:
     if isinstance(includes, str):
         includes = [includes]
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
-        raise ValueError(f"{path}: '{INCLUDE_KEY}' must be a path or a list of paths")
+        raise ValueError(f"{path}: '{INCLUDE_KEY}' must be a recipe (path or name) or a list of them")
     merged: Dict[str, Any] = {}
     for include in includes:
-        target = (path.parent / include).resolve()
-        if not target.is_file():
-            raise ValueError(f"{path}: included recipe {include!r} not found at {target}")
+        target = _resolve_include(include, path)
         merged = _deep_merge(merged, _read_yaml(target, chain + (path,)))
     return _deep_merge(merged, raw)
+
+
+def _resolve_include(include: str, including: Path) -> Path:
+    """An included recipe as the command line finds one: a file beside the including file
+    (the name, or the name with ``.yaml``), else a packaged recipe of that name."""
+    places = (including.parent, RECIPES_DIR)
+    for place in places:
+        for candidate in (place / include, place / f"{include}.yaml"):
+            # a user's smoke_cpu.yaml including smoke_cpu means the packaged one, not itself
+            if candidate.is_file() and candidate.resolve() != including:
+                return candidate.resolve()
+    looked = " nor ".join(str(place / include) for place in places)
+    raise ValueError(f"{including}: included recipe {include!r} is neither {looked}[.yaml]")
 
 
 def _deep_merge(base: Dict[str, Any], top: Dict[str, Any]) -> Dict[str, Any]:
