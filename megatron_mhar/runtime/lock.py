@@ -89,7 +89,7 @@ def _holder_record() -> Dict[str, object]:
         "pid": os.getpid(),
         "process_start": started,
         "started": datetime.datetime.fromtimestamp(started or time.time()).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv)[:300],
+        "command": " ".join(sys.argv),  # whole: the message names the holder by it
         "token": uuid.uuid4().hex,
     }
 

@@ -294,15 +294,30 @@ def _publish(ckpt_dir: Path, tmp: Path, name: str) -> Path:
     return final
 
 
+def saved_run(checkpoint: Path) -> Optional[Dict[str, Any]]:
+    """The ``run`` section of the run config ``checkpoint`` was saved with; ``None`` where it
+    has none (a converted checkpoint) or it cannot be read."""
+    try:
+        run = (yaml.safe_load((Path(checkpoint) / TRAIN_CONFIG_FILE).read_text()) or {}).get("run")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return run if isinstance(run, dict) and run.get("output_dir") and run.get("name") else None
+
+
 def _prune(ckpt_dir: Path, keep_last: int, newest: Path, failed: Set[Path]) -> None:
     """Keep ``newest`` (verified) and the ``keep_last - 1`` most recent other checkpoints
     whose files match their manifest's sizes; delete the older ones. Checkpoints that fail
-    that check, or are in ``failed``, are neither counted nor deleted: they are named."""
+    that check, or are in ``failed``, are neither counted nor deleted: they are named; those
+    another run (another ``run.name``) saved, or none did, are never touched: another run's
+    ``summary.json`` may name them."""
     kept, suspect = [newest], []
+    name = (saved_run(newest) or {}).get("name")
     candidates = sorted(
         (p for p in published_checkpoints(ckpt_dir) if p != newest), key=lambda p: p.stat().st_mtime, reverse=True
     )
     for checkpoint in candidates:
+        if (saved_run(checkpoint) or {}).get("name") != name:
+            continue
         if checkpoint in failed or checkpoint_problem(checkpoint, "size") is not None:
             suspect.append(checkpoint.name)
         elif len(kept) < keep_last:

@@ -14,9 +14,12 @@ from typing import Dict, Iterator, List, Optional
 import torch
 from megatron.core import parallel_state
 
+from megatron_mhar.checkpoint.format import published_checkpoints
+from megatron_mhar.errors import ConfigError
 from megatron_mhar.files import write_atomic
 from megatron_mhar.runtime.distributed import on_rank0
 from megatron_mhar.runtime.lock import DirectoryLock
+from megatron_mhar.training.checkpointing import saved_run
 from megatron_mhar.training.model import unwrap
 from megatron_mhar.training.schema import TrainConfig
 
@@ -51,21 +54,83 @@ LOCK_FILE = ".lock"
 @contextlib.contextmanager
 def run_lock(cfg: TrainConfig) -> Iterator[None]:
     """Rank 0 holds the lock of the run directory (and of ``checkpoint.dir`` where it lies
-    elsewhere) for the life of the run; where another run holds it, every rank raises
-    (:class:`~megatron_mhar.runtime.lock.DirectoryInUse` on rank 0) before anything is written."""
+    elsewhere) for the life of the run and claims the checkpoint directory
+    (:func:`claim_checkpoint_dir`); where another run holds or owns them, every rank raises
+    (:class:`~megatron_mhar.runtime.lock.DirectoryInUse` on rank 0) before anything is
+    written, and the directories this start created are removed again."""
     directories = [cfg.run.dir.absolute()]
     checkpoints = cfg.checkpoint_dir.absolute()
     if directories[0] not in (checkpoints, *checkpoints.parents):
         directories.append(checkpoints)
+    created = [d for directory in directories for d in (directory, *directory.parents) if not d.exists()]
     with contextlib.ExitStack() as held:
         def take() -> None:
             for directory in directories:
                 what = "run directory" if directory == directories[0] else "checkpoint directory"
                 other = "give this run another run.name" + (" or checkpoint.dir" if what != "run directory" else "")
                 held.enter_context(DirectoryLock(directory / LOCK_FILE, f"{what} {directory}", other))
+            claim_checkpoint_dir(cfg, outside=len(directories) > 1)
 
-        on_rank0(take)
+        try:
+            on_rank0(take)
+        except BaseException:
+            held.close()  # the lock files go first
+            if torch.distributed.get_rank() == 0:
+                for directory in sorted(set(created), key=lambda d: len(d.parts), reverse=True):
+                    with contextlib.suppress(OSError):  # only where still empty
+                        directory.rmdir()
+            raise
         yield
+
+
+OWNER_FILE = "owner.json"
+"""The record, in a checkpoint directory, of the run it belongs to (:func:`claim_checkpoint_dir`)."""
+
+
+def claim_checkpoint_dir(cfg: TrainConfig, outside: bool) -> None:
+    """Record this run as the owner of its ``checkpoint.dir`` where that lies ``outside`` the
+    run directory; raise a ``ConfigError`` where it belongs to another run.
+
+    A run resumes from its checkpoint directory and prunes it: another run's would be adopted
+    and deleted. The owner is the run directory that first used it (recorded in
+    ``OWNER_FILE``, else read from the newest checkpoint's run config); the default
+    ``{run dir}/checkpoints`` is its run directory's, wherever that is moved.
+    """
+    if not outside:
+        return
+    directory, run_dir = cfg.checkpoint_dir.absolute(), str(cfg.run.dir.absolute())
+    record = directory / OWNER_FILE
+    owner = _recorded_owner(record) or _owner_of_checkpoints(directory)
+    if owner is not None and owner["run_dir"] != run_dir:
+        raise ConfigError(
+            f"checkpoint directory {directory} belongs to run {owner['name']!r} ({owner['run_dir']}); this run "
+            f"({run_dir}) would resume from its checkpoints and prune them. Give this run its own "
+            f"checkpoint.dir (or leave it unset: {run_dir}/checkpoints); to start from that run's checkpoint "
+            f"on purpose (a warm start), set checkpoint.load={directory} (or .../iter_N), and "
+            f"checkpoint.load_model_only=true for its weights alone. If this is that run moved elsewhere, "
+            f"delete {record}"
+        )
+    if owner is None or not record.is_file():
+        write_atomic(record, json.dumps({"name": cfg.run.name, "run_dir": run_dir}, indent=1) + "\n")
+
+
+def _recorded_owner(record: Path) -> Optional[Dict[str, str]]:
+    try:
+        owner = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    return {"name": str(owner.get("name")), "run_dir": str(owner.get("run_dir"))} if isinstance(owner, dict) \
+        else None
+
+
+def _owner_of_checkpoints(directory: Path) -> Optional[Dict[str, str]]:
+    """The run that wrote the newest checkpoint of ``directory`` (one saved before owners were
+    recorded), from its run config; ``None`` where none says (a converted checkpoint)."""
+    for checkpoint in published_checkpoints(directory):
+        run = saved_run(checkpoint)
+        if run is not None:
+            return {"name": run["name"], "run_dir": str((Path(run["output_dir"]) / run["name"]).absolute())}
+    return None
 
 
 class RunReports:

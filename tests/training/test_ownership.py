@@ -5,6 +5,7 @@ anything, and nothing a run starts outlives it, SIGKILL included. Real processes
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -98,3 +99,38 @@ def test_sigkill_mid_save_leaves_no_process_behind(tmp_path, embedded_dir):
                     p.kill()
             except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
                 pass
+
+
+def _train(*overrides):
+    return subprocess.run([sys.executable, "-m", "megatron_mhar.train", "smoke_cpu", *overrides], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_a_checkpoint_directory_belongs_to_the_run_that_created_it(tmp_path, embedded_dir):
+    """Run B (another name, seed and output directory) pointed at run A's checkpoint.dir
+    refuses with exit 2, naming A and checkpoint.load, and leaves no trace (no run directory,
+    nothing of A's touched); through checkpoint.load it starts from A's checkpoint, saves
+    and prunes in its own directory, and every checkpoint A's summary names stays."""
+    shared = tmp_path / "shared"
+    first = _train(*_overrides(embedded_dir, tmp_path / "a", "training.train_iters=4", "checkpoint.interval=2",
+                               "checkpoint.keep_last=1", f"checkpoint.dir={shared}"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads((tmp_path / "a" / "run" / "summary.json").read_text())
+    assert summary["checkpoint"] == str(shared / "iter_0000004")
+    before = _tree(shared)
+
+    other = ["run.seed=7", "training.train_iters=6", "checkpoint.interval=1", "checkpoint.keep_last=1"]
+    second = _train(*_overrides(embedded_dir, tmp_path / "b", *other, f"checkpoint.dir={shared}"))
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert second.stderr.startswith(
+        f"mhar-train: error: checkpoint directory {shared} belongs to run 'run' ({tmp_path / 'a' / 'run'}); this "
+        f"run ({tmp_path / 'b' / 'run'}) would resume from its checkpoints and prune them."), second.stderr
+    assert f"checkpoint.load={shared}" in second.stderr and "Traceback" not in second.stderr
+    assert _tree(shared) == before
+    assert not (tmp_path / "b").exists()  # the refused run left no directory
+
+    warm = _train(*_overrides(embedded_dir, tmp_path / "b", *other, f"checkpoint.load={shared}"))
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    assert f"resumed from {shared / 'iter_0000004'} at step 4" in warm.stdout
+    assert _tree(shared) == before  # read, never written or pruned
+    assert [p.name for p in (tmp_path / "b" / "run" / "checkpoints").glob("iter_*")] == ["iter_0000006"]
