@@ -2,7 +2,6 @@
 
 import contextlib
 import dataclasses
-import importlib.util
 from typing import Optional
 
 import torch
@@ -65,20 +64,20 @@ def fused_kernel_fields(model: GPTModelConfig) -> dict:
     """TransformerConfig fields of the fused kernels Megatron-LM trains with under
     Transformer Engine: Megatron's fused vocabulary-parallel cross-entropy, fused RoPE, the
     fused SwiGLU, for MoE TE's fused token permutation
-    (:func:`~megatron_mhar.models.moe.fused_moe_fields`) and, where apex's ``fused_weight_gradient_mlp_cuda`` is installed,
-    weight-gradient accumulation into ``main_grad`` inside the GEMMs. Empty for the local
-    spec and with ``model.fused_kernels`` false. ``model.spec`` must be resolved
-    (:func:`resolve_spec`).
+    (:func:`~megatron_mhar.models.moe.fused_moe_fields`) and weight-gradient accumulation
+    into ``main_grad`` inside TE's GEMMs. Empty for the local spec and with
+    ``model.fused_kernels`` false. ``model.spec`` must be resolved (:func:`resolve_spec`).
 
-    Gradient-accumulation fusion needs apex even with TE: the output layer is Megatron's
-    ``ColumnParallelLinear``, which refuses the fusion without apex's extension. The
-    cross-entropy is Megatron's (``native``), not TE's: TE's backward creates a host tensor
-    unless Megatron's config says the full iteration is captured, which the training loop's
-    full-iteration graph does not set, so its capture fails."""
+    Gradient-accumulation fusion is TE's own (``fuse_wgrad_accumulation``) in every decoder
+    linear; only the output layer, Megatron's ``ColumnParallelLinear``, would need apex's
+    ``fused_weight_gradient_mlp_cuda``, and without it keeps the unfused accumulation
+    (:func:`_linears_without_apex_wgrad`). The cross-entropy is Megatron's (``native``),
+    not TE's: TE's backward creates a host tensor unless Megatron's config says the full
+    iteration is captured, which the training loop's full-iteration graph does not set, so
+    its capture fails."""
     if model.spec != "transformer_engine" or not model.fused_kernels:
         return {}
-    apex_wgrad = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
-    return dict(gradient_accumulation_fusion=apex_wgrad, cross_entropy_loss_fusion=True,
+    return dict(gradient_accumulation_fusion=True, cross_entropy_loss_fusion=True,
                 cross_entropy_fusion_impl="native", apply_rope_fusion=True, bias_activation_fusion=True,
                 **fused_moe_fields(model))
 
@@ -115,6 +114,36 @@ def _decoder_class(block_class):
         yield
     finally:
         megatron_gpt_model.TransformerBlock = original
+
+
+@contextlib.contextmanager
+def _linears_without_apex_wgrad(config: TransformerConfig):
+    """Build a model whose TE linears fuse weight-gradient accumulation while Megatron's own
+    linears (the output layer) do not, where apex's ``fused_weight_gradient_mlp_cuda`` is
+    missing.
+
+    ``ColumnParallelLinear`` refuses ``gradient_accumulation_fusion`` at construction without
+    apex's extension, although TE's linears need no extension for it. Megatron reads the
+    extension's presence from one module flag; it is set while the model is built and every
+    Megatron linear built then takes the unfused path (its gradient reaches ``main_grad``
+    through DDP's hook, as without the fusion)."""
+    from megatron.core.tensor_parallel import layers
+
+    if not config.gradient_accumulation_fusion or layers._grad_accum_fusion_available:
+        yield lambda model: model
+        return
+
+    def unfuse_megatron_linears(model):
+        for module in model.modules():
+            if isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
+                module.gradient_accumulation_fusion = False
+        return model
+
+    layers._grad_accum_fusion_available = True
+    try:
+        yield unfuse_megatron_linears
+    finally:
+        layers._grad_accum_fusion_available = False
 
 
 class MHARGPTModel(GPTModel):
@@ -182,18 +211,19 @@ def build_gpt_model(
     if model.is_moe:
         enable_router_gemm_fallback()
         reset_router_loss_tracker()
-    return model_class(
-        config=config,
-        transformer_layer_spec=get_mhar_block_spec(model, mhar, config, vp_stage, layer_norm),
-        vocab_size=model.padded_vocab_size(config.tensor_model_parallel_size),
-        max_sequence_length=model.seq_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=model.tie_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=model.rotary_percent,
-        rotary_base=int(model.rotary_base),
-        rope_scaling=model.rope_scaling,
-        rope_scaling_factor=model.rope_scaling_factor,
-        vp_stage=vp_stage,
-    )
+    with _linears_without_apex_wgrad(config) as finish:
+        return finish(model_class(
+            config=config,
+            transformer_layer_spec=get_mhar_block_spec(model, mhar, config, vp_stage, layer_norm),
+            vocab_size=model.padded_vocab_size(config.tensor_model_parallel_size),
+            max_sequence_length=model.seq_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=model.tie_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=model.rotary_percent,
+            rotary_base=int(model.rotary_base),
+            rope_scaling=model.rope_scaling,
+            rope_scaling_factor=model.rope_scaling_factor,
+            vp_stage=vp_stage,
+        ))

@@ -188,12 +188,35 @@ def test_te_fused_kernels_are_megatron_fields():
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     te = fused_kernel_fields(GPTModelConfig(spec="transformer_engine"))
     assert te["cross_entropy_loss_fusion"] and te["apply_rope_fusion"] and te["bias_activation_fusion"]
-    # Megatron's output layer refuses gradient-accumulation fusion without apex's extension;
-    # TE's cross-entropy cannot be captured by the full-iteration graph.
-    apex = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
-    assert te["gradient_accumulation_fusion"] == apex and te["cross_entropy_fusion_impl"] == "native"
+    # TE's linears fuse the weight-gradient accumulation themselves (apex or not); TE's
+    # cross-entropy cannot be captured by the full-iteration graph.
+    assert te["gradient_accumulation_fusion"] and te["cross_entropy_fusion_impl"] == "native"
     assert set(te) <= fields
     assert fused_kernel_fields(GPTModelConfig(spec="transformer_engine", fused_kernels=False)) == {}
     assert fused_kernel_fields(GPTModelConfig(spec="local")) == {}
     with pytest.raises(ValueError, match="model.fused_kernels must be true or false"):
         GPTModelConfig(fused_kernels="yes")
+
+
+def test_gradient_accumulation_fusion_builds_without_apex(megatron_world1):
+    """``gradient_accumulation_fusion`` (TE's linears fuse it) builds without apex's extension:
+    Megatron's own linears (here every linear of the local spec; under TE the output layer)
+    take the unfused path and compute the gradients of the model built without the fusion,
+    and Megatron's flag for the extension is restored after the build."""
+    from megatron.core.tensor_parallel import layers
+
+    if layers._grad_accum_fusion_available:
+        pytest.skip("apex's fused_weight_gradient_mlp_cuda is installed: Megatron's linears fuse too")
+    mhar = MHARConfig(variant="full", num_heads=4)
+    grads = {}
+    for fusion in (False, True):
+        model = build_gpt(tiny_gpt_config(spec="local"), mhar, gradient_accumulation_fusion=fusion)
+        assert not layers._grad_accum_fusion_available
+        linears = [m for m in model.modules() if isinstance(m, (layers.ColumnParallelLinear, layers.RowParallelLinear))]
+        assert linears and not any(m.gradient_accumulation_fusion for m in linears)
+        tokens, positions = gpt_batch()
+        model(tokens, positions, None, labels=tokens).float().sum().backward()
+        grads[fusion] = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert grads[True].keys() == grads[False].keys()
+    for name, grad in grads[False].items():
+        assert torch.equal(grads[True][name], grad), name
