@@ -18,6 +18,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_mhar.quiet import quiet_known_warnings
@@ -25,7 +26,7 @@ from megatron_mhar.quiet import quiet_known_warnings
 
 def _epilog() -> str:
     """The recipes with their descriptions, and where the keys are documented."""
-    from megatron_mhar.training import schema
+    from megatron_mhar.training import sections
     from megatron_mhar.training.recipes import DEFAULT_RECIPE, RECIPES_DIR, recipe_description, recipe_names
 
     names = recipe_names()
@@ -36,8 +37,9 @@ def _epilog() -> str:
         lines.append(f"  {name:<{width}}  {recipe_description(name)}{default}")
     lines += [
         "",
-        "keys: RECIPE --print-config prints every key with its resolved value; each key is",
-        f"documented in {schema.__file__}.",
+        "keys: RECIPE --print-config prints every key with the value that runs; each key is",
+        f"documented in {sections.__file__}",
+        f"(model: {Path(sections.__file__).parents[1] / 'models' / 'gpt_config.py'}, mhar: mhar_config.py beside it).",
         "overrides: dotted.key=value, a list as data.paths=[a,b] (one item: data.paths=a).",
     ]
     return "\n".join(lines)
@@ -80,12 +82,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     stop = StopSignal()
     try:
         with stop, command_errors(parser.prog):
-            from megatron_mhar.training.launch_checks import validate_launch
+            from megatron_mhar.training.launch_checks import validate_launch, with_resolved_spec
             from megatron_mhar.training.recipes import load_config, to_yaml
 
             cfg = load_config(recipe, overrides)
-            if args.print_config:
-                print(to_yaml(cfg), end="")
+            if args.print_config:  # what runs here: model.spec auto resolved as the driver does
+                print(to_yaml(with_resolved_spec(cfg, say=lambda line: print(f"# {line}"))), end="")
                 return 0
             validate_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group
 

@@ -15,7 +15,7 @@ import dataclasses
 import importlib.util
 import os
 from pathlib import Path
-from typing import Tuple
+from typing import Callable, Tuple
 
 from megatron_mhar.files import nearest_existing
 from megatron_mhar.training.moe import check_moe_launch
@@ -119,9 +119,10 @@ def _device_is_cuda(cfg: TrainConfig):
     return None if cfg.run.device == "auto" else cfg.run.device == "cuda"
 
 
-def with_resolved_spec(cfg: TrainConfig) -> TrainConfig:
+def with_resolved_spec(cfg: TrainConfig, say: Callable[[str], None] = print) -> TrainConfig:
     """``cfg`` with ``model.spec: auto`` replaced by the spec this machine runs, said in one
-    line on rank 0, e.g. ``model.spec auto -> transformer_engine (Transformer Engine 2.12.0)``.
+    line on rank 0 (through ``say``), e.g. ``model.spec auto -> transformer_engine
+    (Transformer Engine 2.12.0)``; ``--print-config`` shows it so.
 
     The run's ``config.yaml`` and checkpoints then record the spec that ran. A checkpoint
     does not depend on it: both specs store the same tensors under the same keys, and a
@@ -133,7 +134,7 @@ def with_resolved_spec(cfg: TrainConfig) -> TrainConfig:
         return cfg
     choice = resolve_spec("auto", cuda=_device_is_cuda(cfg))
     if os.environ.get("RANK", "0") == "0":
-        print(f"model.spec auto -> {choice.spec} ({choice.reason})", flush=True)
+        say(f"model.spec auto -> {choice.spec} ({choice.reason})")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, spec=choice.spec))
 
 

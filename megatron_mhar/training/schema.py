@@ -103,6 +103,7 @@ class TrainConfig:
                 f"optimizer.lr_warmup_iters={warmup} must be shorter than the decay "
                 f"({source}={decay}); shorten the warm-up or lengthen the decay"
             )
+        self.optimizer.lr_decay_iters = decay  # the default written out: the configuration is what runs
 
     def _check_cuda_graph(self) -> None:
         """What the captured schedule does not cover, each with its fix."""

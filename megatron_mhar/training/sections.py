@@ -210,7 +210,8 @@ class OptimizerConfig:
     """Linear warm-up steps from 0 to ``lr``."""
 
     lr_decay_iters: Optional[int] = None
-    """Steps of warm-up plus decay to ``min_lr``; ``None`` means ``training.train_iters``."""
+    """Steps of warm-up plus decay to ``min_lr``; not given: ``training.train_iters``, written
+    into the configuration."""
 
     lr_decay_style: str = "cosine"
     """``cosine``, ``linear``, ``constant`` or ``inverse-square-root``."""
@@ -291,7 +292,8 @@ class DataConfig:
 
     split: Optional[str] = None
     """Train, validation, test shares of the documents of ``paths`` (Megatron's ``--split``);
-    ``None``: ``98,2,0``, or, with ``valid_paths``, all of ``paths`` trains."""
+    not given: ``98,2,0``, written into the configuration (what ``--print-config`` shows is
+    what runs); ``None`` with ``valid_paths``, where all of ``paths`` trains."""
 
     valid_paths: List[str] = dataclasses.field(default_factory=list)
     """Held-out validation prefixes (Megatron's ``--valid-data-path``), read by every
@@ -354,6 +356,8 @@ class DataConfig:
                 f"data.split={self.split!r} carves validation data out of data.paths, but "
                 f"data.valid_paths is set: set data.split=null to train on all of data.paths"
             )
+        if self.split is None and not self.valid_paths:
+            self.split = DEFAULT_SPLIT
         try:
             parts = [float(p) for p in self.train_split.replace("/", ",").split(",")]
         except ValueError:

@@ -25,7 +25,7 @@ def test_help_lists_the_recipes_and_where_keys_are_documented(capsys):
     for name in recipe_names():
         assert re.search(rf"^  {name} +{re.escape(recipe_description(name))}", out, re.MULTILINE), name
     assert "smoke_cpu" in out and "[default]" in out
-    assert "--print-config prints every key" in out and "training/schema.py" in out
+    assert "--print-config prints every key" in out and "training/sections.py" in out and "models/gpt_config.py" in out
     assert "data.paths=[a,b] (one item: data.paths=a)" in out
 
 

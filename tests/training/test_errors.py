@@ -274,8 +274,9 @@ def test_a_resume_names_the_fields_it_changes(reference, tmp_path, embedded_dir,
     run(_config(embedded_dir, tmp_path, "training.train_iters=5", "logging.interval=5"))
     start = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("training run:"))
     # the run directory was copied: its output_dir changed too
-    assert start.endswith(f", from step 4; changed since the checkpoint: logging.interval 1 -> 5, run.output_dir "
-                          f"'{source.parent}' -> '{tmp_path}', training.train_iters 4 -> 5"), start
+    assert start.endswith(f", from step 4; changed since the checkpoint: logging.interval 1 -> 5, "
+                          f"optimizer.lr_decay_iters 4 -> 5, run.output_dir '{source.parent}' -> '{tmp_path}', "
+                          f"training.train_iters 4 -> 5"), start
 
 
 @pytest.mark.parametrize("point", ["before-step-2", "at-exit"])
