@@ -198,6 +198,8 @@ class Trainer(RoutingOutputs, RunReports):
         self.test_loss: Optional[List[float]] = None  # [step, loss] after the last step
         self.routing: Dict[int, SiteRouting] = {}  # routing of the last recorded step, by site
         self.checkpoint: Optional[Path] = None
+        self.checkpoint_step = 0  # the step self.checkpoint holds
+        self.skipped_steps = 0  # steps not made for a non-finite loss or gradients (saved)
         self.failed_checkpoints: Set[Path] = set()
         self.conversion: Optional[dict] = None
         """The conversion record of the converted checkpoint the weights come from, carried
@@ -206,6 +208,12 @@ class Trainer(RoutingOutputs, RunReports):
         """``key old -> new`` of each config field a resume changed (said on the start line)."""
         self._unwritten_metrics: List[list] = []  # a resumed checkpoint's records its run could not write
         self._resume()
+        if cfg.data.skip_batches and not self.resumed_own:  # a resume's data position includes them
+            skipped = cfg.data.skip_batches * tr.global_batch_size
+            if self.is_logger:
+                print(f"data.skip_batches={cfg.data.skip_batches}: passing over samples {self.consumed_samples} to "
+                      f"{self.consumed_samples + skipped - 1}", flush=True)
+            self.consumed_samples += skipped
         # A finished run restarted (a requeue after the end) writes nothing: no metrics,
         # events, evaluation, checkpoint or summary.
         self.finished = self.iteration >= tr.train_iters
@@ -309,6 +317,7 @@ class Trainer(RoutingOutputs, RunReports):
             checkpointing.remove_leftovers(cfg.checkpoint_dir)
         torch.distributed.barrier()
         found = checkpointing.find_checkpoint(cfg.checkpoint_dir, problem=self._check_checkpoint)
+        self.resumed_own = found is not None
         model_only = False
         if found is None and cfg.checkpoint.load:
             load = Path(cfg.checkpoint.load)
@@ -335,6 +344,8 @@ class Trainer(RoutingOutputs, RunReports):
             "consumed_samples", self.iteration * cfg.training.global_batch_size
         )
         self.checkpoint = found
+        self.checkpoint_step = self.iteration
+        self.skipped_steps = train_state.get("skipped_steps", 0)
         if not model_only:  # said on the start line: what this run does otherwise than the saved one
             self._apply_optimizer_settings(own_settings)
             self.changed_since_checkpoint = [
@@ -388,17 +399,34 @@ class Trainer(RoutingOutputs, RunReports):
         return total
 
     def train_step(self):
-        """One optimizer step; returns (loss, grad norm, learning rate)."""
+        """One optimizer step; returns (loss, grad norm, learning rate). A step whose loss or
+        gradients are not finite on some rank makes no update: it is skipped or stops the run
+        (:meth:`_skip_or_stop`)."""
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = self.forward_backward(self.train_iterators, forward_only=False)
         lr = self.optimizer.param_groups[0]["lr"]
+        loss_sum, tokens = self._global_loss(reports).tolist()
+        bad_grads = self._nonfinite_grad_norm()
+        if bad_grads is not None or not math.isfinite(loss_sum):
+            self._skip_or_stop(self.iteration + 1, loss_sum / tokens, bad_grads)
+            return loss_sum / tokens, bad_grads, lr
         update_ok, grad_norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)
-        loss_sum, tokens = self._global_loss(reports).tolist()
         return loss_sum / tokens, grad_norm, lr
+
+    def _nonfinite_grad_norm(self) -> Optional[float]:
+        """``None`` where the step's gradients are finite on every rank, else the norm of
+        those seen (NaN or Inf). Each rank reads its whole gradient buffers, reduced or not:
+        a non-finite value anywhere reaches some rank's reduced share."""
+        norms = [torch.linalg.vector_norm(buffer.grad_data, dtype=torch.float32) ** 2
+                 for chunk in self.model for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+        total = torch.stack(norms).sum() if norms else torch.zeros((), device=self.device)
+        torch.distributed.all_reduce(total)
+        squared = total.item()
+        return None if math.isfinite(squared) else math.sqrt(squared)  # sqrt(nan) is nan, sqrt(inf) inf
 
     @torch.no_grad()
     def evaluate(self, dataset=None) -> float:
@@ -459,6 +487,7 @@ class Trainer(RoutingOutputs, RunReports):
                 "loss_window": self.loss_window,
                 "test_loss": self.test_loss,
                 "unwritten_metrics": self.metrics.unwritten,
+                "skipped_steps": self.skipped_steps,
             },
             self.cfg.to_dict(),
             keep_last=self.cfg.checkpoint.keep_last,
@@ -467,6 +496,7 @@ class Trainer(RoutingOutputs, RunReports):
             tokenizer=self.tokenizer,
             conversion=self.conversion,
         )
+        self.checkpoint_step = self.iteration
         self.metrics.console(f"saved checkpoint {self.checkpoint}")
 
     # ---------------------------------------------------------------- loop
@@ -518,13 +548,10 @@ class Trainer(RoutingOutputs, RunReports):
                         self._log_routing_maps()
                 self.consumed_samples += tr.global_batch_size
                 losses[self.iteration] = loss
-                self.loss_window.append(loss)
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss is {loss} at step {self.iteration}")
-                if grad_norm is not None and not math.isfinite(grad_norm):
-                    raise FloatingPointError(f"grad norm is {grad_norm} at step {self.iteration}")
+                if math.isfinite(loss):  # a skipped step's may not be
+                    self.loss_window.append(loss)
 
-                if logged:
+                if logged and self.loss_window:
                     self._log_train(self.loss_window, grad_norm, lr, timer)
                     self.loss_window = []
                     timer.reset()
@@ -575,6 +602,28 @@ class Trainer(RoutingOutputs, RunReports):
             raise UserError(f"{self.metrics.failure}. The run finished and its last checkpoint, {self.checkpoint}, "
                             f"is saved; only those files lack their last records")
         return result
+
+    def _skip_or_stop(self, step: int, loss: float, grad_norm: Optional[float]) -> None:
+        """Training step ``step``, not made for a non-finite loss or gradients: say so and go on
+        while ``training.skip_nonfinite_steps`` allows, else stop before anything more is saved."""
+        tr = self.cfg.training
+        values = f"loss {loss:.6g}" + (f", grad norm {grad_norm:.6g}" if grad_norm is not None else "")
+        self.skipped_steps += 1
+        if self.skipped_steps <= tr.skip_nonfinite_steps:
+            self.metrics.console(f"step {step:>6}/{tr.train_iters} | skipped: {values} (skipped step "
+                                 f"{self.skipped_steps} of training.skip_nonfinite_steps={tr.skip_nonfinite_steps})")
+            return
+        if self.checkpoint is None:
+            last = "no checkpoint was saved before it: start again with other settings (e.g. a lower optimizer.lr)"
+        else:
+            last = (f"the last checkpoint, {self.checkpoint}, holds step {self.checkpoint_step}. To go on from it "
+                    f"with other settings (e.g. a lower optimizer.lr), start a run from it: run.name=<new name> "
+                    f"checkpoint.load={self.checkpoint} data.skip_batches={step - self.checkpoint_step} "
+                    f"(passing over the batches since)")
+        allowed = (f"already skipped {tr.skip_nonfinite_steps}" if tr.skip_nonfinite_steps else
+                   "training.skip_nonfinite_steps=N skips up to N such steps")
+        raise UserError(f"training diverged at step {step}: {values}; nothing of this step or later "
+                        f"is saved, and {last}; {allowed}")
 
     def _stop_for_outputs(self, save_error: Optional[OSError] = None) -> None:
         """Stop the run after rank 0 could not write its metrics: the checkpoint of this step

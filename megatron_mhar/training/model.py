@@ -85,9 +85,10 @@ def build_model_chunks(cfg: TrainConfig, config: TransformerConfig, on_cpu: bool
         overlap_grad_reduce=par.overlap_grad_reduce,
         overlap_param_gather=par.overlap_param_gather,
         use_distributed_optimizer=par.use_distributed_optimizer,
-        # The per-bucket NaN check reads its result on the host, which a captured
-        # schedule cannot do; under graphs the training loop checks loss and grad norm.
-        check_for_nan_in_grad=cfg.training.cuda_graph == "none",
+        # The training loop checks the loss and gradients of each step before the update
+        # (Trainer.train_step): a non-finite step is skipped or stops the run with a message,
+        # where Megatron's per-bucket check raises from inside the schedule.
+        check_for_nan_in_grad=False,
     )
     return [
         DistributedDataParallel(

@@ -162,6 +162,12 @@ class TrainingConfig:
     of all micro-batches (one eager step, captured on the second, replayed after), which
     removes the host's launch cost (GPU, no pipeline parallelism); ``none``: eager."""
 
+    skip_nonfinite_steps: int = 0
+    """Steps whose loss or gradients are not finite (NaN, Inf) that are skipped, as Megatron
+    skips the steps of an overflowing loss scale: no update, the step and its batch counted;
+    one more stops the run (exit 2). 0: the first stops it, saving nothing after the step
+    before it."""
+
     @property
     def bf16_params(self) -> bool:
         """Whether parameters (and activations) are bf16: ``bf16`` and ``fp8`` runs."""
@@ -171,6 +177,8 @@ class TrainingConfig:
         for name in ("train_iters", "global_batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"training.{name} must be >= 1, got {getattr(self, name)}")
+        if self.skip_nonfinite_steps < 0:
+            raise ValueError(f"training.skip_nonfinite_steps must be >= 0, got {self.skip_nonfinite_steps}")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"training.global_batch_size={self.global_batch_size} is not a multiple of "
@@ -335,6 +343,11 @@ class DataConfig:
     eod_mask_loss: bool = False
     """Do not train on predicting the token after an end-of-document token."""
 
+    skip_batches: int = 0
+    """Global batches to pass over where the run starts (from ``checkpoint.load`` or from
+    scratch; a resume of its own checkpoints keeps their data position, which includes
+    them): e.g. the batches a diverged run failed on."""
+
     def __post_init__(self):
         for prefix in ("", "valid_", "test_"):
             key = f"{prefix}paths"
@@ -346,6 +359,8 @@ class DataConfig:
                 setattr(self, key, expand_path(getattr(self, key)))
         for prefix in ("", "valid_", "test_"):
             _check_blend_weights(getattr(self, f"{prefix}paths"), getattr(self, f"{prefix}weights"), prefix)
+        if self.skip_batches < 0:
+            raise ValueError(f"data.skip_batches must be >= 0, got {self.skip_batches}")
         if self.test_paths and not self.valid_paths:
             raise ValueError(
                 "data.test_paths needs data.valid_paths (held-out sets replace data.split for "
