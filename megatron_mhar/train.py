@@ -69,6 +69,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("recipe", nargs="?", default=None, help="recipe path or name (default smoke_cpu)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="check the config and its files for a launch of $WORLD_SIZE ranks (not this "
+                             "machine's devices: a login node checks a GPU job), print it and exit")
     args = parser.parse_args(argv)
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:  # only overrides were given
@@ -86,6 +89,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from megatron_mhar.training.recipes import load_config, to_yaml
 
             cfg = load_config(recipe, overrides)
+            if args.check:  # the Slurm launchers' check before srun (slurm/launch.sh)
+                validate_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")), this_machine=False)
+                print(to_yaml(cfg), end="")
+                return 0
             if args.print_config:  # what runs here: model.spec auto resolved as the driver does
                 print(to_yaml(with_resolved_spec(cfg, say=lambda line: print(f"# {line}"))), end="")
                 return 0

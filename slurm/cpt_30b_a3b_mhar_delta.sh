@@ -19,6 +19,11 @@
 # node. The driver prints its memory estimate per GPU at start (about 68 GB on 4 nodes;
 # fewer nodes leave each GPU more of the experts' optimizer state: one node needs ~100 GB).
 #
+# Check first, without an allocation: every input (variables, paths, the recipe's launch
+# checks) is checked and all problems listed at once (exit 2); nothing starts:
+#   bash slurm/cpt_30b_a3b_mhar_delta.sh --check                  (or MHAR_DRY_RUN=1 sbatch ...)
+# A submitted job makes the same checks before srun starts any rank.
+#
 # Arguments are recipe overrides (dotted.key=value) and win over everything else. The
 # job log is <job name>-<job id>.log in the directory you submitted from; the run
 # directory (metrics.jsonl with each expert's token load, TensorBoard, checkpoints) is
@@ -87,10 +92,12 @@ export REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
 if [[ ! -f $REPO_DIR/slurm/launch.sh ]]; then
     echo "error: REPO_DIR=$REPO_DIR has no slurm/launch.sh; submit from the megatron_mhar" \
         "repository root (cd megatron_mhar; sbatch slurm/...) or set REPO_DIR" >&2
-    exit 1
+    exit 2
 fi
 
 # ---------------------------------------------------------------------------- launch
 # The shared launcher: srun ranks, rendezvous, NCCL/CUDA environment, signal handling
 # and requeue. exec keeps this process (the batch shell Slurm signals) as the launcher.
+# This script, whose #SBATCH lines give the layout a check outside an allocation uses.
+export JOB_SCRIPT=${JOB_SCRIPT:-$0}
 exec bash "$REPO_DIR/slurm/launch.sh" "$@"

@@ -13,6 +13,11 @@
 #   sbatch -N 8 slurm/cpt_8b_mhar_delta.sh            # 8 nodes: 2x the data-parallel ranks
 #   sbatch slurm/cpt_8b_mhar_delta.sh checkpoint.interval=250
 #
+# Check first, without an allocation: every input (variables, paths, the recipe's launch
+# checks) is checked and all problems listed at once (exit 2); nothing starts:
+#   bash slurm/cpt_8b_mhar_delta.sh --check                  (or MHAR_DRY_RUN=1 sbatch ...)
+# A submitted job makes the same checks before srun starts any rank.
+#
 # Arguments are recipe overrides (dotted.key=value) and win over everything else. The
 # job log is <job name>-<job id>.log in the directory you submitted from; the run
 # directory (metrics.jsonl, TensorBoard, checkpoints) is runs/cpt_8b_mhar_delta.
@@ -81,10 +86,12 @@ export REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
 if [[ ! -f $REPO_DIR/slurm/launch.sh ]]; then
     echo "error: REPO_DIR=$REPO_DIR has no slurm/launch.sh; submit from the megatron_mhar" \
         "repository root (cd megatron_mhar; sbatch slurm/...) or set REPO_DIR" >&2
-    exit 1
+    exit 2
 fi
 
 # ---------------------------------------------------------------------------- launch
 # The shared launcher: srun ranks, rendezvous, NCCL/CUDA environment, signal handling
 # and requeue. exec keeps this process (the batch shell Slurm signals) as the launcher.
+# This script, whose #SBATCH lines give the layout a check outside an allocation uses.
+export JOB_SCRIPT=${JOB_SCRIPT:-$0}
 exec bash "$REPO_DIR/slurm/launch.sh" "$@"

@@ -4,8 +4,16 @@
 # a job does.
 #
 #   launch.sh [dotted.key=value ...]      (inside an allocation; RECIPE in the environment)
+#   launch.sh --check [dotted.key=value ...]   (or MHAR_DRY_RUN=1: anywhere, no allocation
+#                                         needed; `bash slurm/<script>.sh --check` runs it)
 #
 # What it does:
+#   0. Checks every input before any rank starts: the knobs below, then the run
+#      configuration with its files and the environment variables its paths use
+#      (mhar-train --check, for the job's world size; not the GPUs, which the batch node
+#      may lack). Every problem found is listed at once and the script exits 2. With
+#      --check / MHAR_DRY_RUN=1 it then prints the srun command and the configuration,
+#      and exits without starting ranks.
 #   1. One rank per GPU, started by srun directly (srun-native ranks, no torchrun): each
 #      task gets RANK / LOCAL_RANK / WORLD_SIZE from Slurm and rendezvouses at
 #      MASTER_ADDR:MASTER_PORT on the first node of the allocation. Signals sent to srun
@@ -40,30 +48,54 @@
 #                    --container-image); the image needs megatron_mhar's dependencies
 #   CONTAINER_MOUNTS extra pyxis mounts, src:dst[,src:dst...]; REPO_DIR is always mounted
 #   MASTER_PORT      rendezvous port on the first node; default: 20000 + job id % 20000
+#   NODES            for a check outside an allocation: the nodes of the job; default: the
+#                    job script's #SBATCH --nodes (GPUS_PER_NODE: its --gpus-per-node)
+#   MHAR_DRY_RUN     1: check and print the command and configuration, start no rank
 # NCCL/CUDA variables set below keep any value already in the environment.
 set -euo pipefail
 
 log() { echo "[launch $(date +%H:%M:%S)] $*"; }
-die() { log "error: $*" >&2; exit 1; }
+# Exit 2, as every megatron_mhar command does for a problem of input or environment.
+die() { log "error: $*" >&2; exit 2; }
 
-[[ -n ${SLURM_JOB_ID:-} ]] || die "not inside a Slurm job: submit an sbatch script from slurm/"
-[[ -n ${RECIPE:-} ]] || die "RECIPE is not set (the sbatch scripts set it)"
+CHECK=${MHAR_DRY_RUN:-0}
+if [[ ${1:-} == --check ]]; then
+    CHECK=1
+    shift
+fi
+[[ $CHECK == 1 || -n ${SLURM_JOB_ID:-} ]] \
+    || die "not inside a Slurm job: submit an sbatch script from slurm/ (or check one: bash slurm/<script>.sh --check)"
+problems=()        # every problem found before srun, reported together
+
+# The job script's own #SBATCH value of an option, for a check outside an allocation.
+sbatch_default() {
+    [[ -f ${JOB_SCRIPT:-} ]] || return 0
+    sed -n "s/^#SBATCH --$1=\\([^ ]*\\).*/\\1/p" "$JOB_SCRIPT" | head -n 1
+}
 
 # ---------------------------------------------------------------------------- where
+[[ -n ${RECIPE:-} ]] || problems+=("RECIPE is not set (the sbatch scripts set it)")
 REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
-[[ -f $REPO_DIR/megatron_mhar/train.py ]] \
-    || die "REPO_DIR=$REPO_DIR is not a megatron_mhar checkout; submit from the repository root or set REPO_DIR"
-cd "$REPO_DIR"
-[[ -f $RECIPE || -f recipes/${RECIPE%.yaml}.yaml ]] \
-    || die "RECIPE=$RECIPE: neither a file under $REPO_DIR nor a recipe name in recipes/"
+if [[ -f $REPO_DIR/megatron_mhar/train.py ]]; then
+    cd "$REPO_DIR"
+else
+    problems+=("REPO_DIR=$REPO_DIR is not a megatron_mhar checkout; submit from the repository root or set REPO_DIR")
+fi
 PYTHON=${PYTHON:-python}
+command -v "$PYTHON" >/dev/null || [[ -n ${CONTAINER_IMAGE:-} ]] \
+    || problems+=("PYTHON=$PYTHON: no such command; set PYTHON to the interpreter with megatron_mhar installed")
 
 # ---------------------------------------------------------------------------- ranks
-NNODES=${SLURM_JOB_NUM_NODES:-1}
+NNODES=${SLURM_JOB_NUM_NODES:-${NODES:-$(sbatch_default nodes)}}
+NNODES=${NNODES:-1}
 # --gpus-per-node may carry a type (h100:8): keep the count.
-GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_PER_NODE:-8}}
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_PER_NODE:-$(sbatch_default gpus-per-node)}}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 GPUS_PER_NODE=${GPUS_PER_NODE##*:}
-[[ $GPUS_PER_NODE =~ ^[0-9]+$ ]] || die "GPUS_PER_NODE=$GPUS_PER_NODE is not a number"
+if ! [[ $GPUS_PER_NODE =~ ^[0-9]+$ ]]; then
+    problems+=("GPUS_PER_NODE=$GPUS_PER_NODE is not a number")
+    GPUS_PER_NODE=8
+fi
 if ((GPUS_PER_NODE == 0)); then
     RANKS_PER_NODE=1        # CPU smoke mode: one gloo rank per node
 else
@@ -78,8 +110,12 @@ CPUS_PER_RANK=$((CPUS_ON_NODE / RANKS_PER_NODE))
 
 # Rendezvous on the first node; the port depends on the job id so that jobs sharing a
 # node do not collide.
-MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" | head -n 1)
-MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+if [[ -n ${SLURM_JOB_NODELIST:-} ]]; then
+    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+else
+    MASTER_ADDR=localhost   # a check outside an allocation
+fi
+MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
 export MASTER_ADDR MASTER_PORT
 export LOCAL_WORLD_SIZE=$RANKS_PER_NODE
 
@@ -131,6 +167,29 @@ fi
 # shellcheck disable=SC2016  # expanded by the task's shell, not here
 rank_env='export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS NODE_RANK=$SLURM_NODEID; exec "$@"'
 train_cmd=("$PYTHON" -m megatron_mhar.train "$RECIPE" "${overrides[@]}")
+
+# ---------------------------------------------------------------------------- check
+# The configuration, its files and the variables its paths use, for this world size,
+# before any rank starts (inside an image, the ranks check it themselves).
+config=""
+if ((${#problems[@]} == 0)) && [[ -z ${CONTAINER_IMAGE:-} ]]; then
+    if ! config=$(WORLD_SIZE=$WORLD_SIZE "$PYTHON" -m megatron_mhar.train "$RECIPE" "${overrides[@]}" --check 2>&1); then
+        problems+=("$(grep -v '^(MHAR_TRACEBACK' <<<"$config" | sed 's/^mhar-train: error: //')")
+    fi
+fi
+if ((${#problems[@]} > 0)); then
+    log "not started: ${#problems[@]} problem(s) with the job's inputs" >&2
+    for problem in "${problems[@]}"; do
+        echo "error: $problem" >&2
+    done
+    exit 2
+fi
+if [[ $CHECK == 1 ]]; then
+    log "check only (--check / MHAR_DRY_RUN=1): $NNODES node(s) x $RANKS_PER_NODE ranks, no rank started"
+    echo "command: srun ${srun_args[*]} bash -c '$rank_env' rank ${train_cmd[*]}"
+    echo "${config:-(configuration not checked here: the ranks run in $CONTAINER_IMAGE)}"
+    exit 0
+fi
 
 log "job $SLURM_JOB_ID (${SLURM_JOB_NAME:-}) run $((${SLURM_RESTART_COUNT:-0} + 1)), restarts so far: ${SLURM_RESTART_COUNT:-0}"
 log "nodes: $NNODES x $RANKS_PER_NODE ranks ($([[ $GPUS_PER_NODE -gt 0 ]] && echo "$GPUS_PER_NODE GPUs" || echo CPU)), $CPUS_PER_RANK CPUs per rank, rendezvous $MASTER_ADDR:$MASTER_PORT"

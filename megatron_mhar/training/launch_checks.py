@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 from pathlib import Path
 from typing import Callable, Tuple
 
@@ -25,10 +26,13 @@ TE_INSTALL = "pip install 'megatron_mhar[te]'"
 """How Transformer Engine is installed (the package's te extra)."""
 
 
-def validate_launch(cfg: TrainConfig, world_size: int) -> None:
+def validate_launch(cfg: TrainConfig, world_size: int, this_machine: bool = True) -> None:
     """Checks that need the launch: parallel layout vs world size, batch sizes, files.
 
     Runs before any process group starts, on every rank (all reach the same verdict).
+    ``this_machine=False`` (``mhar-train --check``, the Slurm launchers' check before
+    ``srun``, on a node that may have no GPU) leaves out what depends on the devices and
+    packages of the machine the ranks run on.
     """
     _check_paths_expanded(cfg)
     par, tr = cfg.parallel, cfg.training
@@ -60,21 +64,8 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
             f"tensor_model_parallel_size={par.tensor_model_parallel_size} with sequence parallelism"
         )
 
-    if cfg.run.device == "cuda" and not _cuda_available():
-        raise ValueError("run.device=cuda but CUDA is not available; set run.device=cpu")
-    on_cpu = runs_on_cpu(cfg)
-    check_moe_launch(cfg, world_size, on_cpu)
-    _check_spec_and_precision(cfg, on_cpu)
-    _check_distributed_optimizer(cfg)
-    if on_cpu and cfg.mhar.kernel_impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError(
-            "mhar.kernel_impl=triton runs on GPUs (or in Triton's interpreter with TRITON_INTERPRET=1); "
-            "on CPU set mhar.kernel_impl=auto or torch"
-        )
-    if on_cpu and tr.cuda_graph != "none":
-        raise ValueError(
-            f"training.cuda_graph={tr.cuda_graph} needs a GPU; on CPU set training.cuda_graph=none"
-        )
+    if this_machine:
+        _check_machine(cfg, world_size)
 
     # The tokenizer against the model first: data written by a tokenizer larger than the
     # model fails the data check too, whose message could only blame the data.
@@ -91,6 +82,26 @@ def validate_launch(cfg: TrainConfig, world_size: int) -> None:
             raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r}: no such directory")
 
 
+def _check_machine(cfg: TrainConfig, world_size: int) -> None:
+    """The devices and packages of this machine against the run's layer spec, precision,
+    optimizer and kernels."""
+    if cfg.run.device == "cuda" and not _cuda_available():
+        raise ValueError("run.device=cuda but CUDA is not available; set run.device=cpu")
+    on_cpu = runs_on_cpu(cfg)
+    check_moe_launch(cfg, world_size, on_cpu)
+    _check_spec_and_precision(cfg, on_cpu)
+    _check_distributed_optimizer(cfg)
+    if on_cpu and cfg.mhar.kernel_impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            "mhar.kernel_impl=triton runs on GPUs (or in Triton's interpreter with TRITON_INTERPRET=1); "
+            "on CPU set mhar.kernel_impl=auto or torch"
+        )
+    if on_cpu and cfg.training.cuda_graph != "none":
+        raise ValueError(
+            f"training.cuda_graph={cfg.training.cuda_graph} needs a GPU; on CPU set training.cuda_graph=none"
+        )
+
+
 def _check_paths_expanded(cfg: TrainConfig) -> None:
     """No path keeps a ``${VAR}``: the configuration expanded every variable that was set
     when it was built, so one left names a variable that was not."""
@@ -100,12 +111,17 @@ def _check_paths_expanded(cfg: TrainConfig) -> None:
         paths += [(f"data.{name}[{i}]", p) for i, p in enumerate(getattr(data, name))]
     paths += [(f"data.{name}", getattr(data, name)) for name in ("tokenizer", "cache_dir", "embedded_dir")]
     paths += [(f"checkpoint.{name}", getattr(checkpoint, name)) for name in ("dir", "load")]
-    for key, value in paths:
-        if value is not None and "$" in value:
-            raise ValueError(
-                f"{key}={value!r} uses an environment variable that is not set; export it or "
-                f"override {key}"
-            )
+    unset = [(key, value) for key, value in paths if value is not None and "$" in value]
+    if unset:  # all of them at once: a job finds them before its allocation, not one per submission
+        names = sorted({m.group(1) or m.group(2) for _, v in unset for m in _VARIABLE.finditer(v)})
+        raise ValueError(
+            f"environment variables not set: {', '.join(names)} (used by "
+            f"{', '.join(f'{key}={value!r}' for key, value in unset)}); export them or override those keys"
+        )
+
+
+_VARIABLE = re.compile(r"\$\{(\w+)\}|\$(\w+)")
+"""A ``${VAR}`` or ``$VAR`` left in a path: a variable that was not set."""
 
 
 def runs_on_cpu(cfg: TrainConfig) -> bool:
