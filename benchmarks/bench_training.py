@@ -73,12 +73,59 @@ import torch
 from benchmarks import common
 
 SIZES = {**{size: common.SIZE_RECIPES[size] for size in common.PAPER_SIZES}, "tiny": "smoke_cpu",
-         "350m_moe": common.SIZE_RECIPES["350m"], "tiny_moe": "smoke_cpu_moe"}
+         "350m_moe": common.SIZE_RECIPES["350m"], "tiny_moe": "smoke_cpu_moe",
+         "8b_delta": common.SIZE_RECIPES["8b"]}
 """The sizes this benchmark trains: the paper's three, ``smoke_cpu``'s tiny model (CPU smoke),
-and the MoE cases (:data:`MOE_OVERRIDES`, ``smoke_cpu_moe``)."""
-MOE_OVERRIDES = {"350m_moe": ["model.num_moe_experts=8", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=2048",
-                              "model.moe_aux_loss_coeff=1.0e-2", "model.moe_router_dtype=fp32"]}
-"""The recipe overrides that make a size an MoE model (every model of the size)."""
+the MoE cases (``350m_moe``, ``smoke_cpu_moe``) and the continued-pretraining case
+``8b_delta`` (:data:`SIZE_OVERRIDES`)."""
+SIZE_OVERRIDES = {
+    "350m_moe": ["model.num_moe_experts=8", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=2048",
+                 "model.moe_aux_loss_coeff=1.0e-2", "model.moe_router_dtype=fp32"],
+    # Llama-3.1-8B's layer shape, sequence length and the recipe's routing on one GPU: no
+    # tensor parallelism, no converted checkpoint, 8 sequences of 4096 per step (the 1B
+    # case's 32,768 tokens); the depth is what fits (``layers_that_fit``).
+    "8b_delta": ["checkpoint.load=null", "checkpoint.load_model_only=false", "parallel.tensor_model_parallel_size=1",
+                 "parallel.sequence_parallel=false", "training.global_batch_size=8",
+                 "data.paths=[unset]", "data.tokenizer=unset"],
+}
+"""The recipe overrides that make a size's case (every model of the size): an MoE model of
+the 350M recipe, the 8B recipe on one GPU."""
+GPU_ONLY_SIZES = ("350m_moe", "8b_delta")
+ONE_AT_A_TIME = ("8b_delta",)
+"""Sizes whose models are built, timed and freed one after another (two 8B-shape models
+side by side would halve the depth that fits); their ratios then fold in the host's drift
+between the models (small: the graphed step is GPU-bound)."""
+MEMORY_SHARE = 0.85
+"""Share of the GPU's memory the resident models of ``8b_delta`` may take by the driver's
+memory estimate (the rest: allocator fragmentation, cuBLAS and NCCL workspaces, graphs)."""
+
+
+def size_recipe(size: str, overrides=()):
+    """The TrainConfig of ``size``: its recipe with :data:`SIZE_OVERRIDES`, then ``overrides``."""
+    from megatron_mhar.training.recipes import load_config
+
+    return load_config(SIZES[size], [*SIZE_OVERRIDES.get(size, []), *overrides])
+
+
+def layers_that_fit(size: str, models: int, memory_bytes: float) -> int:
+    """The most decoder layers (whole delta blocks, at most the recipe's) for which ``models``
+    resident models of ``size`` take at most :data:`MEMORY_SHARE` of ``memory_bytes`` by the
+    driver's memory estimate (``training.memory``, the delta model's: its history is the
+    larger)."""
+    from megatron_mhar.training.memory import estimate_memory
+
+    cfg = size_recipe(size)
+    step = cfg.mhar.delta_block_layers
+    fits = 0
+    for layers in range(step, cfg.model.num_layers + 1, step):
+        trial = size_recipe(size, [f"model.num_layers={layers}"])
+        if models * estimate_memory(trial, 1).total > MEMORY_SHARE * memory_bytes:
+            break
+        fits = layers
+    if not fits:
+        raise ValueError(f"{models} models of {size} with {step} layers do not fit "
+                         f"{memory_bytes / 2**30:.0f} GiB; train fewer models at once")  # fmt: skip
+    return fits
 
 SPECS = ("local", "transformer_engine")  # the resolved values of model.spec
 PRECISIONS = ("bf16", "fp8")
@@ -126,18 +173,22 @@ def size_overrides(args, size: str, device: str, work: Path, data: dict) -> list
     graphs asked for, the random data and its stand-in tokenizer, steps enough for the
     benchmark (the recipe's learning-rate schedule kept: these are its first steps), no
     evaluation or event file."""
-    from megatron_mhar.training.recipes import load_config
-
     precision = args.precision if device == "cuda" else "fp32"
     steps = args.warmup + args.steps + EXTRA_STEPS
-    moe = MOE_OVERRIDES.get(size, [])
-    if moe or size == "tiny_moe":  # all-to-all on GPUs, Megatron-LM's choice; CPUs all-gather
-        moe = moe + [f"model.moe_token_dispatcher_type={'alltoall' if device == 'cuda' else 'allgather'}"]
-    return [*moe,
+    case = list(SIZE_OVERRIDES.get(size, []))
+    if size in ("350m_moe", "tiny_moe"):  # all-to-all on GPUs, Megatron-LM's choice; CPUs all-gather
+        case.append(f"model.moe_token_dispatcher_type={'alltoall' if device == 'cuda' else 'allgather'}")
+    if size == "8b_delta":
+        memory = torch.cuda.get_device_properties(0).total_memory
+        resident = 1 if size in ONE_AT_A_TIME else len(args.models.split(","))
+        case.append(f"model.num_layers={layers_that_fit(size, resident, memory)}")
+    if args.micro_batch:
+        case.append(f"training.micro_batch_size={args.micro_batch}")
+    return [*case,
         f"run.device={device}", f"run.output_dir={work / 'runs'}", f"model.spec={args.spec}",
         f"model.fused_kernels={str(not args.no_fusions).lower()}", f"training.precision={precision}",
         f"training.cuda_graph={args.cuda_graph}", f"training.train_iters={steps}",
-        f"optimizer.lr_decay_iters={load_config(SIZES[size]).lr_decay_iters}",
+        f"optimizer.lr_decay_iters={size_recipe(size).lr_decay_iters}",
         f"data.paths=[{data['prefix']}]", f"data.tokenizer={data['tokenizer']}",
         f"data.eod_token={common.STAND_IN_EOD}", "eval.interval=0", "eval.iters=1",
         "logging.tensorboard=false", "logging.routing_entropy=false", "logging.routing_interval=0",
@@ -148,10 +199,9 @@ def model_config(size: str, name: str, mhar, overrides: list):
     """The driver's configuration of model ``name`` (routing ``mhar``) at ``size``, resolved
     and checked as ``mhar-train`` does before a launch."""
     from megatron_mhar.training.launch_checks import validate_launch, with_resolved_spec
-    from megatron_mhar.training.recipes import load_config
 
     run_name = f"{size}_{name}".replace("@", "_").replace("=", "_")
-    cfg = load_config(SIZES[size], [*overrides, f"run.name={run_name}"])
+    cfg = size_recipe(size, [*overrides, f"run.name={run_name}"])
     cfg = with_resolved_spec(dataclasses.replace(cfg, mhar=mhar))
     validate_launch(cfg, 1)
     return cfg
@@ -161,9 +211,7 @@ def write_data(size: str, work: Path, args) -> dict:
     """Random ids for every model of ``size``, written once: enough for the warmup, timed
     and extra steps and the validation split the driver builds, below the vocabulary of the
     tokenizer the recipe names (Qwen3's; a tiny model's own)."""
-    from megatron_mhar.training.recipes import load_config
-
-    cfg = load_config(SIZES[size])
+    cfg = size_recipe(size)
     tr, model = cfg.training, cfg.model
     vocab = min(model.vocab_size, common.QWEN3_TOKENIZER_VOCAB)
     steps = args.warmup + args.steps + EXTRA_STEPS
@@ -405,15 +453,39 @@ def _add_ratios(results: dict, times: dict):
 def run_size(size: str, configs: dict, contexts: dict, ctx, args, device: str, data: dict):
     """Trains the models ``configs`` ({name: TrainConfig}) of one size, each inside its
     ``contexts`` entry; the size's report."""
+    any_cfg = next(iter(configs.values()))
+    model, tr = any_cfg.model, any_cfg.training
+    vocab, tokens = model.padded_vocab_size(), tr.global_batch_size * model.seq_length
+    results, times = {}, {}
+    # The 8B-shape models are trained one at a time (each as deep as one fits alone); the
+    # others stay resident and are timed interleaved.
+    groups = [[name] for name in configs] if size in ONE_AT_A_TIME else [list(configs)]
+    for group in groups:
+        group_results, group_times = _train_group(size, {n: configs[n] for n in group}, contexts, ctx, args,
+                                                  device, tokens)  # fmt: skip
+        results.update(group_results)
+        times.update(group_times)
+    _add_ratios(results, times)
+    base = results.get("baseline")
+    peak = _peak_flops()
+    if base and peak:
+        base["mfu"] = flops_per_token(model, vocab) * base["tokens_per_s"] / peak
+    case = {"name": size, "recipe": SIZES[size], "model": dataclasses.asdict(model),
+            "micro_batch": tr.micro_batch_size, "num_microbatches": tr.global_batch_size // tr.micro_batch_size,
+            "timing": "one model at a time" if size in ONE_AT_A_TIME else "interleaved rounds",
+            "data": {k: data[k] for k in ("documents", "tokens", "vocab")}}  # fmt: skip
+    return {"case": case, "flops_per_token": flops_per_token(model, vocab), "models": results}
+
+
+def _train_group(size: str, configs: dict, contexts: dict, ctx, args, device: str, tokens: int):
+    """Builds the models ``configs``, times them in interleaved rounds, profiles each and
+    frees them: ({name: report entry}, {name: step times})."""
     if args.cuda_graph != "none":
         _reset_graph_inputs()
     trainers, warm_losses, peaks = {}, {}, {}
     for name, cfg in configs.items():
         trainers[name], warm_losses[name], peaks[name] = _build_and_warm(cfg, ctx, device, args.warmup, contexts[name])
     times, losses = _timed_rounds(trainers, contexts, device, args.steps)
-    any_cfg = next(iter(configs.values()))
-    model, tr = any_cfg.model, any_cfg.training
-    vocab, tokens = model.padded_vocab_size(), tr.global_batch_size * model.seq_length
     results = {}
     for name, trainer in trainers.items():
         entry = {
@@ -434,21 +506,13 @@ def run_size(size: str, configs: dict, contexts: dict, ctx, args, device: str, d
         print(f"[{size}] {name}: {entry['tokens_per_s']:.0f} tok/s, "
               f"peak {entry.get('peak_memory_gib', 0):.1f} GiB, loss {entry['losses'][-1]:.3f}",
               flush=True)
-    # Free this size's models before the next size is built, so its memory readings start
-    # from the same empty state (the loop variable holds the last model too).
+    # Free these models before the next ones are built, so their memory readings start from
+    # the same empty state (the loop variable holds the last model too).
     del trainers, trainer
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    _add_ratios(results, times)
-    base = results.get("baseline")
-    peak = _peak_flops()
-    if base and peak:
-        base["mfu"] = flops_per_token(model, vocab) * base["tokens_per_s"] / peak
-    case = {"name": size, "recipe": SIZES[size], "model": dataclasses.asdict(model),
-            "micro_batch": tr.micro_batch_size, "num_microbatches": tr.global_batch_size // tr.micro_batch_size,
-            "data": {k: data[k] for k in ("documents", "tokens", "vocab")}}  # fmt: skip
-    return {"case": case, "flops_per_token": flops_per_token(model, vocab), "models": results}
+    return results, times
 
 
 def _peak_flops():
@@ -472,6 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed steps per model (compilation, autotune, optimizer states); "
                              "the peak memory is taken over them")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="sequences per micro-batch of every model (training.micro_batch_size; "
+                             "default the recipe's); the global batch stays the recipe's")
     parser.add_argument("--kernel-impl", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--logit-scale", type=float, default=1.0)
     parser.add_argument("--no-profile", action="store_true")
@@ -508,6 +575,11 @@ def check_args(parser, args):
         parser.error(f"unknown sizes {unknown}; choose from {list(SIZES)}")
     if len(set(sizes)) < len(sizes):
         parser.error(f"--sizes {args.sizes} names a size twice; give each once")
+    gpu_only = [s for s in sizes if s in GPU_ONLY_SIZES]
+    if gpu_only and not torch.cuda.is_available():
+        parser.error(f"--sizes {','.join(gpu_only)} train on a GPU only; on CPU use tiny or tiny_moe")
+    if args.micro_batch is not None and args.micro_batch < 1:
+        parser.error(f"--micro-batch must be >= 1, got {args.micro_batch}")
     if args.cuda_graph != "none" and (not torch.cuda.is_available() or args.warmup < 2):
         parser.error("--cuda-graph needs CUDA and --warmup >= 2 (one eager step, then the "
                      "capture, both inside the warmup whose peak memory is reported)")

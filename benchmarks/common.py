@@ -302,14 +302,19 @@ def site_cases(steps: Sequence[StepCase]) -> List[SiteCase]:
 # ------------------------------------------------------------------ cases: the compared models
 
 
-def _variant(name: str):
-    """The routing of ``recipes/base/variant_<name>.yaml``, as every recipe of it trains."""
+def _recipe_routing(recipe: str):
+    """The ``mhar`` section of ``recipes/<recipe>.yaml`` (a recipe file that states its routing)."""
     import yaml
 
     from megatron_mhar.models.mhar_config import MHARConfig
     from megatron_mhar.training.recipes import RECIPES_DIR
 
-    return MHARConfig(**yaml.safe_load((RECIPES_DIR / "base" / f"variant_{name}.yaml").read_text())["mhar"])
+    return MHARConfig(**yaml.safe_load((RECIPES_DIR / f"{recipe}.yaml").read_text())["mhar"])
+
+
+def _variant(name: str):
+    """The routing of ``recipes/base/variant_<name>.yaml``, as every recipe of it trains."""
+    return _recipe_routing(f"base/variant_{name}")
 
 
 def _models():
@@ -329,6 +334,8 @@ def _models():
         # Blocks of 8 sublayers (4 decoder layers): the variant the Attention Residuals paper
         # reports under 4% overhead for.
         "mhar_block": replace(mhar, variant="block", block_size=8),
+        # The continued-pretraining routing (delta, 8 heads, blocks of 4 decoder layers).
+        "mhar_delta": _recipe_routing(SIZE_RECIPES["8b"]),
     }
 
 
