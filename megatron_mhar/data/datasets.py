@@ -24,7 +24,7 @@ import numpy
 import torch
 
 from megatron_mhar.data.tokenizer import Tokenizer
-from megatron_mhar.errors import on_this_rank
+from megatron_mhar.errors import UserError, on_this_rank
 
 _IDX_HEAD = struct.Struct("<9sQBQQ")
 """Megatron's ``.idx`` header: magic, version, dtype code, sequences, documents."""
@@ -91,7 +91,86 @@ def build_gpt_datasets(
         _check_splits(train[0], config.split_matrix, sizes)
     datasets = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     _check_evaluation_sizes(datasets, sizes, seq_length, heldout is not None)
-    return [dataset if n else None for dataset, n in zip(datasets, sizes)]
+    datasets = [dataset if n else None for dataset, n in zip(datasets, sizes)]
+    for indexed in indexed_datasets(datasets):
+        indexed.bin_reader = CheckedBinReader(indexed.path_prefix + ".bin")
+    return datasets
+
+
+def indexed_datasets(datasets) -> List:
+    """The ``IndexedDataset`` objects (one per ``.bin``/``.idx`` pair and split) under
+    GPTDatasets and blends of them (``None`` entries skipped)."""
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+
+    found = []
+    for dataset in datasets:
+        if isinstance(dataset, BlendedDataset):
+            found += indexed_datasets(dataset.datasets)
+        elif dataset is not None:
+            found.append(dataset.dataset)
+    return found
+
+
+class DataChanged(UserError):
+    """A data file changed under the running job; the message names it."""
+
+
+def _stamp(path: str) -> Tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+class CheckedBinReader:
+    """Megatron's ``.bin`` reader interface (``read(dtype, count, offset)``) through ``pread``
+    on a descriptor held open.
+
+    Megatron maps the file: once it is truncated under the running job, the first read past
+    its new end kills the process with SIGBUS, without a message. Here that read comes back
+    short and raises :class:`DataChanged` naming the file. The copy costs what the mapped
+    reader's own copy into the sample costs (GPTDataset concatenates the pieces it reads).
+    """
+
+    def __init__(self, bin_path: str):
+        self.path = bin_path
+        self.opened = _stamp(bin_path)  # (size, mtime, inode) when the run opened it
+        self._fd = os.open(bin_path, os.O_RDONLY)
+
+    def read(self, dtype, count: int, offset: int) -> numpy.ndarray:
+        size = numpy.dtype(dtype).itemsize * count
+        data = os.pread(self._fd, size, offset)
+        if len(data) < size:
+            now = os.fstat(self._fd).st_size
+            raise on_this_rank(DataChanged(
+                f"{self.path} was truncated while the run reads it: a sample needs its bytes {offset} to "
+                f"{offset + size}, and it holds {now} (it held {self.opened[0]} when the run opened it)"
+            ))
+        return numpy.frombuffer(data, dtype=dtype, count=count)
+
+    def changed(self) -> Optional[str]:
+        """How the file differs from when it was opened (size, time stamp, a replaced file),
+        or ``None``."""
+        try:
+            now = _stamp(self.path)
+        except OSError as err:
+            return f"{self.path} is gone or unreadable ({err.strerror})"
+        if now == self.opened:
+            return None
+        if now[2] != self.opened[2]:
+            return f"{self.path} was replaced by another file"
+        if now[0] != self.opened[0]:
+            return f"{self.path} changed size ({self.opened[0]} -> {now[0]} bytes)"
+        return f"{self.path} was written in place (same size, modified since the run opened it)"
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+
+
+def changed_data(datasets) -> Optional[str]:
+    """How the first of the datasets' ``.bin`` files that changed since they were opened
+    differs, or ``None``."""
+    return next(filter(None, (indexed.bin_reader.changed() for indexed in indexed_datasets(datasets)
+                              if isinstance(indexed.bin_reader, CheckedBinReader))), None)
 
 
 def _positive_blend(paths: Sequence[str], weights: Optional[Sequence[float]], paths_key: str,

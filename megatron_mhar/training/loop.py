@@ -34,13 +34,18 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mhar.checkpoint.format import changed_fields
-from megatron_mhar.data.datasets import MicroBatches, build_gpt_datasets
-from megatron_mhar.errors import PeerFailure, UserError, message_of
+from megatron_mhar.data.datasets import DataChanged, MicroBatches, build_gpt_datasets, changed_data
+from megatron_mhar.errors import PeerFailure, UserError, message_of, on_this_rank
 from megatron_mhar.files import write_atomic
 from megatron_mhar.diagnostics.recorder import RoutingRecorder, SiteRouting
 from megatron_mhar.parallel import pipeline
 from megatron_mhar.runtime import lifetime
-from megatron_mhar.runtime.distributed import DistributedContext, destroy, initialize_model_parallel_from_env
+from megatron_mhar.runtime.distributed import (
+    DistributedContext,
+    destroy,
+    initialize_model_parallel_from_env,
+    on_all_ranks,
+)
 from megatron_mhar.training import checkpointing, cuda_graphs
 from megatron_mhar.training.data_setup import heldout_blends, prepare_data
 from megatron_mhar.training.launch_checks import runs_on_cpu, validate_launch, with_resolved_spec
@@ -536,7 +541,10 @@ class Trainer(RoutingOutputs, RunReports):
                 if self.moe_metrics is not None:
                     self.moe_metrics.start_step(logged)
                 timer.start()
-                loss, grad_norm, lr = self.train_step()
+                try:
+                    loss, grad_norm, lr = self.train_step()
+                except DataChanged as err:
+                    raise self._data_changed(str(err), in_step=True) from None
                 timer.stop()
                 self._attach_routing_recorder(None)
                 if self.moe_metrics is not None:
@@ -567,6 +575,8 @@ class Trainer(RoutingOutputs, RunReports):
                     self._run_test()
                 signalled = stop.requested(self.device, outputs_failed=self.metrics.failure is not None)
                 if signalled or (cfg.checkpoint.interval and self.iteration % cfg.checkpoint.interval == 0):
+                    changed = next(filter(None, on_all_ranks(
+                        lambda: changed_data([self.train_ds, self.valid_ds, self.test_ds]))), None)
                     try:
                         self.save()
                     except OSError as err:
@@ -574,6 +584,9 @@ class Trainer(RoutingOutputs, RunReports):
                             raise
                         self._stop_for_outputs(err)
                     last_saved = self.iteration
+                    if changed is not None:
+                        raise self._data_changed(changed + "; the steps since may have read its new bytes",
+                                                 in_step=False)
                 if stop.outputs_failed:
                     self._stop_for_outputs()
                 if signalled:
@@ -602,6 +615,22 @@ class Trainer(RoutingOutputs, RunReports):
             raise UserError(f"{self.metrics.failure}. The run finished and its last checkpoint, {self.checkpoint}, "
                             f"is saved; only those files lack their last records")
         return result
+
+    def _data_changed(self, what: str, in_step: bool) -> DataChanged:
+        """The error that stops a run whose data changed under it, after saving this step's
+        checkpoint where it can: between steps, or inside a step where a single process runs
+        (several ranks are then at different points of the schedule)."""
+        single = torch.distributed.get_world_size() == 1
+        if (single or not in_step) and (self.checkpoint is None or self.checkpoint_step != self.iteration):
+            self.save()
+        if self.checkpoint is None:
+            then = "No checkpoint was saved: the restarted run starts from step 0"
+        else:
+            saved = "Saved" if self.checkpoint_step == self.iteration else "The last checkpoint is"
+            then = f"{saved} {self.checkpoint} (step {self.checkpoint_step}), which the restarted run resumes from"
+        err = DataChanged(f"{what}. {then}. Restore the file, or write it and its .idx again with mhar-preprocess "
+                          f"(the launch then checks it again), and restart the run")
+        return on_this_rank(err) if in_step and not single else err
 
     def _skip_or_stop(self, step: int, loss: float, grad_norm: Optional[float]) -> None:
         """Training step ``step``, not made for a non-finite loss or gradients: say so and go on
