@@ -142,8 +142,14 @@ def plan_import(
             raise ValueError(f"--{name.replace('_', '-')} applies to the {' / '.join(applies)} variant, not "
                              f"{fields['variant']!r}; drop it or choose one of those variants")  # fmt: skip
     fields.update(mhar_overrides or {})
-    mhar = MHARConfig(**fields)
-    mhar.validate_for_model(model.hidden_size, model.num_layers)
+    try:
+        mhar = MHARConfig(**fields)
+        mhar.validate_for_model(model.hidden_size, model.num_layers)
+    except ValueError as err:  # named by the options they came from, not the config keys
+        message = str(err)
+        for name in mhar_overrides or {}:
+            message = message.replace(f"mhar.{name}", f"--{name.replace('_', '-')}")
+        raise ValueError(message) from None
     if exported is not None:
         _check_same_routing(exported, mhar, f"{hf_dir}/config.json")
     reader = hf_io.SafetensorsReader(hf_dir)

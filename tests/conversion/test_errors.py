@@ -64,7 +64,7 @@ def test_layout_and_variant_errors(hf_dirs, tmp_path):
         _plan(hf_dirs["llama"], tmp_path / "out", pp=3)
     with pytest.raises(ValueError, match="--variant is required"):
         _plan(hf_dirs["llama"], tmp_path / "out", variant=None)
-    with pytest.raises(ValueError, match="mhar.num_heads=7 does not divide hidden_size=64"):
+    with pytest.raises(ValueError, match="--num-heads=7 does not divide hidden_size=64"):
         _plan(hf_dirs["llama"], tmp_path / "out", variant="delta", mhar_overrides=dict(num_heads=7))
     for variant, overrides, flag in (("none", dict(block_size=3), "--block-size applies to the block"),
                                      ("full", dict(delta_block_layers=2), "--delta-block-layers applies to the delta"),
