@@ -49,7 +49,7 @@ from megatron_mhar.runtime.distributed import (
 from megatron_mhar.training import checkpointing, cuda_graphs
 from megatron_mhar.training.data_setup import heldout_blends, prepare_data
 from megatron_mhar.training.launch_checks import runs_on_cpu, validate_launch, with_resolved_spec
-from megatron_mhar.training.memory import estimate_memory
+from megatron_mhar.training.memory import check_fits, estimate_memory
 from megatron_mhar.training.metrics import MetricsWriter, StepTimer, format_duration
 from megatron_mhar.training.model import build_model_chunks, transformer_config, unwrap
 from megatron_mhar.training.moe import MoEMetrics
@@ -160,8 +160,10 @@ class Trainer(RoutingOutputs, RunReports):
             )
 
         self.config = transformer_config(cfg, self.on_cpu)
+        estimate = estimate_memory(cfg, ctx.world_size)
         if self.is_logger:
-            print(estimate_memory(cfg, ctx.world_size).describe(self._layout()), flush=True)
+            print(estimate.describe(self._layout()), flush=True)
+        check_fits(estimate, cfg, self.on_cpu, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)))
         self.model = build_model_chunks(cfg, self.config, self.on_cpu)
         self.optimizer = get_megatron_optimizer(
             self._optimizer_config(), self.model, use_gloo_process_groups=not self.on_cpu

@@ -15,6 +15,7 @@ keeps in flight on the first stage.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 GB = 2**30
 
@@ -162,3 +163,48 @@ def _activations_per_micro_batch(cfg, half: bool) -> float:
     total += sources * 6 * sbh / shard
     total += s * b * m.padded_vocab_size(tp) // tp * 4 if pp == 1 else 0  # fp32 logits (last stage)
     return total
+
+
+def host_memory() -> int:
+    """Bytes of this host's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_memory() -> int:
+    """Bytes of this rank's GPU."""
+    import torch
+
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def check_fits(estimate: MemoryEstimate, cfg, on_cpu: bool, ranks_on_host: int) -> None:
+    """Raise a ``ValueError`` where the weights, gradients and optimizer state (counted
+    exactly) of one rank exceed its GPU, or, on CPU, those of the host's ranks exceed the
+    host's memory; the message names the fields to lower. Where only the activations (an
+    estimate) take the total past it, say so on the console instead."""
+    if on_cpu:
+        where, have, ranks = "the host's memory", host_memory(), ranks_on_host
+    else:
+        where, have, ranks = "the GPU's memory", device_memory(), 1
+    exact = ranks * (estimate.weights + estimate.gradients + estimate.optimizer)
+    total = exact + ranks * estimate.activations
+    of = f" for {ranks} ranks" if ranks > 1 else ""
+    if exact > have:
+        m, par = cfg.model, cfg.parallel
+        tp = par.tensor_model_parallel_size
+        tables = 1 if m.tie_embeddings and par.pipeline_model_parallel_size == 1 else 2  # input, output layer
+        embedding = tables * m.padded_vocab_size(tp) * m.hidden_size // tp
+        fields = (["model.vocab_size"] if embedding > (estimate.dense_params + estimate.expert_params) / 2 else
+                  ["model.num_layers", "model.hidden_size", "model.ffn_hidden_size"])
+        shard = ["parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size"]
+        if not par.use_distributed_optimizer:
+            shard.append("parallel.use_distributed_optimizer=true")
+        raise ValueError(
+            f"the model does not fit: its weights, gradients and optimizer state take {_size(exact)}{of} "
+            f"(of ~{_size(total)} with activations), more than {where} ({_size(have)}). Lower "
+            f"{', '.join(fields)}, or spread it over more GPUs ({', '.join(shard)})"
+        )
+    if total > have:
+        print(f"warning: the memory estimate, ~{_size(total)}{of}, exceeds {where} ({_size(have)}) through "
+              f"its activations (an estimate); lower training.micro_batch_size or model.seq_length, or set "
+              f"training.recompute_granularity, should it run out of memory", flush=True)

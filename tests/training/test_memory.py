@@ -29,3 +29,26 @@ def test_estimate_counts_the_built_parameters(megatron_world1, tmp_path, overrid
     assert (estimate.dense_params, estimate.expert_params) == (dense, experts)
     assert estimate.weights == 4 * (dense + experts) and estimate.optimizer == 8 * (dense + experts)  # fp32, Adam
     assert 0 < estimate.activations < estimate.total
+
+
+def test_a_model_larger_than_the_memory_is_refused_before_it_is_built(tiny, monkeypatch, capsys):
+    """A 64 MiB host: a vocabulary of 100K rows (weights, gradients and Adam state ~100 MB)
+    is refused with the estimate, the memory and the field to lower, before any model is
+    built; a model that fits runs."""
+    from megatron_mhar.training import loop, memory
+
+    monkeypatch.setattr(memory, "host_memory", lambda: 64 * 2**20)
+    built = loop.build_model_chunks
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(loop, "build_model_chunks", refuse)
+    with pytest.raises(ValueError, match=r"^the model does not fit: its weights, gradients and optimizer state take "
+                                         r"\d+\.\d MB \(of ~\d+\.\d [MG]B with activations\), more than the host's memory "
+                                         r"\(64\.0 MB\)\. Lower model\.vocab_size, or spread it over more GPUs "
+                                         r"\(parallel\.tensor_model_parallel_size, parallel\.pipeline_model_parallel_size, "
+                                         r"parallel\.use_distributed_optimizer=true\)$"):
+        loop.run(tiny("model.vocab_size=100000", "model.tie_embeddings=false"))
+    monkeypatch.setattr(loop, "build_model_chunks", built)
+    assert loop.run(tiny("training.train_iters=3", "eval.interval=0")).iteration == 3
