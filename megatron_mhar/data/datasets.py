@@ -111,6 +111,15 @@ def indexed_datasets(datasets) -> List:
     return found
 
 
+def split_tokens(dataset) -> int:
+    """Tokens of the documents a split (a GPTDataset, or a blend of them) draws its samples from."""
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+
+    if isinstance(dataset, BlendedDataset):
+        return sum(split_tokens(d) for d in dataset.datasets)
+    return int(dataset.dataset.sequence_lengths[dataset.indices].sum())
+
+
 class DataChanged(UserError):
     """A data file changed under the running job; the message names it."""
 

@@ -1,5 +1,6 @@
 """The run's data as the driver reads it: the tokenizer and training prefixes (building the
-embedded corpus where the run trains on it) and the held-out blends."""
+embedded corpus where the run trains on it), the held-out blends, and whether each split
+holds enough tokens for what reads it."""
 
 from __future__ import annotations
 
@@ -42,3 +43,29 @@ def heldout_blends(cfg: TrainConfig):
     valid = (list(data.valid_paths), data.valid_weights)
     test = (list(data.test_paths), data.test_weights) if data.test_paths else None
     return [valid, test]
+
+
+def check_split_sizes(cfg: TrainConfig, datasets, is_logger: bool) -> None:
+    """Raise a ``ValueError`` for a split holding less than one sequence; warn (rank 0) for
+    one holding fewer tokens than a training batch or an evaluation reads: its tokens repeat
+    within each (Megatron's datasets loop over their documents as often as asked)."""
+    from megatron_mhar.data.datasets import split_tokens
+
+    data, seq, batch = cfg.data, cfg.model.seq_length, cfg.training.global_batch_size
+    shares = [("training", "a training batch", batch, "data.paths"),
+              ("validation", "an evaluation", cfg.eval.iters * batch, "data.valid_paths"),
+              ("test", "the test", cfg.eval.iters * batch, "data.test_paths")]
+    for (name, reader, samples, key), dataset in zip(shares, datasets):
+        if dataset is None:
+            continue
+        source = key if data.heldout else f"its share of data.split={data.split} of data.paths"
+        tokens, reads = split_tokens(dataset), samples * seq
+        if tokens <= seq:
+            raise ValueError(
+                f"the {name} data ({source}) holds {tokens} tokens, less than one sequence of "
+                f"model.seq_length={seq} (+1 for the labels): give it more data"
+            )
+        if tokens < reads and is_logger:
+            print(f"warning: the {name} data ({source}) holds {tokens} tokens and {reader} reads {reads} "
+                  f"({samples} x {seq}): each of its tokens is read ~{reads / tokens:.1f} times in each; "
+                  f"give it more data", flush=True)

@@ -47,7 +47,7 @@ from megatron_mhar.runtime.distributed import (
     on_all_ranks,
 )
 from megatron_mhar.training import checkpointing, cuda_graphs
-from megatron_mhar.training.data_setup import heldout_blends, prepare_data
+from megatron_mhar.training.data_setup import check_split_sizes, heldout_blends, prepare_data
 from megatron_mhar.training.launch_checks import runs_on_cpu, validate_launch, with_resolved_spec
 from megatron_mhar.training.memory import check_fits, estimate_memory
 from megatron_mhar.training.metrics import MetricsWriter, StepTimer, format_duration
@@ -241,6 +241,7 @@ class Trainer(RoutingOutputs, RunReports):
             eod_mask_loss=cfg.data.eod_mask_loss,
             heldout=heldout_blends(cfg),
         )
+        check_split_sizes(cfg, [self.train_ds, self.valid_ds, self.test_ds], self.is_logger)
         self.train_iterators = self._iterators(self.train_ds, self.consumed_samples)
         self.metrics = MetricsWriter(
             self.run_dir, self.is_logger, cfg.logging.tensorboard, self.iteration, write_files=not self.finished,

@@ -196,3 +196,26 @@ def test_good_heldout_data_passes_launch(data_sets):
         f"data.paths=[{data_sets['train']}]", f"data.valid_paths=[{data_sets['valid']}]",
         f"data.test_paths=[{data_sets['test']}]", "data.valid_weights=[2.0]",
     ]), 1)
+
+
+@pytest.mark.parametrize("length, documents, expected", [
+    # 2 x 40 tokens, an evaluation reads 1 x 4 x 32: a warning, the run goes on
+    pytest.param(40, 2, "warning: the validation data (data.valid_paths) holds 80 tokens and an evaluation reads "
+                 "128 (4 x 32): each of its tokens is read ~1.6 times in each; give it more data", id="small"),
+    # 12 tokens: not one sequence
+    pytest.param(12, 1, "the validation data (data.valid_paths) holds 12 tokens, less than one sequence of "
+                 "model.seq_length=32 (+1 for the labels): give it more data", id="below-one-sequence"),
+])
+def test_tiny_validation_data_is_named(tiny, data_sets, tmp_path, capsys, length, documents, expected):
+    from megatron_mhar.training.loop import run
+
+    valid = _write_tokens(tmp_path / "data" / "tiny", *RANGES["valid"], documents=documents, length=length)
+    cfg = tiny("data.split=null", f"data.paths=[{data_sets['train']}]", f"data.valid_paths=[{valid}]",
+               "training.train_iters=3")
+    if expected.startswith("warning: "):
+        assert run(cfg).iteration == 3
+        assert expected in capsys.readouterr().out.splitlines()
+    else:
+        with pytest.raises(ValueError) as err:
+            run(cfg)
+        assert str(err.value) == expected
