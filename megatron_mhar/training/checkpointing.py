@@ -408,7 +408,8 @@ def load_checkpoint(
     checkpoint is of step 0, which holds weights only: saved before the first step, or
     converted).
 
-    Returns ``{"iteration", "train_state", "config", "conversion"}``: iteration 0 and an
+    Returns ``{"iteration", "train_state", "config", "conversion"}`` (and ``saved_iteration``,
+    the checkpoint's step, with ``model_only``): iteration 0 and an
     empty train state with ``model_only``; ``config`` is the run config the checkpoint was
     saved with, ``conversion`` the conversion record it carries (``None`` for weights
     trained from scratch), which the run's saves carry on.
@@ -452,7 +453,8 @@ def load_checkpoint(
         # construction (this run's own initialisation); without a refresh the first step
         # would write that initialisation back over the loaded weights.
         optimizer.reload_model_params()
-        return {"iteration": 0, "train_state": {}, "config": saved_config, "conversion": common.get("conversion")}
+        return {"iteration": 0, "train_state": {}, "config": saved_config, "conversion": common.get("conversion"),
+                "saved_iteration": common.get("iteration")}
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     if same_layout:

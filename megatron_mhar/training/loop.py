@@ -359,8 +359,11 @@ class Trainer(RoutingOutputs, RunReports):
             self.changed_since_checkpoint = [
                 f"{key} {old!r} -> {new!r}" for key, old, new in changed_fields(loaded["config"], cfg.to_dict())]
         if self.is_logger:
-            what = "loaded weights from" if model_only else "resumed from"
-            print(f"{what} {found} at step {self.iteration}", flush=True)
+            if model_only:
+                print(f"loaded the weights of {found} (saved at step {loaded['saved_iteration']}); training starts "
+                      f"at step 0 with a new optimizer, schedule and data order", flush=True)
+            else:
+                print(f"resumed from {found} at step {self.iteration}", flush=True)
 
     def _apply_optimizer_settings(self, own_settings: List[dict]) -> None:
         """This run's settings over those of a loaded optimizer state: Megatron restores the

@@ -57,6 +57,7 @@ def test_a_second_run_into_a_live_run_directory_exits_2_and_writes_nothing(tmp_p
         assert lines[0].startswith(f"mhar-train: error: run directory {run_dir} is in use by pid {first.pid} on "
                                    f"{os.uname().nodename}, started "), second.stderr
         assert "give this run another run.name" in lines[0] and "Traceback" not in second.stderr
+        assert f"(mhar-train smoke_cpu {' '.join(overrides)})" in lines[0]  # the holder's whole command
         assert lines[-1] == "(MHAR_TRACEBACK=1 shows where it was raised)"
         marker.with_suffix(".go").write_text("")
         out, err = first.communicate(timeout=300)

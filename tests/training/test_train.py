@@ -371,7 +371,7 @@ def test_resume_may_change_how_routing_runs(tiny):
     assert resumed.iteration == 4 and min(resumed.losses) == 4
 
 
-def test_model_only_load_starts_fresh_schedule(tiny, monkeypatch):
+def test_model_only_load_starts_fresh_schedule(tiny, monkeypatch, capsys):
     from megatron.core.optimizer.optimizer import FP32Optimizer
 
     common = ("training.train_iters=3", "eval.interval=0")
@@ -388,6 +388,8 @@ def test_model_only_load_starts_fresh_schedule(tiny, monkeypatch):
     result = _run(tiny(*common, f"checkpoint.load={source.checkpoint_dir}",
                        "checkpoint.load_model_only=true", name="finetune"))
     assert refreshed, "model-only load did not refresh the optimizer's main weights"
+    assert (f"loaded the weights of {source.checkpoint_dir / 'iter_0000003'} (saved at step 3); training starts "
+            f"at step 0 with a new optimizer, schedule and data order") in capsys.readouterr().out
     assert sorted(result.losses) == [1, 2, 3]  # a new run from step 0 ...
     fresh = _run(tiny(*common, name="fresh"))
     for step in (1, 2, 3):  # ... from the trained weights at every step
