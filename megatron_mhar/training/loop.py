@@ -33,7 +33,7 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_mhar.checkpoint.format import changed_fields
+from megatron_mhar.checkpoint.format import changed_fields, checkpoint_name
 from megatron_mhar.data.datasets import DataChanged, MicroBatches, build_gpt_datasets, changed_data
 from megatron_mhar.errors import PeerFailure, UserError, message_of, on_this_rank
 from megatron_mhar.files import write_atomic
@@ -208,6 +208,7 @@ class Trainer(RoutingOutputs, RunReports):
         self.checkpoint_step = 0  # the step self.checkpoint holds
         self.skipped_steps = 0  # steps not made for a non-finite loss or gradients (saved)
         self.failed_checkpoints: Set[Path] = set()
+        self.stop: Optional[StopSignal] = None  # the run's, while it trains: told which checkpoint is being saved
         self.conversion: Optional[dict] = None
         """The conversion record of the converted checkpoint the weights come from, carried
         into every save (an export restores the source model's config from it)."""
@@ -486,27 +487,33 @@ class Trainer(RoutingOutputs, RunReports):
         )
 
     def save(self) -> None:
-        self.checkpoint = checkpointing.save_checkpoint(
-            self.cfg.checkpoint_dir,
-            self.iteration,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            {
-                "val_losses": self.val_losses,
-                "consumed_samples": self.consumed_samples,
-                "loss_window": self.loss_window,
-                "test_loss": self.test_loss,
-                "unwritten_metrics": self.metrics.unwritten,
-                "skipped_steps": self.skipped_steps,
-            },
-            self.cfg.to_dict(),
-            keep_last=self.cfg.checkpoint.keep_last,
-            verify=self.cfg.checkpoint.verify,
-            failed=self.failed_checkpoints,
-            tokenizer=self.tokenizer,
-            conversion=self.conversion,
-        )
+        if self.stop is not None:
+            self.stop.saving = self.cfg.checkpoint_dir / checkpoint_name(self.iteration)
+        try:
+            self.checkpoint = checkpointing.save_checkpoint(
+                self.cfg.checkpoint_dir,
+                self.iteration,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                {
+                    "val_losses": self.val_losses,
+                    "consumed_samples": self.consumed_samples,
+                    "loss_window": self.loss_window,
+                    "test_loss": self.test_loss,
+                    "unwritten_metrics": self.metrics.unwritten,
+                    "skipped_steps": self.skipped_steps,
+                },
+                self.cfg.to_dict(),
+                keep_last=self.cfg.checkpoint.keep_last,
+                verify=self.cfg.checkpoint.verify,
+                failed=self.failed_checkpoints,
+                tokenizer=self.tokenizer,
+                conversion=self.conversion,
+            )
+        finally:
+            if self.stop is not None:
+                self.stop.saving = None
         self.checkpoint_step = self.iteration
         self.metrics.console(f"saved checkpoint {self.checkpoint}")
 
@@ -536,11 +543,14 @@ class Trainer(RoutingOutputs, RunReports):
                 self._write_summary(result)
             return result
         lifetime.start_writer_helper(deaf_to=STOP_SIGNALS)
-        if cfg.checkpoint.save_initial and self.iteration == 0 and self.checkpoint is None:
-            self.save()
-            last_saved = 0
         with contextlib.nullcontext(stop) if stop is not None else StopSignal() as stop:
-            while self.iteration < tr.train_iters:
+            self.stop = stop
+            signalled = False
+            if cfg.checkpoint.save_initial and self.iteration == 0 and self.checkpoint is None:
+                self.save()
+                last_saved = 0
+                signalled = stop.requested(self.device)  # one that came during the save is answered by it
+            while self.iteration < tr.train_iters and not signalled:
                 recorder = RoutingRecorder() if self._records_routing(self.iteration + 1) else None
                 self._attach_routing_recorder(recorder)
                 logged = self._logged(self.iteration + 1)
@@ -593,16 +603,17 @@ class Trainer(RoutingOutputs, RunReports):
                     if changed is not None:
                         raise self._data_changed(changed + "; the steps since may have read its new bytes",
                                                  in_step=False)
+                    # A signal that came during this save is answered by it, not by another
+                    # save after one more step.
+                    signalled = signalled or stop.requested(self.device,
+                                                            outputs_failed=self.metrics.failure is not None)
                 if stop.outputs_failed:
                     self._stop_for_outputs()
-                if signalled:
-                    self.metrics.console(
-                        f"received {stop.name} at step {self.iteration}: checkpoint saved, exiting"
-                    )
-                    break
-            else:
-                if cfg.checkpoint.save_at_end and last_saved != self.iteration:
-                    self.save()
+            if signalled:
+                self.metrics.console(f"received {stop.name} at step {self.iteration}: checkpoint saved, exiting")
+            elif cfg.checkpoint.save_at_end and last_saved != self.iteration:
+                self.save()
+            self.stop = None
 
         result = TrainResult(
             run_dir=self.run_dir,

@@ -4,7 +4,8 @@ Slurm sends SIGTERM before killing a job (and SIGUSR1 ``--signal=USR1@90`` ahead
 of the time limit); torchrun forwards SIGTERM to its workers; a user at a terminal
 presses Ctrl-C (SIGINT). The handler only records the signal; the loop checks
 :meth:`StopSignal.requested` between steps, where every rank agrees through one
-all-reduce, so all ranks save together. A second Ctrl-C stops the process at once
+all-reduce, so all ranks save together; a signal that comes while a checkpoint is
+being written is answered by that checkpoint (the loop asks again after each save). A second Ctrl-C stops the process at once
 (exit 130, as a shell reports SIGINT), losing the steps since the last checkpoint (or
 the whole run, where none was saved yet: both messages say which); the driver resumes
 from that checkpoint and clears the unfinished save, as after SIGKILL.
@@ -16,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import torch
@@ -30,6 +32,8 @@ class StopSignal:
         self.received: Optional[int] = None
         self.outputs_failed = False
         """Whether a rank could not write its outputs (metrics, TensorBoard): the run saves and stops."""
+        self.saving: Optional[Path] = None
+        """The checkpoint being written now, if any: a Ctrl-C meanwhile is answered by it."""
         self._previous: Dict[int, object] = {}
         self.resume_hint: Callable[[], str] = lambda: "the steps since the last checkpoint are lost"
         """What a stop at once loses and how the run goes on, said (rank 0) at the first
@@ -51,8 +55,10 @@ class StopSignal:
             if self.received == signal.SIGINT:
                 self.exit_at_once(signum, frame)
             if os.environ.get("RANK", "0") == "0":
-                print(f"\nCtrl-C: finishing this step, then saving a checkpoint and exiting (Ctrl-C again "
-                      f"stops at once: {self.resume_hint()})", file=sys.stderr, flush=True)
+                then = (f"saving the checkpoint {self.saving}, then exiting" if self.saving is not None
+                        else "finishing this step, then saving a checkpoint and exiting")
+                print(f"\nCtrl-C: {then} (Ctrl-C again stops at once: {self.resume_hint()})",
+                      file=sys.stderr, flush=True)
         self.received = signum
 
     def exit_at_once(self, signum=None, frame=None) -> None:

@@ -319,3 +319,30 @@ def test_ctrl_c_twice_says_how_the_run_goes_on(tmp_path, embedded_dir, point):
         assert saved, out
         checkpoint = tmp_path / "run" / "checkpoints" / f"iter_{int(saved[1]):07d}"
         assert lines[-1] == f"stopped at once; the steps since {checkpoint} are lost; `{command}` resumes from it"
+
+
+def test_ctrl_c_during_a_save_is_answered_by_that_save(tmp_path, embedded_dir):
+    """Ctrl-C while the step-2 checkpoint is written says that checkpoint is being saved,
+    and the run exits after it: no step 3 is trained and saved for the same Ctrl-C."""
+    overrides = [*TINY, f"data.embedded_dir={embedded_dir}", f"run.output_dir={tmp_path}", "run.name=run",
+                 "checkpoint.interval=2", "training.train_iters=500", "eval.interval=0", "logging.tensorboard=false"]
+    command = "mhar-train smoke_cpu " + " ".join(overrides)
+    marker = tmp_path / "paused"
+    proc = paused_run.start("in-writer", marker, overrides)
+    try:
+        paused_run.wait_for(marker, proc)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1)  # the handler's line comes while the save waits
+        marker.with_suffix(".go").write_text("")
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    lost = f"no checkpoint was saved yet, so every step is lost; `{command}` starts again from step 0"
+    assert f"Ctrl-C: saving the checkpoint {checkpoints / 'iter_0000002'}, then exiting (Ctrl-C again stops at " \
+           f"once: {lost})" in err.splitlines(), err[-3000:]
+    assert "received SIGINT at step 2: checkpoint saved, exiting" in out, out[-3000:]
+    assert sorted(p.name for p in checkpoints.glob("iter_*")) == ["iter_0000002"]
+    assert [r["step"] for r in read_metrics(tmp_path / "run", "train")] == [1, 2]
