@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from importlib import resources
@@ -183,32 +184,36 @@ def _is_list_field(hint) -> bool:
 
 
 def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
-    """Apply ``dotted.key=value`` overrides to a recipe dict (returns a new dict)."""
+    """Apply ``dotted.key=value`` overrides to a recipe dict (returns a new dict); an error
+    names the override (``command line override optimizer.lr=abc: ...``)."""
     raw = copy.deepcopy(raw)
     for item in overrides:
         try:
             _apply_override(raw, item)
         except ValueError as err:
-            message = str(err)
-            raise ValueError(message if message.startswith("override") else f"override {item!r}: {message}") from None
+            raise ValueError(f"{_overrides_named([item])}: {err}") from None
     return raw
+
+
+def _overrides_named(items: Sequence[str]) -> str:
+    return f"command line override{'s' if len(items) > 1 else ''} {' '.join(items)}"
 
 
 def _apply_override(raw: Dict[str, Any], item: str) -> None:
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ValueError(f"override {item!r} must look like dotted.key=value")
+        raise ValueError("must look like dotted.key=value")
     hint = field_hint(key)
     if dataclasses.is_dataclass(hint):
-        raise ValueError(f"override {key!r} names a whole section; set one of its keys")
+        raise ValueError(f"{key!r} names a whole section; set one of its keys")
     if _is_str_field(hint) and text.strip() not in ("null", "~"):
         value: Any = text
     else:
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError as err:
-            raise ValueError(f"override {item!r}: cannot parse value: {err}") from None
+            raise ValueError(f"cannot parse the value: {err}") from None
         if _is_list_field(hint) and value is not None and not isinstance(value, (list, dict)):
             value = [value]  # data.paths=/data/corpus: a list of one
     node = raw
@@ -222,13 +227,44 @@ def _apply_override(raw: Dict[str, Any], item: str) -> None:
 
 
 def load_config(recipe: Optional[str] = None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Read a recipe (a path or a packaged recipe's name), merge includes and overrides."""
+    """Read a recipe (a path or a packaged recipe's name), merge includes and overrides.
+    An invalid configuration is said of what made it so: the recipe file, or the command
+    line overrides without which it would not arise (:func:`_caused_by`)."""
     path = resolve_recipe(recipe or DEFAULT_RECIPE)
     try:
-        raw = apply_overrides(_read_yaml(path), overrides)
+        recipe_raw = _read_yaml(path)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
-    return from_dict(raw, source=str(path))
+    raw = apply_overrides(recipe_raw, overrides)
+    try:
+        return from_dict(raw, source=str(path))
+    except ValueError as err:
+        message = str(err).removeprefix(f"{path}: ")
+        culprits = _caused_by(recipe_raw, list(overrides), message)
+        raise ValueError(f"{_overrides_named(culprits) if culprits else path}: {message}") from None
+
+
+def _caused_by(recipe_raw: Dict[str, Any], overrides: List[str], message: str) -> List[str]:
+    """The overrides behind the configuration error ``message``: none where the recipe alone
+    fails the same check; else those without which it passes that check, or failing that
+    (one key set twice) those without which its values differ; else all of them."""
+
+    def error(items: Sequence[str]) -> Optional[str]:
+        try:
+            from_dict(apply_overrides(recipe_raw, items), source="")
+        except ValueError as err:
+            return str(err).removeprefix(": ")
+        return None
+
+    def check(text: Optional[str]) -> Optional[str]:
+        """The message without its values: which check failed, whatever the numbers."""
+        return None if text is None else re.sub(r"'[^']*'|-?\d+(\.\d+)?(e[-+]?\d+)?", "#", text)
+
+    if not overrides or check(error(())) == check(message):
+        return []
+    without = [error(overrides[:i] + overrides[i + 1:]) for i in range(len(overrides))]
+    return ([item for item, other in zip(overrides, without) if check(other) != check(message)]
+            or [item for item, other in zip(overrides, without) if other != message] or overrides)
 
 
 def to_yaml(cfg: TrainConfig) -> str:

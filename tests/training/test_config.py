@@ -6,6 +6,7 @@ what to change.
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 import textwrap
@@ -107,7 +108,49 @@ def test_bad_values_fail_at_load(override, message):
     with pytest.raises(ValueError) as err:
         load_config("smoke_cpu", overrides)
     assert message in str(err.value)
-    assert "smoke_cpu.yaml" in str(err.value)  # names the recipe
+    # names overrides that caused it (all given here are needed), not the recipe
+    assert any(str(err.value).startswith(f"command line override{'s' * (n > 1)} {' '.join(named)}: ")
+               for n in range(1, len(overrides) + 1) for named in itertools.combinations(overrides, n)), str(err.value)
+
+
+@pytest.mark.parametrize("overrides, named", [
+    # a value checked by its section
+    pytest.param(["run.name=x", "optimizer.lr=-1"], "override optimizer.lr=-1", id="one-value"),
+    # a check across fields that the recipe passes, failed by one override
+    pytest.param(["training.micro_batch_size=3", "run.seed=7"], "override training.micro_batch_size=3", id="cross-field"),
+    # the same key twice: the last one is what runs
+    pytest.param(["optimizer.lr=-1", "optimizer.lr=-2"], "override optimizer.lr=-2", id="last-wins"),
+    # two overrides each valid alone, failing together
+    pytest.param(["optimizer.lr_warmup_iters=100", "training.train_iters=50", "run.name=x"],
+                 "overrides optimizer.lr_warmup_iters=100 training.train_iters=50", id="together"),
+    # an override that changes a value the failed check names is not what failed it
+    pytest.param(["optimizer.lr=-1", "optimizer.min_lr=0"], "override optimizer.lr=-1", id="other-value"),
+    # an unknown key and a value that does not parse are the override's as well
+    pytest.param(["optimizer.lrr=1"], "override optimizer.lrr=1", id="unknown-key"),
+    pytest.param(["model.num_layers"], "override model.num_layers", id="no-value"),
+])
+def test_override_errors_name_the_override(overrides, named):
+    with pytest.raises(ValueError) as err:
+        load_config("smoke_cpu", overrides)
+    assert str(err.value).startswith(f"command line {named}: "), str(err.value)
+    assert "smoke_cpu.yaml" not in str(err.value)
+
+
+def test_a_recipe_error_names_the_recipe_despite_overrides(tmp_path):
+    recipe = _write(tmp_path / "mine.yaml", "include: smoke_cpu\noptimizer: {lr: -1.0}\n")
+    with pytest.raises(ValueError) as err:
+        load_config(str(recipe), ["run.name=x", "optimizer.min_lr=0"])
+    assert str(err.value).startswith(f"{recipe}: optimizer.lr must be positive"), str(err.value)
+
+
+def test_mhar_train_names_the_override(capsys):
+    from megatron_mhar.train import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["smoke_cpu", "optimizer.lr=-1"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith(
+        "mhar-train: error: command line override optimizer.lr=-1: optimizer.lr must be positive")
 
 
 @pytest.mark.parametrize("override, key", [
