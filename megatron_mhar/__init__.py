@@ -1,8 +1,15 @@
 """megatron_mhar: Multi-Head Attention Residuals for Megatron-Core GPT models.
 
 Importing the package is cheap and does not import Megatron; the model modules
-(``megatron_mhar.models``) do, and so does :func:`load_model` when first used.
+(``megatron_mhar.models``) do, and so does :func:`load_model` when first used. It
+silences the library warnings known to be harmless here first (:mod:`megatron_mhar.quiet`),
+as Megatron prints some of them at import: every command, and a script that builds a
+model, prints only its own output.
 """
+
+from megatron_mhar.quiet import quiet_known_warnings
+
+quiet_known_warnings()
 
 __version__ = "0.1.0"
 

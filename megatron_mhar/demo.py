@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from megatron_mhar.quiet import quiet_known_warnings
 
 RUNS = (("baseline", ["mhar.variant=none"]), ("mhar", ["mhar.variant=full", "mhar.num_heads=8"]))
 RECIPE = "smoke_cpu"
@@ -131,7 +130,6 @@ class _Prefixed:
 
 def _train(index: int, name: str, overrides: List[str], turns: Turns) -> None:
     """One run, in its own process, taking turns with the other run at every step."""
-    quiet_known_warnings()
     sys.stdout = _Prefixed(sys.stdout, f"[{name}] ")
     from megatron_mhar.training.loop import run
     from megatron_mhar.training.recipes import load_config
@@ -171,7 +169,6 @@ def _run_in_turns(runs: Sequence[tuple]) -> Optional[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    quiet_known_warnings()
     parser = argparse.ArgumentParser(
         prog="python -m megatron_mhar.demo",
         description=__doc__,

@@ -39,7 +39,6 @@ from typing import List, Optional, Sequence
 
 from megatron_mhar.errors import UserError, command_errors
 from megatron_mhar.files import write_atomic
-from megatron_mhar.quiet import quiet_known_warnings
 
 # Files one of which an HF directory needs for transformers' AutoTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -166,7 +165,6 @@ def export_checkpoint(args: argparse.Namespace, out: Path) -> Path:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    quiet_known_warnings()
     parser = _parser()
     args = parser.parse_args(argv)
     with command_errors(parser.prog), tempfile.TemporaryDirectory(prefix="mhar_eval_") as scratch:

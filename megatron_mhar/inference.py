@@ -30,7 +30,6 @@ import yaml
 
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.models.gpt_config import GPTModelConfig
-from megatron_mhar.quiet import quiet_known_warnings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -215,7 +214,6 @@ def load_model(
         tokenizer: a tokenizer directory (``tokenizer.json``) to use instead of the one
             the checkpoint carries (``model.tokenizer``; ``None`` if it carries none).
     """
-    quiet_known_warnings()  # before Megatron's imports, which warn
     from megatron.core import parallel_state
 
     from megatron_mhar.checkpoint.format import read_configs, require_checkpoint, stored_dtype

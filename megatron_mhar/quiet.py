@@ -1,8 +1,8 @@
-"""Known-harmless warnings of Megatron-Core and torch, silenced at the entry points.
+"""Known-harmless warnings of Megatron-Core and torch, silenced when the package is imported.
 
-``mhar-train``, ``python -m megatron_mhar.demo``, ``mhar-preprocess``, ``mhar-convert``,
-``python -m megatron_mhar.evaluate`` and :func:`megatron_mhar.load_model` call
-:func:`quiet_known_warnings` first. Each entry
+``megatron_mhar/__init__.py`` calls :func:`quiet_known_warnings` before any module of the
+package imports Megatron (which prints some of these at import), so every command and a
+user's script that builds a model print only their own output. Each entry
 below silences one message, matched by its text, that says nothing about the user's run;
 every other warning (ours, Megatron's, torch's) still shows. A ``-W`` option or
 ``PYTHONWARNINGS`` means the user chose what to see: then nothing is silenced.

@@ -21,8 +21,6 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megatron_mhar.quiet import quiet_known_warnings
-
 
 def _epilog() -> str:
     """The recipes with their descriptions, and where the keys are documented."""
@@ -59,7 +57,6 @@ def _resume_hint(cfg, command: str) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``mhar-train``; ``argv`` None: this process is the command (``sys.argv``)."""
-    quiet_known_warnings()
     parser = argparse.ArgumentParser(
         prog="mhar-train",
         description=__doc__.split("\n")[0],

@@ -96,3 +96,16 @@ def test_preprocess_prints_its_result_and_nothing_else(tmp_path, embedded_dir):
     assert done.returncode == 0, done.stderr
     assert re.fullmatch(r"wrote .*doc.bin/.idx/.meta.json: 1 documents, \d+ tokens, largest id \d+ .*\n", done.stdout)
     assert done.stderr == ""
+
+
+def test_the_readme_model_snippet_prints_nothing(tmp_path):
+    """README's "Build a model" block, run as written: importing the package silences the
+    library warnings that its model modules' imports and the config would print."""
+    readme = (ROOT / "README.md").read_text()
+    snippet = readme.split("## Build a model", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and k != "PYTHONWARNINGS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (done.stdout, done.stderr) == ("", "")

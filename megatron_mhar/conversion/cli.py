@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_mhar.errors import command_errors
-from megatron_mhar.quiet import quiet_known_warnings
 
 DESCRIPTION = "Convert checkpoints between Hugging Face and Megatron MHAR models."
 HF_TO_MCORE_HELP = "Hugging Face Llama / Qwen3 (safetensors) -> Megatron distributed checkpoint with MHAR"
@@ -151,7 +150,6 @@ COMMANDS = {
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``mhar-convert {hf-to-mcore,mcore-to-hf} ...``."""
-    quiet_known_warnings()
     parser = argparse.ArgumentParser(prog="mhar-convert", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True, title="commands")
     for name, (summary, add_arguments, _) in COMMANDS.items():
@@ -163,7 +161,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def command_main(name: str, prog: str, argv: Optional[Sequence[str]] = None) -> int:
     """One subcommand as a program of its own (the ``checkpoint_tools/`` scripts)."""
-    quiet_known_warnings()
     summary, add_arguments, run = COMMANDS[name]
     parser = argparse.ArgumentParser(prog=prog, description=summary)
     add_arguments(parser)

@@ -35,7 +35,6 @@ from megatron_mhar.data.indexed_writer import write_indexed_dataset
 from megatron_mhar.data.tokenizer import Tokenizer
 from megatron_mhar.errors import command_errors
 from megatron_mhar.files import nearest_existing
-from megatron_mhar.quiet import quiet_known_warnings
 
 
 ENCODING_ERRORS = ("strict", "replace", "ignore")
@@ -168,7 +167,6 @@ def load_tokenizer(spec: str, eod_token: str | None = None, embedded_dir: str | 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    quiet_known_warnings()
     parser = argparse.ArgumentParser(
         prog="mhar-preprocess",
         description="Tokenize jsonl or text files into a Megatron .bin/.idx dataset.",
