@@ -13,6 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.models.block import MHARTransformerBlock
 from megatron_mhar.models.gpt_config import GPTModelConfig
+from megatron_mhar.models.mtp import get_mtp_block_spec
 from megatron_mhar.models.moe import enable_router_gemm_fallback, reset_router_loss_tracker, fused_moe_fields
 from megatron_mhar.models.norms import SequenceParallelTorchNorm
 from megatron_mhar.models.specs import get_mhar_block_spec, resolve_spec
@@ -21,7 +22,6 @@ from megatron_mhar.models.specs import get_mhar_block_spec, resolve_spec
 # value that is fine, what to do instead).
 UNSUPPORTED = (
     ("context_parallel_size", 1, "set context_parallel_size=1"),
-    ("mtp_num_layers", None, "multi-token prediction is not supported"),
     ("cpu_offloading", False, "set cpu_offloading=False"),
     ("fine_grained_activation_offloading", False, "disable activation offloading"),
     ("cuda_graph_impl", "none", "CUDA graphs are not supported; set cuda_graph_impl='none'"),
@@ -226,4 +226,5 @@ def build_gpt_model(
             rope_scaling=model.rope_scaling,
             rope_scaling_factor=model.rope_scaling_factor,
             vp_stage=vp_stage,
+            mtp_block_spec=get_mtp_block_spec(model, config, vp_stage, layer_norm),
         ))

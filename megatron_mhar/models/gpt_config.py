@@ -141,6 +141,15 @@ class GPTModelConfig:
     """How tokens reach their experts' ranks: ``allgather`` or ``alltoall`` (Megatron-LM's
     choice with expert parallelism on GPUs; on CPU only ``allgather`` runs)."""
 
+    mtp_num_layers: Optional[int] = None
+    """Multi-token prediction depths (Megatron-Core's MTP block, DeepSeek-V3): depth k predicts
+    the token k + 1 positions further from depth k - 1's output and the next token's
+    embedding, on the last pipeline stage (``megatron_mhar.models.mtp``); ``None``: none."""
+
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP losses (their mean over depths) beside the language-model loss
+    (Megatron's default); used with mtp_num_layers."""
+
     def __post_init__(self):
         positive = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                     "make_vocab_size_divisible_by", "seq_length")
@@ -191,6 +200,15 @@ class GPTModelConfig:
                 f"Change model.kv_channels (or hidden_size / num_attention_heads) or rotary_percent"
             )
         self._check_moe()
+        if self.mtp_num_layers is not None:
+            _require_int("mtp_num_layers", self.mtp_num_layers, "must be positive, or null for no MTP")
+        elif self.mtp_loss_scaling_factor != 0.1:
+            raise ValueError(
+                "model.mtp_loss_scaling_factor is set but model.mtp_num_layers is null (no MTP); set "
+                "model.mtp_num_layers or remove model.mtp_loss_scaling_factor"
+            )
+        _require_number("mtp_loss_scaling_factor", self.mtp_loss_scaling_factor, lambda v: v >= 0,
+                        "must be non-negative")
 
     @property
     def is_moe(self) -> bool:
@@ -284,6 +302,8 @@ class GPTModelConfig:
             persist_layer_norm=False,
             apply_rope_fusion=False,
         )
+        if self.mtp_num_layers is not None:
+            kwargs.update(mtp_num_layers=self.mtp_num_layers, mtp_loss_scaling_factor=self.mtp_loss_scaling_factor)
         if self.is_moe:
             kwargs.update(
                 num_moe_experts=self.num_moe_experts,

@@ -73,7 +73,6 @@ REJECTED = [
     pytest.param(dict(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
                       variable_seq_lengths=True, moe_token_dispatcher_type="alltoall"),
                  "variable_seq_lengths", id="pp-variable-seq"),
-    pytest.param(dict(mtp_num_layers=1), "mtp_num_layers", id="multi-token-prediction"),
 ]
 
 

@@ -1,0 +1,57 @@
+"""Multi-token prediction: Megatron-Core's MTP block (DeepSeek-V3) on MHAR decoders.
+
+``model.mtp_num_layers`` MTP depths, all on the last pipeline stage (Megatron's placement
+without a custom pipeline layout). Depth ``k`` predicts token ``t + k + 1`` from the
+previous depth's output at ``t`` (depth 1: the main model's output) and the embedding of
+token ``t + k``; the MTP losses reach the gradients only (``MTPLossAutoScaler``) with the
+weight ``model.mtp_loss_scaling_factor / mtp_num_layers`` each.
+
+* The MTP block reads the decoder's output: for an MHAR decoder the final routing site
+  (or the delta variant's stream) after the final norm, the same tensor the output layer
+  reads, as Megatron's MTP reads its decoder's final-normed output.
+* The MTP layers are Megatron's own ``TransformerLayer`` with its additive residual, for
+  every variant: each depth is one layer on a fresh input (``eh_proj`` of the two normed
+  halves), so a depth stream inside it would have the projection and at most two
+  sublayers to route over, and the layers, their parameters and checkpoint keys stay
+  Megatron's (``mtp.layers.{k}.transformer_layer.*``) whatever the decoder's variant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+from megatron_mhar.models.gpt_config import GPTModelConfig
+from megatron_mhar.models.mhar_config import MHARConfig
+from megatron_mhar.models.specs import get_mhar_block_spec
+
+MTP_PREFIX = "mtp."
+"""The state-dict prefix of every MTP parameter (Megatron's ``GPTModel.mtp``)."""
+
+
+def get_mtp_block_spec(model: GPTModelConfig, config, vp_stage: Optional[int] = None,
+                       layer_norm: Optional[type] = None):
+    """The MTP block spec of one pipeline chunk: Megatron's ``get_gpt_mtp_block_spec`` over
+    the plain (``variant: none``) decoder spec of the chunk, so each MTP layer is the last
+    decoder layer's Megatron layer (MoE or dense as Megatron chooses); ``None`` without MTP
+    or on a chunk that holds none (all but the last pipeline stage).
+
+    Args:
+        model: architecture, ``spec`` resolved.
+        config: the model's TransformerConfig (``mtp_num_layers`` set from ``model``).
+        vp_stage: virtual pipeline stage of the chunk.
+        layer_norm: the local spec's norm override (sequence parallelism without apex), used
+            for the MTP norms too.
+    """
+    if model.mtp_num_layers is None:
+        return None
+    plain = get_mhar_block_spec(model, MHARConfig(variant="none"), config, vp_stage, layer_norm)
+    spec = get_gpt_mtp_block_spec(config, plain, use_transformer_engine=model.spec == "transformer_engine",
+                                  vp_stage=vp_stage)
+    if spec is not None and layer_norm is not None:
+        for layer in spec.layer_specs:
+            layer.submodules = dataclasses.replace(layer.submodules, enorm=layer_norm, hnorm=layer_norm,
+                                                   layer_norm=layer_norm)
+    return spec

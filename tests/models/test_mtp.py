@@ -1,0 +1,155 @@
+"""Multi-token prediction (Megatron-Core's MTP block) on the model builder's GPTs.
+
+* ``variant: none`` with MTP is Megatron's own MTP GPT: parameters, every logit of the
+  main head and of each MTP depth, the MTP losses and every gradient bitwise.
+* MHAR decoders: the MTP block reads the decoder's final routed (and normed) output, its
+  layers are Megatron's plain ones, and its losses reach the routing parameters.
+* The MTP fields are checked with the field named.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mhar.models.mhar_config import MHARConfig
+from tests.helpers import GPT_SEQ, build_gpt, gpt_batch, randomize_routers, tiny_gpt_config
+
+MTP_LAYERS, MTP_SCALE = 2, 0.3
+
+
+@pytest.fixture(autouse=True)
+def mtp_loss_scale():
+    """Megatron's schedules set the MTP losses' gradient scale as a class attribute; these
+    tests call backward themselves, at scale 1 (the value outside a schedule)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+
+    MTPLossAutoScaler.set_loss_scale(torch.ones(1))
+    MTPLossLoggingHelper.tracker.clear()
+    yield
+    MTPLossAutoScaler.set_loss_scale(torch.ones(1))
+    MTPLossLoggingHelper.tracker.clear()
+
+
+def _megatron_mtp_gpt():
+    """Megatron's own GPTModel with its MTP block: the decoder and MTP block specs from its
+    TransformerConfig (local spec), the architecture stated field by field."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+        normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, qk_layernorm=True, add_bias_linear=False, init_method_std=0.02,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, use_cpu_initialization=True,
+        mtp_num_layers=MTP_LAYERS, mtp_loss_scaling_factor=MTP_SCALE,
+    )  # fmt: skip
+    torch.manual_seed(7)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    return GPTModel(
+        config=config, transformer_layer_spec=block,
+        vocab_size=128, max_sequence_length=GPT_SEQ, share_embeddings_and_output_weights=True,
+        position_embedding_type="rope", rotary_base=10000,
+        mtp_block_spec=get_gpt_mtp_block_spec(config, block, use_transformer_engine=False),
+    )
+
+
+def _run(model, tokens, positions):
+    """Every output-layer logit (each MTP depth's, then the main head's), the per-token loss
+    and the MTP losses Megatron tracks, after a backward of the summed loss."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    logits = []
+    hook = model.output_layer.register_forward_hook(lambda module, args, output: logits.append(output[0].detach()))
+    MTPLossLoggingHelper.tracker.clear()
+    loss = model(tokens, positions, None, labels=tokens)
+    hook.remove()
+    loss.sum().backward()
+    return logits, loss.detach(), MTPLossLoggingHelper.tracker["values"].clone()
+
+
+def test_variant_none_is_megatron_mtp_gpt(megatron_world1):
+    """``none`` with MTP through the builder == Megatron's MTP GPT: parameters, logits of
+    every head, per-token loss, MTP losses and every gradient bitwise (the MTP losses reach
+    the gradients through Megatron's MTPLossAutoScaler)."""
+    from megatron.core.models.gpt import GPTModel
+
+    ours = build_gpt(tiny_gpt_config(attention_backend="megatron", mtp_num_layers=MTP_LAYERS,
+                                     mtp_loss_scaling_factor=MTP_SCALE), MHARConfig(variant="none"))
+    theirs = _megatron_mtp_gpt()
+    assert type(ours) is GPTModel and len(ours.mtp.layers) == MTP_LAYERS
+    ours_sd, theirs_sd = ours.state_dict(), theirs.state_dict()
+    assert [k for k, v in ours_sd.items() if torch.is_tensor(v)] == [k for k, v in theirs_sd.items() if torch.is_tensor(v)]
+    assert any(k.startswith("mtp.layers.1.transformer_layer.") for k in ours_sd)
+    for key, value in theirs_sd.items():
+        if torch.is_tensor(value):
+            assert torch.equal(ours_sd[key], value), key
+    tokens, positions = gpt_batch()
+    (our_logits, our_loss, our_mtp), (their_logits, their_loss, their_mtp) = (
+        _run(model, tokens, positions) for model in (ours, theirs))
+    assert len(our_logits) == MTP_LAYERS + 1
+    for mine, reference in zip(our_logits, their_logits, strict=True):
+        assert torch.equal(mine, reference)
+    assert torch.equal(our_loss, their_loss)
+    assert torch.equal(our_mtp, their_mtp) and bool((our_mtp > 0).all())
+    grads = dict(theirs.named_parameters())
+    for name, param in ours.named_parameters():
+        assert param.grad is not None and torch.equal(param.grad, grads[name].grad), name
+
+
+@pytest.mark.parametrize("variant", [
+    pytest.param(dict(variant="full"), id="full"),  # final routing site over every source
+    pytest.param(dict(variant="block", block_size=2), id="block"),  # final site over block sums
+    pytest.param(dict(variant="delta", delta_block_layers=1), id="delta"),  # no final site: the stream
+])
+def test_mhar_mtp_reads_the_final_routed_output(megatron_world1, variant):
+    """The MTP block's input is the decoder's output (final site, final norm), the tensor the
+    output layer reads; its layers are Megatron's TransformerLayer; its losses reach the
+    routing parameters (their gradients change with the MTP weight)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_mhar.models.layer import MHARTransformerLayer
+
+    mhar = MHARConfig(**variant)
+    model = build_gpt(tiny_gpt_config(mtp_num_layers=1), mhar)
+    randomize_routers(model)
+    assert all(isinstance(layer, MHARTransformerLayer) for layer in model.decoder.layers)
+    assert type(model.mtp.layers[0].transformer_layer) is TransformerLayer
+    seen = {}
+
+    def decoder_output(module, args, output):
+        seen["decoder"] = output
+
+    def mtp_input(module, args, kwargs):
+        seen["mtp"] = kwargs["hidden_states"]
+
+    hooks = [model.decoder.register_forward_hook(decoder_output),
+             model.mtp.register_forward_pre_hook(mtp_input, with_kwargs=True)]
+    tokens, positions = gpt_batch()
+    _run(model, tokens, positions)
+    for hook in hooks:
+        hook.remove()
+    assert seen["mtp"] is seen["decoder"]
+    with_mtp = {n: p.grad.clone() for n, p in model.named_parameters() if "router" in n}
+    assert with_mtp
+    model.zero_grad()
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    MTPLossAutoScaler.set_loss_scale(torch.zeros(1))  # the MTP losses' gradient switched off
+    _run(model, tokens, positions)
+    assert any(not torch.equal(p.grad, with_mtp[n]) for n, p in model.named_parameters() if "router" in n)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(mtp_num_layers=0), "model.mtp_num_layers must be positive"),
+    (dict(mtp_num_layers=1.5), "model.mtp_num_layers must be an integer"),
+    (dict(mtp_loss_scaling_factor=0.5), "model.mtp_loss_scaling_factor is set but model.mtp_num_layers is null"),
+    (dict(mtp_num_layers=1, mtp_loss_scaling_factor=-1.0), "model.mtp_loss_scaling_factor must be non-negative"),
+])
+def test_mtp_config_errors_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_gpt_config(**fields)
