@@ -55,6 +55,7 @@ from megatron_mhar.conversion.output import (
 from megatron_mhar.errors import UserError
 from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.mhar_config import MHARConfig, function_fields
+from megatron_mhar.models.mtp import without_mtp
 from megatron_mhar.runtime import lifetime
 from megatron_mhar.runtime.lock import DirectoryInUse
 
@@ -405,6 +406,10 @@ def mcore_to_hf(
         raise FileNotFoundError(f"--hf-reference {hf_reference} has no config.json")
     tokenizer_files = hf_io.tokenizer_files(Path(tokenizer)) if tokenizer else None
     model_cfg, mhar, common = read_configs(found)
+    if model_cfg.mtp_num_layers is not None:
+        print(f"multi-token prediction: the checkpoint's {model_cfg.mtp_num_layers} MTP depth(s) (its mtp.* "
+              f"tensors) are left out of the export; transformers models do not run them", flush=True)
+        model_cfg = without_mtp(model_cfg)
     stored = stored_dtype(found)
     target = DTYPES[dtype] if dtype else stored
     original, what = _source_config(source_hf, hf_reference, common)

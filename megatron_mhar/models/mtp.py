@@ -31,6 +31,13 @@ MTP_PREFIX = "mtp."
 """The state-dict prefix of every MTP parameter (Megatron's ``GPTModel.mtp``)."""
 
 
+def without_mtp(model: GPTModelConfig) -> GPTModelConfig:
+    """``model`` without its MTP block: the main model alone, as a Hugging Face export (which
+    transformers does not run MTP in) holds it."""
+    return dataclasses.replace(model, mtp_num_layers=None,
+                               mtp_loss_scaling_factor=GPTModelConfig.mtp_loss_scaling_factor)
+
+
 def get_mtp_block_spec(model: GPTModelConfig, config, vp_stage: Optional[int] = None,
                        layer_norm: Optional[type] = None):
     """The MTP block spec of one pipeline chunk: Megatron's ``get_gpt_mtp_block_spec`` over

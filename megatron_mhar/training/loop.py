@@ -53,6 +53,7 @@ from megatron_mhar.training.memory import check_fits, estimate_memory
 from megatron_mhar.training.metrics import MetricsWriter, StepTimer, format_duration
 from megatron_mhar.training.model import build_model_chunks, transformer_config, unwrap
 from megatron_mhar.training.moe import MoEMetrics
+from megatron_mhar.training.mtp import mtp_losses, reset_mtp_tracker
 from megatron_mhar.training.recipes import to_yaml
 from megatron_mhar.training.routing_outputs import RoutingOutputs
 from megatron_mhar.training.run_files import (  # noqa: F401  (LOCK_FILE and run_lock: their loop names)
@@ -190,6 +191,8 @@ class Trainer(RoutingOutputs, RunReports):
         self.moe_metrics = (MoEMetrics(cfg.model, self.config, [unwrap(c) for c in self.model], self.num_microbatches)
                             if cfg.model.is_moe else None)
         self._moe_logged: Optional[dict] = None  # the MoE metrics of the step just logged
+        reset_mtp_tracker()
+        self._mtp_logged: Optional[dict] = None  # the MTP losses of the step just logged
         self.train_schedule = (
             cuda_graphs.FullIterationGraph(pipeline.forward_backward) if graphs else pipeline.forward_backward
         )
@@ -565,6 +568,7 @@ class Trainer(RoutingOutputs, RunReports):
                 self._attach_routing_recorder(None)
                 if self.moe_metrics is not None:
                     self._moe_logged = self.moe_metrics.end_step(logged)
+                self._mtp_logged = mtp_losses(cfg.model.mtp_num_layers, self.num_microbatches, logged, self.device)
                 self.iteration += 1
                 if recorder is not None:
                     self.routing = self._gather_routing(recorder)
@@ -704,6 +708,8 @@ class Trainer(RoutingOutputs, RunReports):
                        for site, record in sorted(self.routing.items())}
             extra["routing_entropy"] = entropy
             self.metrics.log_routing_entropy(self.iteration, entropy)
+        if self._mtp_logged is not None:
+            scalars.update(self._mtp_logged)
         if self._moe_logged is not None:
             scalars.update(self._moe_logged["scalars"])
             extra["expert_load"] = self._moe_logged["expert_load"]

@@ -4,7 +4,7 @@
 "step": ..., "loss": ..., "lr": ..., "grad_norm": ..., "tokens_per_s": ...,
 "memory_gb": ..., "routing_entropy": {site: [per-head nats]}}`` (MoE models add
 ``"moe/load_balancing_loss"``, ``"moe/z_loss"`` and ``"expert_load": {layer: [share of the
-layer's routed tokens per expert]}``) and ``{"kind":
+layer's routed tokens per expert]}``; MTP models ``"mtp/depth1_loss"``, ...) and ``{"kind":
 "eval", "step": ..., "val_loss": ..., "val_loss_tail": ...}`` (and ``{"kind": "test", "step":
 ..., "test_loss": ...}`` after the last step, with test data). Floats are written
 with ``repr`` precision, so two runs can be compared bitwise from the files.
