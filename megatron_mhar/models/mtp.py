@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
 from megatron_mhar.models.gpt_config import GPTModelConfig
@@ -29,6 +30,27 @@ from megatron_mhar.models.specs import get_mhar_block_spec
 
 MTP_PREFIX = "mtp."
 """The state-dict prefix of every MTP parameter (Megatron's ``GPTModel.mtp``)."""
+
+
+def tracked_mtp_losses() -> Optional[torch.Tensor]:
+    """Megatron's tracker of the MTP losses since it was last cleared: ``[depths]``, each the
+    sum of the training micro-batches' mean token losses on this rank (``None``: nothing
+    tracked here). megatron-core 0.16 keys it ``values``, later versions ``loss_values``
+    (beside the acceptance counts)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    return tracker.get("loss_values", tracker.get("values"))
+
+
+def clear_mtp_tracker() -> None:
+    """Zero every tensor of Megatron's MTP tracker (the losses and, in later versions, the
+    acceptance counts)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    for value in MTPLossLoggingHelper.tracker.values():
+        if torch.is_tensor(value):
+            value.zero_()
 
 
 def without_mtp(model: GPTModelConfig) -> GPTModelConfig:

@@ -15,6 +15,8 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron_mhar.models.mtp import clear_mtp_tracker, tracked_mtp_losses
+
 
 def reset_mtp_tracker() -> None:
     """Forget the tracker's values (a model with another depth count may have filled it)."""
@@ -29,21 +31,18 @@ def mtp_losses(mtp_num_layers: Optional[int], num_microbatches: int, logged: boo
     MTP or on steps not logged, else ``{"mtp/depth1_loss": ..., ...}``. Clears the tracker
     either way, so each logged step reports its own micro-batches only."""
     from megatron.core import parallel_state
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     if mtp_num_layers is None:
         return None
-    values = MTPLossLoggingHelper.tracker.get("values")
+    values = tracked_mtp_losses()
     if not logged:
-        if values is not None:
-            values.zero_()
+        clear_mtp_tracker()
         return None
     # Only the last stage tracks; the tensor-parallel ranks of a stage hold the same values.
     total = torch.zeros(mtp_num_layers, dtype=torch.float64, device=device)
     if values is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
         total += values.to(device=device, dtype=torch.float64)
-    if values is not None:
-        values.zero_()
+    clear_mtp_tracker()
     torch.distributed.all_reduce(total)
     total /= num_microbatches * parallel_state.get_data_parallel_world_size()
     return {f"mtp/depth{depth + 1}_loss": value for depth, value in enumerate(total.tolist())}

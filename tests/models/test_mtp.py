@@ -63,13 +63,15 @@ def _run(model, tokens, positions):
     and the MTP losses Megatron tracks, after a backward of the summed loss."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+    from megatron_mhar.models.mtp import tracked_mtp_losses
+
     logits = []
     hook = model.output_layer.register_forward_hook(lambda module, args, output: logits.append(output[0].detach()))
     MTPLossLoggingHelper.tracker.clear()
     loss = model(tokens, positions, None, labels=tokens)
     hook.remove()
     loss.sum().backward()
-    return logits, loss.detach(), MTPLossLoggingHelper.tracker["values"].clone()
+    return logits, loss.detach(), tracked_mtp_losses().clone()
 
 
 def test_variant_none_is_megatron_mtp_gpt(megatron_world1):
