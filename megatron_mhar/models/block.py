@@ -11,7 +11,7 @@ from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-from megatron.core.utils import get_pg_rank, make_viewless_tensor
+from megatron.core.utils import get_pg_rank, get_pg_size, make_viewless_tensor
 
 from megatron_mhar.models.routing import make_layout, new_stream
 
@@ -65,10 +65,24 @@ class MHARTransformerBlock(TransformerBlock):
         self.mhar = config.mhar
         self.layout = make_layout(self.mhar, config.num_layers)
         self.routing_eps = self.mhar.eps if self.mhar.eps is not None else config.layernorm_epsilon
-        offset = get_transformer_layer_offset(config, vp_stage, get_pg_rank(self.pg_collection.pp))
+        pp_rank, self.pp_size = get_pg_rank(self.pg_collection.pp), get_pg_size(self.pg_collection.pp)
+        offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
         # Global 1-based sublayer indices entering and leaving this chunk of layers.
         self.first_site = 2 * offset + 1
         self.next_site = self.first_site + 2 * len(self.layers)
+        # Cross-stage caching (interleaved pipelines): this chunk takes the rows its rank's
+        # previous chunk held from `history_cache` and receives only the others; it keeps its
+        # own history there for its rank's next chunk, unless it is the rank's last.
+        vpp = config.virtual_pipeline_model_parallel_size or 1
+        self.local_chunk = vp_stage or 0
+        self.caches_history = self.mhar.pipeline_cache and vpp > 1
+        self.feeds_cache = self.caches_history and self.local_chunk < vpp - 1
+        chunk = self.local_chunk * self.pp_size + pp_rank  # in pipeline order over all ranks
+        self.cached_input_rows = 0 if self.pre_process else self._cached_rows(chunk)
+        self.receiver_cached_rows = 0 if self.post_process else self._cached_rows(chunk + 1)
+        self.history_cache = None
+        """The rank's :class:`~megatron_mhar.ops.history.HistoryCache`, which
+        ``megatron_mhar.parallel.forward_backward`` sets for its schedule's run."""
         self.routing_recorder = None
         """A :class:`~megatron_mhar.models.routing.RoutingRecorder` to which each forward adds
         its per-site routing weights and entropy (a diagnostic; ``None``: nothing recorded)."""
@@ -87,13 +101,26 @@ class MHARTransformerBlock(TransformerBlock):
                 "inputs are the depth stream's state, not hidden states); set it to False"
             )
 
+    def _cached_rows(self, chunk: int) -> int:
+        """History rows that chunk ``chunk`` (pipeline order) finds in its rank's cache: those
+        its rank's previous chunk held at its end, i.e. entering chunk ``chunk - P + 1``."""
+        if not self.caches_history or chunk < self.pp_size:
+            return 0
+        vp_stage, rank = divmod(chunk - self.pp_size + 1, self.pp_size)
+        site = 2 * get_transformer_layer_offset(self.config, vp_stage, rank) + 1
+        return self.layout.rows_read(site)
+
     def input_width(self) -> int:
         """Hidden-size multiples of this chunk's pipeline input ``[s, b, width * h]``."""
-        return 1 if self.pre_process else self.layout.boundary_width(self.first_site)
+        if self.pre_process:
+            return 1
+        return self.layout.boundary_width(self.first_site, self.cached_input_rows)
 
     def output_width(self) -> int:
         """Hidden-size multiples of this chunk's output (1 on the last stage)."""
-        return 1 if self.post_process else self.layout.boundary_width(self.next_site)
+        if self.post_process:
+            return 1
+        return self.layout.boundary_width(self.next_site, self.receiver_cached_rows)
 
     def site_routers(self) -> dict:
         """Global routing site -> router, for this chunk's sites (and the final site)."""
@@ -131,7 +158,8 @@ class MHARTransformerBlock(TransformerBlock):
         if self.pre_process:
             stream.write_embedding(hidden_states)
         else:
-            stream.load(hidden_states, self.first_site)
+            cached = self._cache().take(self.local_chunk) if self.caches_history and self.local_chunk else None
+            stream.load(hidden_states, self.first_site, cached, self.cached_input_rows)
 
         layer_kwargs = dict(
             attention_mask=attention_mask,
@@ -156,8 +184,10 @@ class MHARTransformerBlock(TransformerBlock):
                     with self._layer_fp8_context(layer):
                         layer(depth_stream=stream, **layer_kwargs)
 
+        if self.feeds_cache:
+            self._cache().put(self.local_chunk, stream.history)
         if not self.post_process:
-            packed = stream.pack(self.next_site)
+            packed = stream.pack(self.next_site, self.receiver_cached_rows)
             stream.history.release()
             return packed
         output = stream.output(self.final_router)
@@ -165,6 +195,15 @@ class MHARTransformerBlock(TransformerBlock):
         if self.final_layernorm is not None:
             output = self.final_layernorm(output)
         return make_viewless_tensor(inp=output, requires_grad=True, keep_graph=True)
+
+    def _cache(self):
+        if self.history_cache is None:
+            raise RuntimeError(
+                "mhar.pipeline_cache under an interleaved pipeline needs the schedule of "
+                "megatron_mhar.parallel.forward_backward (it sets the rank's history cache); "
+                "call it, or set mhar.pipeline_cache=false"
+            )
+        return self.history_cache
 
     def _block_fp8_context(self):
         """TE's FP8 autocast around all layers for delayed scaling, whose amax reduction runs

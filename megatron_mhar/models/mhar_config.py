@@ -9,7 +9,7 @@ from megatron_mhar.ops.routing_layout import layout_error
 from megatron_mhar.ops.schedules import LOOKAHEAD_KERNELS, ROUTING_SCHEDULES
 
 VARIANTS = ("none", "full", "block", "delta")
-EXECUTION_FIELDS = ("kernel_impl", "routing_schedule", "lookahead_group", "lookahead_kernels")
+EXECUTION_FIELDS = ("kernel_impl", "routing_schedule", "lookahead_group", "lookahead_kernels", "pipeline_cache")
 """MHARConfig fields that choose how routing runs, not what it computes: a checkpoint or a
 converted model may be loaded with other values."""
 
@@ -58,6 +58,11 @@ class MHARConfig:
     registers, one row at a time), ``tensor_cores`` (dots per token and head) or ``auto``
     (per group and direction, the family the launch rules pick: docs/kernels.md)."""
 
+    pipeline_cache: bool = True
+    """Cross-stage caching of the source history under interleaved (virtual) pipelines: a rank
+    keeps, per micro-batch, the sources its earlier chunk held, and a stage boundary sends only
+    the sources the receiving rank has not seen. No effect without virtual pipeline stages."""
+
     def __post_init__(self):
         _require_choice("variant", self.variant, VARIANTS)
         _require_int("num_heads", self.num_heads, 1, "must be a positive integer")
@@ -74,6 +79,7 @@ class MHARConfig:
         _require_choice("kernel_impl", self.kernel_impl, IMPLS)
         _require_choice("routing_schedule", self.routing_schedule, ROUTING_SCHEDULES)
         _require_choice("lookahead_kernels", self.lookahead_kernels, LOOKAHEAD_KERNELS)
+        _require_choice("pipeline_cache", self.pipeline_cache, (True, False))
         if self.routing_schedule == "lookahead" and self.variant != "full":
             raise ValueError(
                 f"mhar.routing_schedule='lookahead' needs variant='full' (got {self.variant!r}); "

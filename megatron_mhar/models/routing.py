@@ -114,21 +114,25 @@ class DepthStream:
     def write_embedding(self, embedding: torch.Tensor) -> None:
         self.history.write(0, embedding)
 
-    def pack(self, next_site: int) -> torch.Tensor:
-        """The stream entering ``next_site`` as one [s, b, width * h] tensor (stage output)."""
+    def pack(self, next_site: int, cached_rows: int = 0) -> torch.Tensor:
+        """The stream entering ``next_site`` as one [s, b, width * h] tensor (stage output),
+        less the first ``cached_rows`` rows, which the receiving rank holds already."""
         rows, has_partial = self.layout.boundary(next_site)
-        packed = self.history.pack(rows)
+        packed = self.history.pack(rows, cached_rows)
         if has_partial:
             packed = torch.cat([packed, self.partial], dim=-1)
         return packed
 
-    def load(self, packed: torch.Tensor, next_site: int) -> None:
-        """Restore the stream entering ``next_site`` from a received stage input."""
+    def load(self, packed: torch.Tensor, next_site: int, cached: Optional[SourceHistory] = None,
+             cached_rows: int = 0) -> None:
+        """Restore the stream entering ``next_site`` from a received stage input, the first
+        ``cached_rows`` rows from ``cached`` (this rank's earlier chunk's history)."""
         rows, has_partial = self.layout.boundary(next_site)
         h = self.history.shape[-1]
-        self.history.load(packed[..., : rows * h] if has_partial else packed, rows)
+        received = (rows - cached_rows) * h
+        self.history.load(packed[..., :received] if has_partial else packed, rows, cached_rows, cached)
         if has_partial:
-            self.partial = packed[..., rows * h :]
+            self.partial = packed[..., received:]
 
     def checkpoint_state(self, next_site: int):
         """Tensors carrying the stream across an activation-checkpoint boundary.
@@ -228,15 +232,17 @@ class DeltaStream:
         self.hidden = hidden
         self.block_start = hidden if block_start is None else block_start
 
-    def pack(self, next_site: int) -> torch.Tensor:
+    def pack(self, next_site: int, cached_rows: int = 0) -> torch.Tensor:
+        """(h, h_start unless it is h, rows ``[cached_rows, rows_read)``) along the hidden dim."""
         rows = self.layout.rows_read(next_site)
-        return torch.cat([*self._state(next_site), self.history.pack(rows)], dim=-1)
+        return torch.cat([*self._state(next_site), self.history.pack(rows, cached_rows)], dim=-1)
 
-    def load(self, packed: torch.Tensor, next_site: int) -> None:
+    def load(self, packed: torch.Tensor, next_site: int, cached: Optional[SourceHistory] = None,
+             cached_rows: int = 0) -> None:
         h = self.history.shape[-1]
         width = 1 if self.layout.starts_block(next_site) else 2
         self._restore(*packed[..., : width * h].split(h, dim=-1))
-        self.history.load(packed[..., width * h :], self.layout.rows_read(next_site))
+        self.history.load(packed[..., width * h :], self.layout.rows_read(next_site), cached_rows, cached)
 
     def checkpoint_state(self, next_site: int):
         return (self.history.token, *self._state(next_site))

@@ -22,7 +22,8 @@ micro-batches may be in flight (pipeline schedules), and activation recomputatio
 re-run a layer, which rewrites the same rows with the same values.
 """
 
-from typing import Callable, NamedTuple, Optional, Tuple
+import collections
+from typing import Callable, Deque, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -210,20 +211,61 @@ class SourceHistory:
             )
         return _RouteRows.apply(self, num_rows, self.token, query, norm_weight, extra)
 
-    def pack(self, num_rows: int) -> torch.Tensor:
-        """The first ``num_rows`` rows as one ``[s, b, num_rows * h]`` tensor (a pipeline send)."""
-        return _PackRows.apply(self, num_rows, self.token)
+    def pack(self, stop: int, start: int = 0) -> torch.Tensor:
+        """Rows ``[start, stop)`` as one ``[s, b, (stop - start) * h]`` tensor (a pipeline send;
+        ``start`` > 0 leaves out the rows the receiving rank holds already)."""
+        return _PackRows.apply(self, stop, start, self.token)
 
-    def load(self, packed: torch.Tensor, num_rows: int) -> None:
-        """Fill rows ``[0, num_rows)`` from a received ``[s, b, num_rows * h]`` tensor."""
+    def load(self, packed: torch.Tensor, stop: int, start: int = 0,
+             cached: Optional["SourceHistory"] = None) -> None:
+        """Fill rows ``[start, stop)`` from a received ``[s, b, (stop - start) * h]`` tensor and
+        rows ``[0, start)`` from ``cached``, the history of this rank's earlier pipeline chunk
+        of the same micro-batch (cross-stage caching). Backward hands the received rows'
+        gradients to ``packed`` and adds the cached rows' into ``cached``'s gradient buffer,
+        before that chunk's backward (it runs later: the chunks are a chain), so each cached
+        row's gradient reaches its producer once."""
         s, b, h = self.shape
-        if packed.shape != (s, b, num_rows * h):
+        if packed.shape != (s, b, (stop - start) * h):
             raise ValueError(
                 f"received history of shape {tuple(packed.shape)}, expected "
-                f"{(s, b, num_rows * h)} ({num_rows} sources of width {h})"
+                f"{(s, b, (stop - start) * h)} ({stop - start} sources of width {h})"
             )
-        self.token = _LoadRows.apply(self, num_rows, packed)
-        self.rows_written = max(self.rows_written, num_rows)
+        if start > 0 and (cached is None or cached.rows_written < start):
+            have = 0 if cached is None else cached.rows_written
+            raise ValueError(f"loading rows from {start} needs a cached history of {start} rows, got {have}")
+        self.token = _LoadRows.apply(self, stop, start, cached, packed)
+        self.rows_written = max(self.rows_written, stop)
+
+
+class HistoryCache:
+    """One rank's source histories handed from each pipeline chunk to the next chunk of the same
+    rank, per micro-batch in flight (cross-stage caching under interleaved pipelines).
+
+    Chunk ``v`` puts each micro-batch's history after its forward; chunk ``v + 1`` takes it
+    before its forward of that micro-batch. Every chunk runs its micro-batches in order
+    (Megatron's schedules), so one FIFO per chunk pairs them without micro-batch ids.
+    """
+
+    def __init__(self):
+        self._queues: Dict[int, Deque[SourceHistory]] = collections.defaultdict(collections.deque)
+
+    def put(self, chunk: int, history: SourceHistory) -> None:
+        """Keep local chunk ``chunk``'s history of its latest micro-batch for chunk ``chunk + 1``."""
+        self._queues[chunk].append(history)
+
+    def take(self, chunk: int) -> SourceHistory:
+        """The history local chunk ``chunk - 1`` kept for the micro-batch chunk ``chunk`` runs next."""
+        queue = self._queues.get(chunk - 1)
+        if not queue:
+            raise RuntimeError(
+                f"pipeline chunk {chunk} runs a micro-batch that chunk {chunk - 1} of this rank has "
+                "not run: the cross-stage cache assumes Megatron's interleaved schedule"
+            )
+        return queue.popleft()
+
+    def __len__(self) -> int:
+        """Histories kept and not yet taken."""
+        return sum(len(queue) for queue in self._queues.values())
 
 
 def _new_token(reference: torch.Tensor) -> torch.Tensor:
@@ -302,39 +344,44 @@ class _RouteRows(torch.autograd.Function):
 
 class _PackRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, history, num_rows, token):
+    def forward(ctx, history, stop, start, token):
         s, b, h = history.shape
         ctx.set_materialize_grads(False)
-        ctx.history, ctx.num_rows = history, num_rows
-        return history.buffer[:, :, :num_rows].reshape(s, b, num_rows * h).clone()
+        ctx.history, ctx.stop, ctx.start = history, stop, start
+        return history.buffer[:, :, start:stop].reshape(s, b, (stop - start) * h).clone()
 
     @staticmethod
     def backward(ctx, grad_packed):
         if grad_packed is not None:
-            history, n = ctx.history, ctx.num_rows
+            history, stop, start = ctx.history, ctx.stop, ctx.start
             s, b, h = history.shape
-            grads, accumulate = history.grad_rows_to_store(n)
-            received = grad_packed.view(s * b, n, h)
+            grads, accumulate = history.grad_rows_to_store(stop, start)
+            received = grad_packed.view(s * b, stop - start, h)
             if accumulate:
                 grads.add_(received)
             else:  # the later stage's share is the first: copied, no fill and add
                 grads.copy_(received)
-                history.mark_stored(n)
-        return None, None, None
+                history.mark_stored(stop, start)
+        return None, None, None, None
 
 
 class _LoadRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, history, num_rows, packed):
+    def forward(ctx, history, stop, start, cached, packed):
         s, b, h = history.shape
-        history.buffer[:, :, :num_rows].copy_(packed.view(s, b, num_rows, h))
+        if start > 0:
+            history.buffer[:, :, :start].copy_(cached.buffer[:, :, :start])
+        history.buffer[:, :, start:stop].copy_(packed.view(s, b, stop - start, h))
         ctx.set_materialize_grads(False)
-        ctx.history, ctx.num_rows, ctx.dtype = history, num_rows, packed.dtype
+        ctx.history, ctx.stop, ctx.start, ctx.cached, ctx.dtype = history, stop, start, cached, packed.dtype
         return _new_token(packed)
 
     @staticmethod
     def backward(ctx, _grad_token):
-        s, b, h = ctx.history.shape
-        grad = ctx.history.due_grads(ctx.num_rows)
-        return None, None, grad.reshape(s, b, ctx.num_rows * h).to(ctx.dtype)
-
+        history, stop, start = ctx.history, ctx.stop, ctx.start
+        s, b, h = history.shape
+        grad = history.due_grads(stop)
+        if start > 0:
+            ctx.cached.grad_rows(start).add_(grad[:, :, :start].reshape(s * b, start, h))
+        received = grad[:, :, start:].reshape(s, b, (stop - start) * h).to(ctx.dtype)
+        return None, None, None, None, received

@@ -80,9 +80,10 @@ class DepthLayout:
         """(rows, has_partial) of the history entering sublayer ``site`` (a stage input)."""
         return self.rows_read(site), self.reads_partial(site)
 
-    def boundary_width(self, site: int) -> int:
-        """Number of [s, b, h] slices crossing into sublayer ``site`` from a previous stage."""
-        return self.sources_read(site)
+    def boundary_width(self, site: int, cached_rows: int = 0) -> int:
+        """Number of [s, b, h] slices crossing into sublayer ``site`` from a previous stage,
+        less ``cached_rows`` rows the receiving rank holds already (cross-stage caching)."""
+        return self.sources_read(site) - cached_rows
 
     def source_names(self, site: int) -> List[str]:
         """Names of the sources ``site`` routes over, in the routing op's order: ``emb``,
@@ -137,9 +138,10 @@ class DeltaLayout:
         """Whether ``site`` is the first sublayer of a block (then ``h_start`` is ``h``)."""
         return site % 2 == 1 and (self.layer_of(site) - 1) % self.block_layers == 0
 
-    def boundary_width(self, site: int) -> int:
-        """Stream ``h``, the block's start ``h_start`` (unless it is ``h``) and the rows."""
-        return 1 + int(not self.starts_block(site)) + self.rows_read(site)
+    def boundary_width(self, site: int, cached_rows: int = 0) -> int:
+        """Stream ``h``, the block's start ``h_start`` (unless it is ``h``) and the rows, less
+        ``cached_rows`` rows the receiving rank holds already (cross-stage caching)."""
+        return 1 + int(not self.starts_block(site)) + self.rows_read(site) - cached_rows
 
     def source_names(self, site: int) -> List[str]:
         """``emb``, ``d<k>`` (the delta of block k), then ``null`` (the site's null source)."""

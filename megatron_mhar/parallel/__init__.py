@@ -7,6 +7,7 @@ from megatron_mhar.parallel.pipeline import (
     forward_backward,
     make_adjust_tensor_shapes_fn,
     receive_order,
+    send_order,
 )
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "forward_backward",
     "make_adjust_tensor_shapes_fn",
     "receive_order",
+    "send_order",
 ]

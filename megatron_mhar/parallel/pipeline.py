@@ -25,6 +25,14 @@ first/last stages and ``pipeline_model_parallel_layout`` follow automatically). 
   ``variable_seq_lengths`` path by answering ``_communicate_shapes`` from that list
   instead of communicating; the schedule itself is unchanged.
 
+Cross-stage caching (``mhar.pipeline_cache``, on by default; interleaved schedules only): the
+model chunks of a rank share a :class:`~megatron_mhar.ops.history.HistoryCache`, through
+which each chunk hands its history of a micro-batch to the rank's next chunk. A boundary
+then sends only the rows the receiving rank's previous chunk did not hold (the widths above
+already say so: :meth:`MHARTransformerBlock.input_width`); the gradients of the cached rows
+go back through the cache, added into the earlier chunk's gradient buffer by the later
+chunk's backward, which the schedule runs first.
+
 :func:`forward_backward` is the one call a training loop makes: it picks Megatron's
 schedule (``get_forward_backward_func``) and adds the hook the layout needs. With
 ``variant: none`` (or PP=1) it calls Megatron's schedule unchanged.
@@ -44,6 +52,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config
 
 from megatron_mhar.models.block import MHARTransformerBlock
+from megatron_mhar.ops.history import HistoryCache
 
 __all__ = [
     "LayoutP2PCommunicator",
@@ -52,6 +61,7 @@ __all__ = [
     "forward_backward",
     "make_adjust_tensor_shapes_fn",
     "receive_order",
+    "send_order",
 ]
 
 Shape = Tuple[int, int, int]
@@ -133,6 +143,18 @@ def receive_order(
     return forward, backward
 
 
+def send_order(
+    pp_rank: int, pp_size: int, num_chunks: int, chunk_table: Sequence[int]
+) -> Tuple[List[int], List[int]]:
+    """The local chunk of every tensor this rank sends, in send order: (forward, the chunk
+    whose output each activation is; backward, the chunk whose input each gradient is).
+    The model's last stage sends no activation and its first stage no gradient."""
+    last = num_chunks - 1
+    forward = [c for c in chunk_table if not (pp_rank == pp_size - 1 and c == last)]
+    backward = [last - c for c in chunk_table if not (pp_rank == 0 and last - c == 0)]
+    return forward, backward
+
+
 class LayoutP2PCommunicator(P2PCommunicator):
     """Megatron's P2PCommunicator with receive shapes from the depth layout.
 
@@ -147,6 +169,10 @@ class LayoutP2PCommunicator(P2PCommunicator):
         widths: ``(input width, output width)`` of each local chunk.
         num_microbatches: micro-batches of this call.
         base_shape: ``(s, b)`` of every pipeline tensor on this rank.
+
+    ``sent_bytes`` counts the bytes of the tensors this rank hands to the process group, by
+    ``("forward" | "backward", local chunk)`` (activations by the chunk that produced them,
+    gradients by the chunk whose input they are).
     """
 
     def __init__(
@@ -172,6 +198,18 @@ class LayoutP2PCommunicator(P2PCommunicator):
         s, b, h = base_shape[0], base_shape[1], config.hidden_size
         self._recv_prev: Iterator[List[int]] = iter([[s, b, widths[c][0] * h] for c in forward])
         self._recv_next: Iterator[List[int]] = iter([[s, b, widths[c][1] * h] for c in backward])
+        send_forward, send_backward = send_order(pp_group.rank(), pp_group.size(), num_chunks, chunk_table)
+        self._send_next: Iterator[int] = iter(send_forward)
+        self._send_prev: Iterator[int] = iter(send_backward)
+        self.sent_bytes = {}
+
+    def _communicate(self, *, tensor_send_next, tensor_send_prev, **kwargs):
+        for tensor, chunks, direction in ((tensor_send_next, self._send_next, "forward"),
+                                          (tensor_send_prev, self._send_prev, "backward")):
+            if tensor is not None:
+                key = (direction, next(chunks))
+                self.sent_bytes[key] = self.sent_bytes.get(key, 0) + tensor.numel() * tensor.element_size()
+        return super()._communicate(tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev, **kwargs)
 
     def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
         prev_shape = self._next_shape(self._recv_prev, "activation") if recv_prev else [0, 0, 0]
@@ -240,12 +278,14 @@ def forward_backward(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: Optional[bool] = None,
+    sent_bytes: Optional[dict] = None,
 ):
     """Megatron's ``forward_backward_func`` for the current layout, with MHAR p2p shapes.
 
     Same arguments and return value as the function ``get_forward_backward_func()``
     returns. ``model`` / ``data_iterator`` may be a list (one per virtual stage) or a
-    single chunk / iterator.
+    single chunk / iterator. ``sent_bytes``, a dict, receives the bytes this rank sent under
+    an interleaved schedule (:class:`LayoutP2PCommunicator`'s ``sent_bytes``).
     """
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     iterators = list(data_iterator) if isinstance(data_iterator, (list, tuple)) else [data_iterator]
@@ -285,10 +325,23 @@ def forward_backward(
         num_microbatches,
         _pipeline_base_shape(config, seq_length, micro_batch_size, decoder_seq_length),
     )
-    return schedule(
-        model=chunks,
-        data_iterator=iterators,
-        p2p_communicator=communicator,
-        pg_collection=pgs,
-        **kwargs,
-    )
+    decoders = [_unwrap(chunk).decoder for chunk in chunks]
+    cache = HistoryCache()
+    for decoder in decoders:
+        decoder.history_cache = cache
+    try:
+        result = schedule(
+            model=chunks,
+            data_iterator=iterators,
+            p2p_communicator=communicator,
+            pg_collection=pgs,
+            **kwargs,
+        )
+    finally:
+        for decoder in decoders:
+            decoder.history_cache = None
+    if len(cache):
+        raise RuntimeError(f"{len(cache)} cached histories were never taken by a later pipeline chunk")
+    if sent_bytes is not None:
+        sent_bytes.update(communicator.sent_bytes)
+    return result
