@@ -88,6 +88,8 @@ class Layout:
     """expert_model_parallel_size (carved out of the data- and tensor-parallel ranks)."""
     etp: Optional[int] = None
     """expert_tensor_parallel_size (``None``: tp)."""
+    pipeline_cache: bool = True
+    """mhar.pipeline_cache (cross-stage caching of the history; interleaved pipelines only)."""
 
     @property
     def world(self) -> int:
@@ -104,10 +106,10 @@ def model_config(variant: str = "none"):
     )
 
 
-def mhar_config(variant: str):
+def mhar_config(variant: str, pipeline_cache: bool = True):
     from megatron_mhar.models.mhar_config import MHARConfig
 
-    return MHARConfig(**VARIANTS[split_variant(variant)[1]])
+    return MHARConfig(**VARIANTS[split_variant(variant)[1]], pipeline_cache=pipeline_cache)
 
 
 def transformer_config(layout: Layout, variant: str):
@@ -115,7 +117,7 @@ def transformer_config(layout: Layout, variant: str):
 
     return make_transformer_config(
         model_config(variant),
-        mhar_config(variant),
+        mhar_config(variant, layout.pipeline_cache),
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
@@ -142,7 +144,7 @@ def build_chunks(layout: Layout, variant: str, config) -> List[torch.nn.Module]:
         vp = vp_stage if layout.vpp else None
         chunks.append(
             build_gpt_model(
-                model_config(variant), mhar_config(variant), config,
+                model_config(variant), mhar_config(variant, layout.pipeline_cache), config,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                 vp_stage=vp,  # with SP, the builder picks the sequence-parallel norm itself
@@ -238,11 +240,12 @@ def _forward_step(data_iterator, model):
     return output, partial(_loss_func, batch["loss_mask"])
 
 
-def train(config, chunks, batches, steps: int = STEPS):
+def train(config, chunks, batches, steps: int = STEPS, sent_bytes: Optional[dict] = None):
     """Megatron DDP + finalize_model_grads + get_megatron_optimizer.
 
     Returns (global loss of every step and of a final forward-only pass,
-    {name: (grad at step 1, TP partition dim or None)}).
+    {name: (grad at step 1, TP partition dim or None)}). ``sent_bytes`` receives the bytes
+    this rank sent at step 1 under an interleaved schedule (``forward_backward``'s).
     """
     from megatron.core import parallel_state
     from megatron.core.distributed import (
@@ -267,7 +270,7 @@ def train(config, chunks, batches, steps: int = STEPS):
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        reports = _schedule(model, batches)
+        reports = _schedule(model, batches, sent_bytes=sent_bytes if step == 0 else None)
         if step == 0:
             for chunk in chunks:
                 for name, param in chunk.named_parameters():
@@ -283,7 +286,7 @@ def train(config, chunks, batches, steps: int = STEPS):
     return losses, grads
 
 
-def _schedule(model, batches, forward_only=False):
+def _schedule(model, batches, forward_only=False, sent_bytes=None):
     """One pass of the layout's Megatron schedule over all micro-batches."""
     from megatron_mhar.parallel import forward_backward
 
@@ -295,6 +298,7 @@ def _schedule(model, batches, forward_only=False):
         seq_length=SEQ,
         micro_batch_size=MBS,
         forward_only=forward_only,
+        sent_bytes=sent_bytes,
     )
 
 
@@ -375,10 +379,12 @@ def _run_job(layout: Layout, variant: str, full: Dict[str, torch.Tensor]):
     dp_rank = parallel_state.get_data_parallel_rank()
     per_rank = NUM_MICROBATCHES // layout.dp
     batches = global_batches()[dp_rank * per_rank: (dp_rank + 1) * per_rank]
-    losses, grads = train(config, chunks, batches)
+    sent_bytes = {}
+    losses, grads = train(config, chunks, batches, sent_bytes=sent_bytes)
     return dict(
         losses=losses,
         grads=grads,
+        sent_bytes=sent_bytes,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=dp_rank,

@@ -35,8 +35,12 @@ LAYOUTS = [
     pytest.param(L(pp=2), id="pp2"),
     # uneven stages (1 + 3 layers): the boundary moves to site 3
     pytest.param(L(pp=2, first=1, last=3), id="pp2-uneven-1-3"),
-    # interleaved 1F1B: 3 boundaries of 3 widths over 2 ranks (LayoutP2PCommunicator)
+    # interleaved 1F1B: 3 boundaries of 3 widths over 2 ranks (LayoutP2PCommunicator); the
+    # cross-stage cache on (the default): chunk 1 of each rank takes chunk 0's rows, and their
+    # gradients go back through the cache
     pytest.param(L(pp=2, vpp=2), id="pp2-vpp2"),
+    # the same without the cache: every boundary sends every row the receiver reads
+    pytest.param(L(pp=2, vpp=2, pipeline_cache=False), id="pp2-vpp2-nocache"),
     # interleaved with overlap_p2p_comm: receives posted asynchronously, same order
     pytest.param(L(pp=2, vpp=2, overlap_p2p=True), id="pp2-vpp2-overlap-p2p"),
     # 3 boundaries, 4 ranks
@@ -44,6 +48,8 @@ LAYOUTS = [
     pytest.param(L(tp=2, pp=2), id="tp2-pp2"),
     # p2p tensors are [s/tp, b, width*h]
     pytest.param(L(tp=2, pp=2, sp=True), id="tp2-sp-pp2"),
+    # cached interleaved pipeline over sequence-parallel shards: [s/tp, b, width*h] tensors
+    pytest.param(L(tp=2, pp=2, vpp=2, sp=True), id="tp2-sp-pp2-vpp2"),
 ]
 VARIANTS = [pytest.param(v, id=v) for v in H.VARIANTS]
 
@@ -148,3 +154,29 @@ def test_routing_grads_need_the_sequence_parallel_marking(references, parallel_r
         assert H.replicated_grad_spread(results, name) > 1e-2 * scale, name
     _assert_grads_close({n: g for n, g in grads.items() if n not in routing},
                         {n: g for n, g in expected.items() if n not in routing})
+
+
+@pytest.mark.parametrize("variant", ["full", "block", "delta"])
+@pytest.mark.parametrize("layout", [pytest.param(L(pp=2, vpp=2), id="pp2-vpp2"),
+                                    pytest.param(L(pp=2, vpp=2, pipeline_cache=False), id="pp2-vpp2-nocache")])
+def test_pipeline_cache_sends_what_the_byte_model_says(parallel_runs, layout, variant):
+    """The bytes each rank hands to gloo per micro-batch, by boundary (activations by their
+    sender, gradients by the receiver of the activation), are those of the analytic model of
+    ``benchmarks/pipeline_bytes.py``; with the cache, less than without."""
+    from benchmarks.pipeline_bytes import LayoutCase, boundaries
+
+    mhar = H.mhar_config(variant, layout.pipeline_cache)
+    rows = boundaries(H.model_config(variant), H.MBS, LayoutCase("pp2-vpp2", pp=2, vpp=2), mhar,
+                      bytes_per_element=4)  # fp32 pipeline_dtype
+    expected = {}
+    for row in rows:
+        expected[("forward", row["sender"])] = expected[("backward", row["receiver"])] = (
+            row.get("cached_bytes", row["bytes"]))
+    measured = {}
+    for result in parallel_runs(layout, variant):
+        for (direction, chunk), nbytes in result["sent_bytes"].items():
+            measured[(direction, f"pp{result['pp_rank']}/vp{chunk}")] = nbytes / H.NUM_MICROBATCHES
+    assert measured == expected
+    cached = [row for row in rows if "cached_bytes" in row]
+    assert bool(cached) == layout.pipeline_cache
+    assert all(row["cached_bytes"] < row["bytes"] for row in cached)
