@@ -114,6 +114,47 @@ def test_pack_and_load_round_trip_gradients():
         torch.testing.assert_close(row.grad, w, rtol=1e-5, atol=1e-6)
 
 
+def test_cached_rows_send_their_gradients_to_the_earlier_chunk():
+    """Cross-stage caching: a rank's later chunk takes rows 0-1 from its earlier chunk's
+    history and receives only row 2; the later chunk's backward (first, as in the pipeline)
+    adds the cached rows' gradients into the earlier history, whose own backward then hands
+    each row's whole gradient to its producer once."""
+    rows = [torch.randn(S, B, D, requires_grad=True) for _ in range(3)]
+    (q0, n0), (q1, n1) = _router(), _router()
+    earlier = _history(2, rows[0])
+    earlier.write(0, rows[0])
+    earlier.write(1, rows[1])
+    x0 = earlier.route(2, q0, n0)
+    sender = _history(3, rows[0])  # another rank's chunk, holding all three rows
+    for index, row in enumerate(rows):
+        sender.write(index, row.detach())
+    packed = sender.pack(3, start=2)
+    assert packed.shape == (S, B, D)
+    torch.testing.assert_close(packed, rows[2].detach())
+    received = packed.detach().requires_grad_(True)
+    later = _history(4, rows[0])
+    later.load(received, 3, start=2, cached=earlier)
+    x1 = later.route(3, q1, n1)
+    x1.square().sum().backward()
+    rows[2].grad = received.grad.clone()
+    x0.square().sum().backward()
+
+    stacked = torch.stack(rows)
+    want_x0 = depth_route_reference(stacked[:2], q0.detach(), n0.detach(), H, logit_scale=1.3)
+    want_x1 = depth_route_reference(stacked, q1.detach(), n1.detach(), H, logit_scale=1.3)
+    want = torch.autograd.grad(want_x0.square().sum() + want_x1.square().sum(), rows)
+    for row, w in zip(rows, want):
+        torch.testing.assert_close(row.grad, w, rtol=1e-5, atol=1e-6)
+
+
+def test_loading_past_the_cache_raises():
+    like = torch.randn(S, B, D)
+    cached = _history(1, like)
+    cached.write(0, like)
+    with pytest.raises(ValueError, match="cached history of 2 rows"):
+        _history(3, like).load(torch.randn(S, B, D), 3, start=2, cached=cached)
+
+
 def test_reading_unwritten_rows_raises():
     like = torch.zeros(S, B, D)
     history = _history(4, like)
