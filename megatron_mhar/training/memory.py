@@ -9,7 +9,8 @@ state sharded over the data-parallel ranks by the distributed optimizer: over th
 expert-data-parallel ranks for the experts). Activations are an estimate per micro-batch
 in flight (Korthikanti et al. 2022's per-layer terms, flash attention, the routed tokens
 of MoE layers, the MHAR source history, the fp32 logits), times the micro-batches 1F1B
-keeps in flight on the first stage.
+keeps in flight on the first stage, plus what cross-stage caching of the history keeps
+under interleaving (:func:`pipeline_cache_bytes`).
 """
 
 from __future__ import annotations
@@ -126,8 +127,29 @@ def estimate_memory(cfg, world_size: int) -> MemoryEstimate:
     else:
         optimizer = state * (dense + experts)
     in_flight = pp if pp > 1 else 1
+    activations = in_flight * _activations_per_micro_batch(cfg, half) + pipeline_cache_bytes(cfg)
     return MemoryEstimate(dense, experts, weight_bytes * (dense + experts), grad_bytes * (dense + experts),
-                          optimizer, in_flight * _activations_per_micro_batch(cfg, half))
+                          optimizer, activations)
+
+
+def pipeline_cache_bytes(cfg) -> float:
+    """Bytes the cross-stage cache (``mhar.pipeline_cache``, interleaved pipelines) adds on the
+    first stage: a later chunk's backward adds the cached rows' fp32 gradients into its
+    earlier chunk's buffer, which then lives until that chunk's backward, up to P micro-batches
+    later (the schedule's group). The histories themselves are held for backward anyway, and
+    the smaller received tensors are not counted. Even chunks of ``L / (P V)`` layers."""
+    from megatron_mhar.ops.routing_layout import layout_for
+
+    m, par, mhar = cfg.model, cfg.parallel, cfg.mhar
+    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size or 1
+    if vpp == 1 or pp == 1 or mhar.variant == "none" or not mhar.pipeline_cache:
+        return 0.0
+    layout = layout_for(mhar.variant, m.num_layers, mhar.block_size, mhar.delta_block_layers)
+    per_chunk = m.num_layers / (pp * vpp)
+    # rank 0's chunk v takes the rows entering global chunk (v - 1) P + 1
+    rows = sum(layout.rows_read(2 * int(((v - 1) * pp + 1) * per_chunk) + 1) for v in range(1, vpp))
+    shard = par.tensor_model_parallel_size if par.sequence_parallel else 1
+    return pp * rows * m.seq_length * cfg.training.micro_batch_size * m.hidden_size * 4 / shard
 
 
 def _activations_per_micro_batch(cfg, half: bool) -> float:

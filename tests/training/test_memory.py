@@ -52,3 +52,19 @@ def test_a_model_larger_than_the_memory_is_refused_before_it_is_built(tiny, monk
         loop.run(tiny("model.vocab_size=100000", "model.tie_embeddings=false"))
     monkeypatch.setattr(loop, "build_model_chunks", built)
     assert loop.run(tiny("training.train_iters=3", "eval.interval=0")).iteration == 3
+
+
+def test_pipeline_cache_memory_is_counted_under_interleaving_only():
+    """PP4 x VPP3, 1B full (12 chunks of 3 layers): rank 0's chunks 1 and 2 cache the rows
+    entering global chunks 1 and 5 (sites 7 and 31: 7 and 31 rows), their fp32 gradients
+    held for up to 4 micro-batches."""
+    from megatron_mhar.training.memory import pipeline_cache_bytes
+    from megatron_mhar.training.recipes import load_config
+
+    base = ["parallel.pipeline_model_parallel_size=4", "mhar.variant=full"]
+    vpp = ["parallel.virtual_pipeline_model_parallel_size=3"]
+    cfg = load_config("pretrain_1b_mhar", base + vpp)
+    m = cfg.model
+    assert pipeline_cache_bytes(cfg) == 4 * (7 + 31) * m.seq_length * cfg.training.micro_batch_size * m.hidden_size * 4
+    assert pipeline_cache_bytes(load_config("pretrain_1b_mhar", base + vpp + ["mhar.pipeline_cache=false"])) == 0
+    assert pipeline_cache_bytes(load_config("pretrain_1b_mhar", base)) == 0
