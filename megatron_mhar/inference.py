@@ -92,7 +92,8 @@ class CausalLM(torch.nn.Module):
         """The same network as a transformers model, on this model's device and dtype, from a
         copy of the current weights: ``MHARLlamaForCausalLM`` / ``MHARQwen3ForCausalLM``
         (:mod:`megatron_mhar.hf`), or a plain Llama / Qwen3 for ``variant: none``. It has
-        transformers' KV cache and ``generate``."""
+        transformers' KV cache and ``generate``. An MTP model's depths are left out: it is
+        the main model, whose logits :meth:`forward` returns."""
         try:
             import transformers
 
@@ -104,6 +105,7 @@ class CausalLM(torch.nn.Module):
             ) from None
         from megatron_mhar.checkpoint.streaming import full_state_dict
         from megatron_mhar.conversion import hf_config, mapping
+        from megatron_mhar.models.mtp import MTP_PREFIX, without_mtp
 
         if self.config.is_moe:
             raise ValueError(
@@ -112,9 +114,11 @@ class CausalLM(torch.nn.Module):
                 "directory with AutoModelForCausalLM.from_pretrained, which generates with the KV cache"
             )
         dtype = next(self.gpt.parameters()).dtype
-        state = full_state_dict(self.gpt)
-        tensors = mapping.hf_tensors(state, self.config, mapping.Shapes.of(self.config), self.mhar)
-        config = hf_config.hf_config_from_model(self.config, str(dtype).removeprefix("torch."))
+        # transformers models run no MTP depth: the main model alone, as an export holds it
+        main = without_mtp(self.config)
+        state = {k: v for k, v in full_state_dict(self.gpt).items() if not k.startswith(MTP_PREFIX)}
+        tensors = mapping.hf_tensors(state, main, mapping.Shapes.of(main), self.mhar)
+        config = hf_config.hf_config_from_model(main, str(dtype).removeprefix("torch."))
         if self.tokenizer is not None:
             config["eos_token_id"] = self.tokenizer.eod
         if self.mhar.enabled:

@@ -13,7 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.models.block import MHARTransformerBlock
 from megatron_mhar.models.gpt_config import GPTModelConfig
-from megatron_mhar.models.mtp import get_mtp_block_spec
+from megatron_mhar.models.mtp import MTPGPTModel, get_mtp_block_spec
 from megatron_mhar.models.moe import enable_router_gemm_fallback, reset_router_loss_tracker, fused_moe_fields
 from megatron_mhar.models.norms import SequenceParallelTorchNorm
 from megatron_mhar.models.specs import get_mhar_block_spec, resolve_spec
@@ -146,8 +146,9 @@ def _linears_without_apex_wgrad(config: TransformerConfig):
         layers._grad_accum_fusion_available = False
 
 
-class MHARGPTModel(GPTModel):
-    """Megatron's GPTModel whose decoder is an :class:`MHARTransformerBlock`."""
+class MHARGPTModel(MTPGPTModel):
+    """Megatron's GPTModel whose decoder is an :class:`MHARTransformerBlock` (with MTP, its
+    forward without labels is :class:`MTPGPTModel`'s)."""
 
     def __init__(self, *args, **kwargs):
         with _decoder_class(MHARTransformerBlock):
@@ -186,7 +187,8 @@ def build_gpt_model(
     vp_stage: Optional[int] = None,
     layer_norm: Optional[type] = None,
 ) -> GPTModel:
-    """A GPTModel for one pipeline chunk; ``variant: none`` is Megatron's GPT unchanged.
+    """A GPTModel for one pipeline chunk; ``variant: none`` is Megatron's GPT unchanged
+    (with MTP, :class:`~megatron_mhar.models.mtp.MTPGPTModel`: logits without labels).
 
     Args:
         model: architecture; ``spec: auto`` is resolved here (:func:`resolve_spec`).
@@ -205,7 +207,7 @@ def build_gpt_model(
         )
     _check_model_matches_config(model, config)
     model = dataclasses.replace(model, spec=resolve_spec(model.spec).spec)
-    model_class = MHARGPTModel if mhar.enabled else GPTModel
+    model_class = MHARGPTModel if mhar.enabled else MTPGPTModel if model.mtp_num_layers else GPTModel
     if layer_norm is None and config.sequence_parallel and model.spec == "local":
         layer_norm = SequenceParallelTorchNorm
     if model.is_moe:

@@ -18,11 +18,13 @@ weight ``model.mtp_loss_scaling_factor / mtp_num_layers`` each.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Optional
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
 
 from megatron_mhar.models.gpt_config import GPTModelConfig
 from megatron_mhar.models.mhar_config import MHARConfig
@@ -58,6 +60,32 @@ def without_mtp(model: GPTModelConfig) -> GPTModelConfig:
     transformers does not run MTP in) holds it."""
     return dataclasses.replace(model, mtp_num_layers=None,
                                mtp_loss_scaling_factor=GPTModelConfig.mtp_loss_scaling_factor)
+
+
+class MTPGPTModel(GPTModel):
+    """Megatron's GPTModel whose forward without ``labels`` returns the main head's logits
+    ``[b, s, vocab]`` and runs no MTP depth: those are the logits the MTP block's first
+    chunk gives unchanged, and only a loss reads the depths.
+
+    megatron-core 0.16's ``_postprocess`` reads ``labels`` whenever ``mtp_num_layers`` is
+    set and fails without them; 0.19 skips the depths under its inference mode and
+    otherwise trains them on labels rolled from ``input_ids``, which would add an MTP loss
+    to the gradients of a ``load_model(..., grad=True)`` forward. Without MTP, or with
+    labels, the forward is Megatron's."""
+
+    def _postprocess(self, **kwargs):
+        if kwargs.get("labels") is not None or not (kwargs.get("mtp_in_postprocess") and self.post_process):
+            return super()._postprocess(**kwargs)
+        # _postprocess splits its input into the MTP chunks wherever config.mtp_num_layers
+        # is set; the model's own reference goes to a copy without it for this call (its
+        # submodules hold the shared config, which stays as it is).
+        config = self.config
+        self.config = copy.copy(config)
+        self.config.mtp_num_layers = None
+        try:
+            return super()._postprocess(**dict(kwargs, mtp_in_postprocess=False))
+        finally:
+            self.config = config
 
 
 def get_mtp_block_spec(model: GPTModelConfig, config, vp_stage: Optional[int] = None,

@@ -4,6 +4,8 @@
   main head and of each MTP depth, the MTP losses and every gradient bitwise.
 * MHAR decoders: the MTP block reads the decoder's final routed (and normed) output, its
   layers are Megatron's plain ones, and its losses reach the routing parameters.
+* A forward without labels (inference, ``load_model``) returns the main head's logits and
+  runs no MTP depth; ``to_hf`` (what ``generate`` decodes with) is the main model.
 * The MTP fields are checked with the field named.
 """
 
@@ -83,7 +85,7 @@ def test_variant_none_is_megatron_mtp_gpt(megatron_world1):
     ours = build_gpt(tiny_gpt_config(attention_backend="megatron", mtp_num_layers=MTP_LAYERS,
                                      mtp_loss_scaling_factor=MTP_SCALE), MHARConfig(variant="none"))
     theirs = _megatron_mtp_gpt()
-    assert type(ours) is GPTModel and len(ours.mtp.layers) == MTP_LAYERS
+    assert isinstance(ours, GPTModel) and len(ours.mtp.layers) == MTP_LAYERS
     ours_sd, theirs_sd = ours.state_dict(), theirs.state_dict()
     assert [k for k, v in ours_sd.items() if torch.is_tensor(v)] == [k for k, v in theirs_sd.items() if torch.is_tensor(v)]
     assert any(k.startswith("mtp.layers.1.transformer_layer.") for k in ours_sd)
@@ -144,6 +146,56 @@ def test_mhar_mtp_reads_the_final_routed_output(megatron_world1, variant):
     MTPLossAutoScaler.set_loss_scale(torch.zeros(1))  # the MTP losses' gradient switched off
     _run(model, tokens, positions)
     assert any(not torch.equal(p.grad, with_mtp[n]) for n, p in model.named_parameters() if "router" in n)
+
+
+@pytest.mark.parametrize("variant", [
+    pytest.param(dict(variant="none"), id="none"),  # Megatron's GPT with MTP
+    pytest.param(dict(variant="full"), id="full"),  # MHAR decoder with MTP
+])
+def test_logits_without_labels_are_the_main_heads(megatron_world1, variant):
+    """``model(tokens, positions, None)`` of an MTP model: ``[b, s, vocab]`` logits bitwise
+    those of the main head in a forward with labels, no MTP layer run, nothing tracked, and
+    a backward of the logits reaches no MTP weight (megatron-core 0.16 fails on
+    ``labels.clone()`` without labels)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    model = build_gpt(tiny_gpt_config(mtp_num_layers=MTP_LAYERS, mtp_loss_scaling_factor=MTP_SCALE),
+                      MHARConfig(**variant))
+    heads, depths = [], []
+    # cloned: Megatron's cross-entropy overwrites the logits it reads
+    hooks = [model.output_layer.register_forward_hook(lambda module, args, output: heads.append(output[0].detach().clone())),
+             model.mtp.register_forward_hook(lambda module, args, output: depths.append(output))]
+    tokens, positions = gpt_batch()
+    model(tokens, positions, None, labels=tokens)
+    main = heads[-1].transpose(0, 1)  # the depths' heads run first
+    heads.clear(), depths.clear(), MTPLossLoggingHelper.tracker.clear()
+    logits = model(tokens, positions, None)
+    for hook in hooks:
+        hook.remove()
+    assert logits.shape == main.shape and logits.shape[:2] == tokens.shape
+    assert torch.equal(logits, main) and len(heads) == 1 and not depths and not MTPLossLoggingHelper.tracker
+    assert model.config.mtp_num_layers == MTP_LAYERS
+    logits.float().pow(2).mean().backward()
+    assert all(p.grad is None for p in model.mtp.parameters())
+    assert all(p.grad is not None for p in model.decoder.parameters())
+
+
+def test_an_mtp_checkpoint_loads_for_inference(megatron_world1, tmp_path):
+    """``load_model`` of an MTP checkpoint: its forward gives logits, and its transformers
+    form (``to_hf``, what ``generate`` decodes with) is the main model with those logits."""
+    import megatron_mhar
+    from tests.test_inference import SEQ, VOCAB, _save_model
+
+    model = megatron_mhar.load_model(_save_model(tmp_path, MHARConfig(variant="full", num_heads=4),
+                                                 mtp_num_layers=MTP_LAYERS))
+    assert model.config.mtp_num_layers == MTP_LAYERS
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    logits = model(ids)
+    assert logits.shape == (2, SEQ, VOCAB)
+    hf = model.to_hf()
+    assert not any("mtp" in name for name in hf.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fields, message", [
