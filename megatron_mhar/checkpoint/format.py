@@ -62,13 +62,14 @@ HF_SUBDIR = "hf"
 # Config sections that define the network; any difference makes a checkpoint unusable.
 MODEL_SECTIONS = ("model", "mhar")
 MODEL_EXECUTION_FIELDS = ("spec", "fused_kernels", "moe_token_dispatcher_type", "moe_router_dtype",
-                          "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type")
+                          "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
+                          "mtp_loss_scaling_factor")
 """``model`` fields a resume may change: the local and the Transformer Engine spec store the
 same tensors under the same distributed-checkpoint keys (TE's fused pre-norms as the local
 spec's norms, mapped by Megatron's ``sharded_state_dict_keys_map``), so a run saved with
 one resumes with the other (``model.spec: auto`` on another machine); the fused kernels
 of the TE spec change no tensor; an MoE model's token dispatcher, router precision and
-router losses change how it runs and trains, not its weights."""
+router losses, and the MTP losses' weight, change how it runs and trains, not its weights."""
 EMBEDDING_KEY = "embedding.word_embeddings.weight"
 
 _SAVE_NAME = re.compile(r"iter_(\d+)(?:\.(\d+))?")  # checkpoint_name, and a repeated save's suffix
@@ -343,14 +344,29 @@ def config_differences(saved: Dict[str, Any], current: Dict[str, Any], prefix: s
     return [f"{key}: {a!r} (checkpoint) vs {b!r} (config)" for key, a, b in changed_fields(saved, current, prefix)]
 
 
-def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:
+def fresh_mtp_depths(saved: Dict[str, Any], config: Dict[str, Any]) -> Optional[int]:
+    """``model.mtp_num_layers`` of the run config ``config`` where the checkpoint's run config
+    ``saved`` has no MTP (a converted Hugging Face model, a run without MTP): the depths a
+    weights-only load leaves at their initialisation. ``None`` otherwise."""
+    old = (saved.get("model") or {}).get("mtp_num_layers")
+    new = (config.get("model") or {}).get("mtp_num_layers")
+    return new if old is None else None
+
+
+def check_config(checkpoint: Path, config: Dict[str, Any], model_only: bool = False) -> Dict[str, Any]:
     """The checkpoint's common state; raises if it was written for another model than the
-    run config ``config`` (a dict) describes, naming every differing field."""
+    run config ``config`` (a dict) describes, naming every differing field.
+
+    A weights-only load (``model_only``, or a checkpoint of step 0) of a checkpoint without
+    MTP may add MTP depths (:func:`fresh_mtp_depths`); a resume may not, nor may any load
+    drop or change the checkpoint's."""
     common = read_common_state(checkpoint)
     saved = common.get("config")
     if saved is None:
         raise ValueError(f"{checkpoint} has no run config; was it written by megatron_mhar.train?")
-    diffs = []
+    fresh_mtp = fresh_mtp_depths(saved, config)
+    weights_only = model_only or common.get("iteration") == 0
+    diffs, hints = [], []
     for section in MODEL_SECTIONS:
         old, new = saved.get(section, {}), config.get(section, {})
         if section == "mhar":  # how routing runs may change between runs
@@ -359,15 +375,29 @@ def check_config(checkpoint: Path, config: Dict[str, Any]) -> Dict[str, Any]:
             defaults = dataclasses.asdict(GPTModelConfig())
             old = {k: v for k, v in {**defaults, **old}.items() if k not in MODEL_EXECUTION_FIELDS}
             new = {k: v for k, v in {**defaults, **new}.items() if k not in MODEL_EXECUTION_FIELDS}
+            if fresh_mtp is not None and weights_only:
+                new["mtp_num_layers"] = None
+            elif old["mtp_num_layers"] != new["mtp_num_layers"]:
+                hints.append(_mtp_hint(checkpoint, old["mtp_num_layers"], fresh_mtp))
         diffs += config_differences(old, new, f"{section}.")
     if diffs:
         raise ConfigError(
             f"checkpoint {checkpoint} was written for a different model; differing fields:\n  "
             + "\n  ".join(diffs)
+            + "".join(f"\n{hint}" for hint in hints)
             + f"\nuse the checkpoint's model/mhar settings (its {TRAIN_CONFIG_FILE}) or another "
             "checkpoint directory"
         )
     return common
+
+
+def _mtp_hint(checkpoint: Path, saved_depths: Optional[int], fresh_mtp: Optional[int]) -> str:
+    """What to do about a checkpoint whose MTP depths (``model.mtp_num_layers``) the run's differ from."""
+    if fresh_mtp is not None:
+        return (f"the checkpoint has no MTP weights: a new run (another run.name) starts its {fresh_mtp} MTP "
+                f"depth(s) fresh on the checkpoint's other weights with checkpoint.load={checkpoint} "
+                f"checkpoint.load_model_only=true")
+    return f"the checkpoint holds {saved_depths} MTP depth(s): set model.mtp_num_layers={saved_depths}"
 
 
 # ---------------------------------------------------------------- converted checkpoints

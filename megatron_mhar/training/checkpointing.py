@@ -47,12 +47,14 @@ from megatron_mhar.checkpoint.format import (
     checksummed_writes,
     code_provenance,
     find_checkpoint,
+    fresh_mtp_depths,
     published_checkpoints,
     reading,
     staging_dir,
 )
 from megatron_mhar.errors import PERMISSION_ERRNOS, SPACE_ERRNOS, ConfigError
 from megatron_mhar.files import fsync_dir, write_atomic
+from megatron_mhar.models.mtp import MTP_PREFIX
 from megatron_mhar.runtime.distributed import on_all_ranks, on_rank0
 from megatron_mhar.training.model import unwrap
 
@@ -388,11 +390,12 @@ def _check_absent_keys(checkpoint: Path, absent: Iterable[str]) -> None:
         )
 
 
-def _load_model_state(module: torch.nn.Module, loaded: Dict[str, Any]) -> None:
+def _load_model_state(module: torch.nn.Module, loaded: Dict[str, Any], fresh_mtp: bool = False) -> None:
     """``module.load_state_dict(loaded, strict=True)``, where an extra state that the
-    checkpoint lacks (:func:`_check_absent_keys`) keeps the module's own."""
+    checkpoint lacks (:func:`_check_absent_keys`), and with ``fresh_mtp`` the MTP block,
+    keep the module's own."""
     own = {key: value for key, value in module.state_dict().items()
-           if key.endswith(EXTRA_STATE_SUFFIX) and key not in loaded}
+           if key not in loaded and (key.endswith(EXTRA_STATE_SUFFIX) or (fresh_mtp and key.startswith(MTP_PREFIX)))}
     module.load_state_dict({**loaded, **own}, strict=True)
 
 
@@ -409,14 +412,16 @@ def load_checkpoint(
     converted).
 
     Returns ``{"iteration", "train_state", "config", "conversion"}`` (and ``saved_iteration``,
-    the checkpoint's step, with ``model_only``): iteration 0 and an
+    the checkpoint's step, and ``fresh_mtp``, with ``model_only``): iteration 0 and an
     empty train state with ``model_only``; ``config`` is the run config the checkpoint was
     saved with, ``conversion`` the conversion record it carries (``None`` for weights
-    trained from scratch), which the run's saves carry on.
+    trained from scratch), which the run's saves carry on. ``fresh_mtp``: the run's MTP
+    depths that a checkpoint without MTP leaves at their initialisation (``None``: none).
     """
-    common = check_config(checkpoint, config)
+    common = check_config(checkpoint, config, model_only)
     model_only = model_only or common.get("iteration") == 0
     saved_config = common["config"]
+    fresh_mtp = fresh_mtp_depths(saved_config, config)  # check_config allows it only weights-only
     if not model_only:
         saved = saved_config.get("parallel", {}).get("use_distributed_optimizer", False)
         current = config.get("parallel", {}).get("use_distributed_optimizer", False)
@@ -438,23 +443,26 @@ def load_checkpoint(
     sharded = _sharded_state_dict(
         model, optimizer, is_loading=True, with_optimizer=not model_only, with_rng=not model_only and same_layout
     )
+    if fresh_mtp is not None:  # not asked of the checkpoint, which has none
+        for name in [name for name in sharded if name.startswith("model")]:
+            sharded[name] = {k: v for k, v in sharded[name].items() if not k.startswith(MTP_PREFIX)}
     with reading(checkpoint):
         state, _, absent = dist_checkpointing.load(
             sharded, str(checkpoint), strict=StrictHandling.RETURN_UNEXPECTED
         )
     _check_absent_keys(checkpoint, absent)
     if len(model) == 1:
-        _load_model_state(unwrap(model[0]), state["model"])
+        _load_model_state(unwrap(model[0]), state["model"], fresh_mtp is not None)
     else:
         for i, chunk in enumerate(model):
-            _load_model_state(unwrap(chunk), state[f"model{i}"])
+            _load_model_state(unwrap(chunk), state[f"model{i}"], fresh_mtp is not None)
     if model_only:
         # Mixed-precision optimizers hold fp32 main copies taken from the parameters at
         # construction (this run's own initialisation); without a refresh the first step
         # would write that initialisation back over the loaded weights.
         optimizer.reload_model_params()
         return {"iteration": 0, "train_state": {}, "config": saved_config, "conversion": common.get("conversion"),
-                "saved_iteration": common.get("iteration")}
+                "saved_iteration": common.get("iteration"), "fresh_mtp": fresh_mtp}
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     if same_layout:

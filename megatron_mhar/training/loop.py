@@ -363,11 +363,14 @@ class Trainer(RoutingOutputs, RunReports):
             self.changed_since_checkpoint = [
                 f"{key} {old!r} -> {new!r}" for key, old, new in changed_fields(loaded["config"], cfg.to_dict())]
         if self.is_logger:
+            fresh = loaded.get("fresh_mtp")  # a checkpoint without MTP, loaded for its weights
+            fresh = (f"; the model's {fresh} MTP depth(s) (model.mtp_num_layers) start from their "
+                     f"initialisation: the checkpoint has no MTP weights" if fresh else "")
             if model_only:
                 print(f"loaded the weights of {found} (saved at step {loaded['saved_iteration']}); training starts "
-                      f"at step 0 with a new optimizer, schedule and data order", flush=True)
+                      f"at step 0 with a new optimizer, schedule and data order{fresh}", flush=True)
             else:
-                print(f"resumed from {found} at step {self.iteration}", flush=True)
+                print(f"resumed from {found} at step {self.iteration}{fresh}", flush=True)
 
     def _apply_optimizer_settings(self, own_settings: List[dict]) -> None:
         """This run's settings over those of a loaded optimizer state: Megatron restores the
