@@ -14,7 +14,9 @@ It returns the global loss of every step and every parameter's gradient at step 
 
 A variant named ``moe-<variant>`` is the same routing over an MoE model (:data:`MOE`:
 Megatron's MoE layer in every decoder layer, its load-balancing and z-losses on), which
-layouts with expert parallelism (``Layout.ep``, ``Layout.etp``) split by experts.
+layouts with expert parallelism (``Layout.ep``, ``Layout.etp``) split by experts;
+``deep-<variant>`` the same routing over :data:`DEEP` (8 narrower layers), for layouts of
+more than 4 chunks.
 """
 
 from __future__ import annotations
@@ -55,12 +57,19 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_tok
 MTP = dict(mtp_num_layers=2, mtp_loss_scaling_factor=0.5)
 
 
+# ``deep-*``: 8 layers of half the width, so that PP4 x VPP2 has a layer per chunk and its
+# 4 ranks still run in seconds.
+DEEP = dict(num_layers=8, hidden_size=16, num_attention_heads=2, num_query_groups=1, ffn_hidden_size=24)
+
+
 def split_variant(variant: str) -> Tuple[dict, str]:
-    """(the MoE and MTP fields of the model, or none, and the routing variant) of a variant
-    name such as ``full``, ``moe-full``, ``moe-halfloss-full`` or ``mtp-full``."""
-    if variant.startswith("mtp-"):
-        fields, routing = split_variant(variant[len("mtp-"):])
-        return dict(fields, **MTP), routing
+    """(the MoE, MTP and depth fields of the model, or none, and the routing variant) of a
+    variant name such as ``full``, ``moe-full``, ``moe-halfloss-full``, ``mtp-full`` or
+    ``deep-full``."""
+    for prefix, extra in (("mtp-", MTP), ("deep-", DEEP)):
+        if variant.startswith(prefix):
+            fields, routing = split_variant(variant[len(prefix):])
+            return dict(fields, **extra), routing
     for prefix, scale in (("moe-halfloss-", 0.5), ("moe-", 1.0)):
         if variant.startswith(prefix):
             return dict(MOE, moe_aux_loss_coeff=scale * AUX_LOSS, moe_z_loss_coeff=scale * Z_LOSS), variant[len(prefix):]
@@ -99,11 +108,11 @@ class Layout:
 def model_config(variant: str = "none"):
     from megatron_mhar.models.gpt_config import GPTModelConfig
 
-    return GPTModelConfig(
-        num_layers=NUM_LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=48, vocab_size=VOCAB, make_vocab_size_divisible_by=32, seq_length=SEQ,
-        qk_layernorm=True, **split_variant(variant)[0],
-    )
+    fields = dict(num_layers=NUM_LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                  ffn_hidden_size=48)
+    fields.update(split_variant(variant)[0])
+    return GPTModelConfig(vocab_size=VOCAB, make_vocab_size_divisible_by=32, seq_length=SEQ,
+                          qk_layernorm=True, **fields)
 
 
 def mhar_config(variant: str, pipeline_cache: bool = True):

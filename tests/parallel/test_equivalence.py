@@ -1,11 +1,12 @@
 """TP / SP / DP / PP / interleaved PP on CPU (gloo) == the single-process run.
 
-Every layout trains the same tiny model (4 layers, d=32) from the same weights on the
-same global batch for 3 optimizer steps through Megatron's schedules, DDP,
-``finalize_model_grads`` and ``get_megatron_optimizer``, then runs one forward-only
-pass. Losses must agree within 1e-5 relative, and every parameter's gradient at step 1,
-gathered back to full shape (TP shards concatenated, pipeline chunks mapped to global
-layer numbers), within fp32 tolerance.
+Every layout trains the same tiny model (4 layers, d=32; for PP4 x VPP2 8 layers, d=16) from
+the same weights on the same global batch for 3 optimizer steps through Megatron's
+schedules, DDP, ``finalize_model_grads`` and ``get_megatron_optimizer``, then runs one
+forward-only pass. Losses must agree within 1e-5 relative, and every parameter's gradient
+at step 1, gathered back to full shape (TP shards concatenated, pipeline chunks mapped to
+global layer numbers), within fp32 tolerance. The interleaved pipelines with cross-stage
+caching also equal the same layout without it.
 
 All jobs of one world size run in one spawned process group (module-scoped), so the
 grid costs two process starts. Each test waits for its own job's result only, as the
@@ -50,8 +51,31 @@ LAYOUTS = [
     pytest.param(L(tp=2, pp=2, sp=True), id="tp2-sp-pp2"),
     # cached interleaved pipeline over sequence-parallel shards: [s/tp, b, width*h] tensors
     pytest.param(L(tp=2, pp=2, vpp=2, sp=True), id="tp2-sp-pp2-vpp2"),
+    # the same without the cache
+    pytest.param(L(tp=2, pp=2, vpp=2, sp=True, pipeline_cache=False), id="tp2-sp-pp2-vpp2-nocache"),
 ]
 VARIANTS = [pytest.param(v, id=v) for v in H.VARIANTS]
+
+# PP4 x VPP2 needs 8 chunks: the 8-layer ``deep-*`` model, one layer per chunk. The last four
+# chunks take their rank's first chunk's rows from the cache; block partials cross the
+# boundaries inside a 3-sublayer block, delta's stream and block start every boundary.
+DEEP_LAYOUTS = [
+    pytest.param(L(pp=4, vpp=2), id="pp4-vpp2"),
+    pytest.param(L(pp=4, vpp=2, pipeline_cache=False), id="pp4-vpp2-nocache"),
+]
+DEEP_VARIANTS = [f"deep-{v}" for v in ("full", "block", "delta")]
+
+# (cached layout, the same layout uncached, variant prefix): the cache changes what crosses
+# the boundaries, and so the order of the gradients' sums, never the values.
+CACHE_PAIRS = [
+    pytest.param(L(pp=2, vpp=2), L(pp=2, vpp=2, pipeline_cache=False), "", id="pp2-vpp2"),
+    # receives posted asynchronously: the cache is taken in the schedule's order all the same
+    pytest.param(L(pp=2, vpp=2, overlap_p2p=True), L(pp=2, vpp=2, pipeline_cache=False), "",
+                 id="pp2-vpp2-overlap-p2p"),
+    pytest.param(L(tp=2, pp=2, vpp=2, sp=True), L(tp=2, pp=2, vpp=2, sp=True, pipeline_cache=False), "",
+                 id="tp2-sp-pp2-vpp2"),
+    pytest.param(L(pp=4, vpp=2), L(pp=4, vpp=2, pipeline_cache=False), "deep-", id="pp4-vpp2"),
+]
 
 # Routing parameters without their sequence_parallel marking (negative control).
 UNMARKED = {v: L(tp=2, sp=True, unmark_routing_sp=True) for v in ("full", "block", "delta")}
@@ -66,11 +90,12 @@ GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-5  # atol relative to the tensor's largest refer
 @pytest.fixture(scope="module")
 def references():
     """Single-process run of each variant: (weights, losses, step-1 grads)."""
-    return H.references(H.VARIANTS)
+    return H.references(list(H.VARIANTS) + DEEP_VARIANTS)
 
 
 def _all_jobs() -> List[Tuple[H.Layout, str]]:
-    jobs = [(p.values[0], v) for p in LAYOUTS for v in H.VARIANTS]
+    jobs = [(p.values[0], v) for p in DEEP_LAYOUTS for v in DEEP_VARIANTS]
+    jobs += [(p.values[0], v) for p in LAYOUTS for v in H.VARIANTS]
     return jobs + [(layout, v) for v, layout in UNMARKED.items()]
 
 
@@ -120,11 +145,40 @@ def _assert_grads_close(grads: Dict[str, torch.Tensor], expected: Dict[str, torc
         )
 
 
+def assert_runs_close(results: List[dict], baseline: List[dict]):
+    """Two parallel runs of one model agree: the first step's loss bitwise (the same forward
+    values), the later losses and every step-1 gradient to the tolerance of the single-process
+    comparison."""
+    for result, base in zip(results, baseline):
+        assert result["losses"][0] == base["losses"][0]
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(base["losses"]),
+                                   rtol=LOSS_RTOL, atol=0)
+    expected = H.gather_grads(baseline)
+    expected.pop("output_layer.weight", None)  # the tied copy: checked against the embedding's
+    _assert_grads_close(H.gather_grads(results), expected)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_matches_single_process(references, parallel_runs, layout, variant):
-    _, expected_losses, expected_grads = references[variant]
-    results = parallel_runs(layout, variant)
+    _assert_matches(references[variant], parallel_runs(layout, variant))
+
+
+@pytest.mark.parametrize("variant", DEEP_VARIANTS)
+@pytest.mark.parametrize("layout", DEEP_LAYOUTS)
+def test_deep_interleaved_matches_single_process(references, parallel_runs, layout, variant):
+    _assert_matches(references[variant], parallel_runs(layout, variant))
+
+
+@pytest.mark.parametrize("variant", ["full", "block", "delta"])
+@pytest.mark.parametrize("cached,uncached,prefix", CACHE_PAIRS)
+def test_pipeline_cache_matches_the_uncached_schedule(parallel_runs, cached, uncached, prefix, variant):
+    assert cached.pipeline_cache and not uncached.pipeline_cache
+    assert_runs_close(parallel_runs(cached, prefix + variant), parallel_runs(uncached, prefix + variant))
+
+
+def _assert_matches(reference, results: List[dict]):
+    _, expected_losses, expected_grads = reference
     for result in results:  # every rank sees the global loss of every step
         torch.testing.assert_close(
             torch.tensor(result["losses"]), torch.tensor(expected_losses), rtol=LOSS_RTOL, atol=0
@@ -157,26 +211,27 @@ def test_routing_grads_need_the_sequence_parallel_marking(references, parallel_r
 
 
 @pytest.mark.parametrize("variant", ["full", "block", "delta"])
-@pytest.mark.parametrize("layout", [pytest.param(L(pp=2, vpp=2), id="pp2-vpp2"),
-                                    pytest.param(L(pp=2, vpp=2, pipeline_cache=False), id="pp2-vpp2-nocache")])
-def test_pipeline_cache_sends_what_the_byte_model_says(parallel_runs, layout, variant):
+@pytest.mark.parametrize("layout,prefix", [
+    pytest.param(L(pp=2, vpp=2), "", id="pp2-vpp2"),
+    pytest.param(L(pp=2, vpp=2, pipeline_cache=False), "", id="pp2-vpp2-nocache"),
+    pytest.param(L(pp=4, vpp=2), "deep-", id="pp4-vpp2"),
+    pytest.param(L(pp=4, vpp=2, pipeline_cache=False), "deep-", id="pp4-vpp2-nocache"),
+])
+def test_pipeline_cache_sends_what_the_byte_model_says(parallel_runs, layout, prefix, variant):
     """The bytes each rank hands to gloo per micro-batch, by boundary (activations by their
     sender, gradients by the receiver of the activation), are those of the analytic model of
     ``benchmarks/pipeline_bytes.py``; with the cache, less than without."""
-    from benchmarks.pipeline_bytes import LayoutCase, boundaries
+    from benchmarks.pipeline_bytes import LayoutCase, boundaries, measured_boundary_bytes
 
+    variant = prefix + variant
     mhar = H.mhar_config(variant, layout.pipeline_cache)
-    rows = boundaries(H.model_config(variant), H.MBS, LayoutCase("pp2-vpp2", pp=2, vpp=2), mhar,
+    rows = boundaries(H.model_config(variant), H.MBS, LayoutCase("", pp=layout.pp, vpp=layout.vpp), mhar,
                       bytes_per_element=4)  # fp32 pipeline_dtype
     expected = {}
     for row in rows:
         expected[("forward", row["sender"])] = expected[("backward", row["receiver"])] = (
             row.get("cached_bytes", row["bytes"]))
-    measured = {}
-    for result in parallel_runs(layout, variant):
-        for (direction, chunk), nbytes in result["sent_bytes"].items():
-            measured[(direction, f"pp{result['pp_rank']}/vp{chunk}")] = nbytes / H.NUM_MICROBATCHES
-    assert measured == expected
+    assert measured_boundary_bytes(parallel_runs(layout, variant), H.NUM_MICROBATCHES) == expected
     cached = [row for row in rows if "cached_bytes" in row]
     assert bool(cached) == layout.pipeline_cache
     assert all(row["cached_bytes"] < row["bytes"] for row in cached)
