@@ -5,7 +5,8 @@ experts top-2, the load-balancing and z-losses on) trains under layouts that spl
 experts over expert-parallel ranks, beside TP/SP/DP/PP/VPP, through Megatron's process
 groups, schedules, DDP, ``finalize_model_grads`` and optimizer; losses and every gradient
 (experts gathered back by their global index) must match the single process as in
-``test_equivalence``. One process group per world size streams the jobs.
+``test_equivalence``; the interleaved pipeline with cross-stage caching also equals the
+same layout without it. One process group per world size streams the jobs.
 
 Tensor parallelism (which MoE trains only with sequence parallelism) is compared with the
 single process at half the router-loss coefficients: megatron-core 0.16.1 scales each
@@ -22,7 +23,13 @@ import pytest
 
 from tests.helpers import DistributedStream
 from tests.parallel import harness as H
-from tests.parallel.test_equivalence import GRAD_ATOL, JOB_TIMEOUT_S, LOSS_RTOL, _assert_grads_close
+from tests.parallel.test_equivalence import (
+    GRAD_ATOL,
+    JOB_TIMEOUT_S,
+    LOSS_RTOL,
+    _assert_grads_close,
+    assert_runs_close,
+)
 
 L = H.Layout
 JOBS = [
@@ -31,7 +38,10 @@ JOBS = [
     # the source history crosses the stage boundary while the experts are split
     pytest.param(L(pp=2, dp=2, ep=2), "moe-full", id="ep2-pp2-full"),
     # interleaved: one MoE layer per virtual chunk; the delta stream and block sources cross
+    # (chunk 1 of each rank takes chunk 0's rows from the cross-stage cache)
     pytest.param(L(pp=2, vpp=2, dp=2, ep=2), "moe-delta", id="ep2-pp2-vpp2-delta"),
+    # the same without the cache
+    pytest.param(L(pp=2, vpp=2, dp=2, ep=2, pipeline_cache=False), "moe-delta", id="ep2-pp2-vpp2-delta-nocache"),
     # tokens sharded over TP (SP); each rank holds its experts whole (expert TP 1) beside
     # tensor-parallel attention
     pytest.param(L(tp=2, sp=True, dp=2, ep=2, etp=1), "moe-full", id="tp2-sp-ep2-etp1-full"),
@@ -85,3 +95,10 @@ def test_expert_parallel_matches_single_process(references, parallel_runs, layou
     for name in H.replicated_names(results):
         scale = expected_grads.get(name, expected_grads["embedding.word_embeddings.weight"])
         assert H.replicated_grad_spread(results, name) <= GRAD_ATOL * scale.abs().max().item(), name
+
+
+def test_pipeline_cache_with_experts_matches_the_uncached_schedule(parallel_runs):
+    """Cross-stage caching beside expert parallelism: the same losses and gradients as the
+    uncached schedule (the MoE layers' all-gathers interleave with the cache's hand-overs)."""
+    cached, uncached = L(pp=2, vpp=2, dp=2, ep=2), L(pp=2, vpp=2, dp=2, ep=2, pipeline_cache=False)
+    assert_runs_close(parallel_runs(cached, "moe-delta"), parallel_runs(uncached, "moe-delta"))
