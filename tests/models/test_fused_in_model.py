@@ -1,5 +1,5 @@
-"""The fused routing inside the model, exact: fp32 Triton kernels (the interpreter on a CPU)
-against the torch routing in fp64, logits and every gradient.
+"""The fused routing inside the model, exact: fp32 Triton kernels (on the GPU where there is
+one, else in the interpreter) against the torch routing in fp64, logits and every gradient.
 
 The bf16 comparisons on a GPU (tests/models/test_model_gpu.py, test_te_spec.py) judge the
 fused path against the bf16 noise of the torch path, which for a delta gate's gradient (one
@@ -26,9 +26,10 @@ VARIANTS = [
 
 
 def _logits_and_grads(model, dtype):
-    tokens, positions = gpt_batch()
-    labels = gpt_batch(seed=1)[0]
-    model.to(dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run on the GPU where there is one
+    tokens, positions = (t.to(device) for t in gpt_batch())
+    labels = gpt_batch(seed=1)[0].to(device)
+    model.to(device=device, dtype=dtype)
     logits = model(tokens, positions, None)
     loss = torch.nn.functional.cross_entropy(logits.double().reshape(-1, logits.shape[-1]), labels.reshape(-1))
     loss.backward()
