@@ -12,8 +12,10 @@ weight ``model.mtp_loss_scaling_factor / mtp_num_layers`` each.
 * The MTP layers are Megatron's own ``TransformerLayer`` with its additive residual, for
   every variant: each depth is one layer on a fresh input (``eh_proj`` of the two normed
   halves), so a depth stream inside it would have the projection and at most two
-  sublayers to route over, and the layers, their parameters and checkpoint keys stay
-  Megatron's (``mtp.layers.{k}.transformer_layer.*``) whatever the decoder's variant.
+  sublayers to route over, and the layers and their parameters stay Megatron's whatever
+  the decoder's variant. megatron-core 0.16 names each depth's layer ``transformer_layer``,
+  0.19 ``mtp_model_layer`` (module and ``state_dict`` names); the distributed-checkpoint
+  keys are ``mtp.layers.{k}.transformer_layer.*`` on both.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@
   layers are Megatron's plain ones, and its losses reach the routing parameters.
 * A forward without labels (inference, ``load_model``) returns the main head's logits and
   runs no MTP depth; ``to_hf`` (what ``generate`` decodes with) is the main model.
+* The MTP layers' distributed-checkpoint keys are ``mtp.layers.{k}.transformer_layer.*``
+  whatever megatron-core names the layer in the module, so an MTP checkpoint written under
+  megatron-core 0.16 resumes under 0.19.
 * The MTP fields are checked with the field named.
 """
 
@@ -60,6 +63,15 @@ def _megatron_mtp_gpt():
     )
 
 
+def _mtp_layer_name(model) -> str:
+    """The attribute, and state-dict name, under which each MTP depth holds its transformer
+    layer, as megatron-core built it: ``transformer_layer`` in 0.16, ``mtp_model_layer`` in 0.19."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    (name,) = [name for name, child in model.mtp.layers[0].named_children() if isinstance(child, TransformerLayer)]
+    return name
+
+
 def _run(model, tokens, positions):
     """Every output-layer logit (each MTP depth's, then the main head's), the per-token loss
     and the MTP losses Megatron tracks, after a backward of the summed loss."""
@@ -88,7 +100,7 @@ def test_variant_none_is_megatron_mtp_gpt(megatron_world1):
     assert isinstance(ours, GPTModel) and len(ours.mtp.layers) == MTP_LAYERS
     ours_sd, theirs_sd = ours.state_dict(), theirs.state_dict()
     assert [k for k, v in ours_sd.items() if torch.is_tensor(v)] == [k for k, v in theirs_sd.items() if torch.is_tensor(v)]
-    assert any(k.startswith("mtp.layers.1.transformer_layer.") for k in ours_sd)
+    assert any(k.startswith(f"mtp.layers.1.{_mtp_layer_name(ours)}.") for k in ours_sd)
     for key, value in theirs_sd.items():
         if torch.is_tensor(value):
             assert torch.equal(ours_sd[key], value), key
@@ -122,7 +134,7 @@ def test_mhar_mtp_reads_the_final_routed_output(megatron_world1, variant):
     model = build_gpt(tiny_gpt_config(mtp_num_layers=1), mhar)
     randomize_routers(model)
     assert all(isinstance(layer, MHARTransformerLayer) for layer in model.decoder.layers)
-    assert type(model.mtp.layers[0].transformer_layer) is TransformerLayer
+    assert type(getattr(model.mtp.layers[0], _mtp_layer_name(model))) is TransformerLayer
     seen = {}
 
     def decoder_output(module, args, output):
@@ -146,6 +158,22 @@ def test_mhar_mtp_reads_the_final_routed_output(megatron_world1, variant):
     MTPLossAutoScaler.set_loss_scale(torch.zeros(1))  # the MTP losses' gradient switched off
     _run(model, tokens, positions)
     assert any(not torch.equal(p.grad, with_mtp[n]) for n, p in model.named_parameters() if "router" in n)
+
+
+def test_mtp_checkpoint_keys_are_megatrons_on_every_version(megatron_world1):
+    """The sharded (distributed-checkpoint) key of every MTP tensor is its state-dict name
+    with the layer named ``transformer_layer``: megatron-core 0.19 renamed the module
+    ``mtp_model_layer`` and maps its checkpoint keys back, so a checkpoint written under 0.16
+    loads its MTP weights under 0.19."""
+    model = build_gpt(tiny_gpt_config(mtp_num_layers=MTP_LAYERS), MHARConfig(variant="full"))
+    name = _mtp_layer_name(model)
+    keys = {key: entry.key for key, entry in model.sharded_state_dict().items() if key.startswith("mtp.")}
+    for key, sharded in keys.items():  # beyond the layer, local norms take TE's key names
+        depth = key.split(".")[2]
+        layer = f"mtp.layers.{depth}.{name}."
+        assert sharded.startswith(f"mtp.layers.{depth}.transformer_layer." if key.startswith(layer) else key), key
+    assert {f"mtp.layers.{k}.transformer_layer.self_attention.linear_qkv.weight"
+            for k in range(MTP_LAYERS)} <= set(keys.values())
 
 
 @pytest.mark.parametrize("variant", [
