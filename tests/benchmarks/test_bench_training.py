@@ -184,3 +184,32 @@ def test_moe_case_is_the_350m_recipe_with_experts(tmp_path):
     tiny_args = build_parser().parse_args(["--sizes", "tiny_moe", "--spec", "local"])
     tiny = load_config(SIZES["tiny_moe"], size_overrides(tiny_args, "tiny_moe", "cpu", tmp_path, data)).model
     assert (tiny.num_moe_experts, tiny.moe_token_dispatcher_type) == (8, "allgather")
+
+
+def test_8b_delta_case_is_the_cpt_recipe_on_one_gpu():
+    """``8b_delta``: the cpt_8b_mhar_delta recipe's layer shape, sequence length and routing on
+    one GPU (no tensor parallelism, no checkpoint to load, no recomputation, which the
+    full-iteration graph refuses), as deep as the driver's memory estimate fits, in whole
+    delta blocks; GPU only."""
+    from benchmarks.bench_training import build_parser, check_args, layers_that_fit, size_recipe
+    from benchmarks.common import MODELS
+    from megatron_mhar.training.recipes import load_config
+
+    case = size_recipe("8b_delta")
+    recipe = load_config("cpt_8b_mhar_delta", ["data.paths=[unset]", "data.tokenizer=unset"])
+    for field in ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size",
+                  "seq_length", "rope_scaling", "tie_embeddings"):
+        assert getattr(case.model, field) == getattr(recipe.model, field), field
+    assert case.mhar == recipe.mhar == MODELS["mhar_delta"]
+    assert case.checkpoint.load is None and case.parallel.tensor_model_parallel_size == 1
+    assert case.training.recompute_granularity is None and case.training.global_batch_size == 8
+    gib = 2**30
+    depths = [layers_that_fit("8b_delta", 1, memory * gib) for memory in (79, 139, 400)]
+    assert depths == sorted(depths) and all(d % recipe.mhar.delta_block_layers == 0 for d in depths)
+    assert depths[-1] == recipe.model.num_layers  # never deeper than the recipe
+    with pytest.raises(ValueError, match="do not fit"):
+        layers_that_fit("8b_delta", 2, 40 * gib)
+    if not torch.cuda.is_available():
+        parser = build_parser()
+        with pytest.raises(SystemExit):
+            check_args(parser, parser.parse_args(["--sizes", "8b_delta", "--models", "baseline,mhar_delta"]))
