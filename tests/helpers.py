@@ -276,6 +276,22 @@ def tiny_gpt_config(**overrides):
     return GPTModelConfig(**fields)
 
 
+def megatron_tiny_gpt_config(**fields):
+    """Megatron's own TransformerConfig of :func:`tiny_gpt_config`'s architecture, stated field
+    by field (nothing from this package): the reference side of the bitwise tests against
+    Megatron's models; ``fields`` add to it (experts, MTP depths)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+        normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, qk_layernorm=True, add_bias_linear=False, init_method_std=0.02,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, use_cpu_initialization=True,
+        **fields,
+    )  # fmt: skip
+
+
 def build_gpt(model_cfg, mhar, seed=7, **config_overrides):
     """The model of ``model_cfg`` and ``mhar``, initialised from ``seed`` (Megatron must be up)."""
     from megatron.core import tensor_parallel

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_mhar.models.mhar_config import MHARConfig
-from tests.helpers import GPT_SEQ, build_gpt, gpt_batch, randomize_routers, tiny_gpt_config
+from tests.helpers import GPT_SEQ, build_gpt, gpt_batch, megatron_tiny_gpt_config, randomize_routers, tiny_gpt_config
 
 MTP_LAYERS, MTP_SCALE = 2, 0.3
 
@@ -42,14 +42,8 @@ def _megatron_mtp_gpt():
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(
-        num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
-        normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, qk_layernorm=True, add_bias_linear=False, init_method_std=0.02,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False, use_cpu_initialization=True,
+    config = megatron_tiny_gpt_config(
         mtp_num_layers=MTP_LAYERS, mtp_loss_scaling_factor=MTP_SCALE,
     )  # fmt: skip
     torch.manual_seed(7)
