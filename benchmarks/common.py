@@ -334,6 +334,8 @@ def _models():
         # Blocks of 8 sublayers (4 decoder layers): the variant the Attention Residuals paper
         # reports under 4% overhead for.
         "mhar_block": replace(mhar, variant="block", block_size=8),
+        # The same blocks as lookahead groups: each block's sites read its completed blocks once.
+        "mhar_block_lookahead": replace(mhar, variant="block", block_size=8, **lookahead),
         # The continued-pretraining routing (delta, 8 heads, blocks of 4 decoder layers).
         "mhar_delta": _recipe_routing(SIZE_RECIPES["8b"]),
     }

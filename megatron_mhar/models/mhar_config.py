@@ -46,11 +46,12 @@ class MHARConfig:
     """``auto`` (Triton on CUDA, else torch), ``torch`` (the reference) or ``triton``."""
 
     routing_schedule: str = "per_site"
-    """``per_site`` (every site reads all its sources) or ``lookahead`` (full variant: groups of
-    sites read the older sources once, as the paper's fused kernel does; see megatron_mhar/ops/lookahead_reference.py)."""
+    """``per_site`` (every site reads all its sources) or ``lookahead`` (full and block variants:
+    groups of sites read the older sources once, as the paper's fused kernel does; the block
+    variant's groups are its blocks; see megatron_mhar/ops/lookahead_reference.py)."""
 
     lookahead_group: int = 0
-    """Sites per lookahead group; 0 picks the integer nearest sqrt(0.84 (2L + 1)), measured
+    """Sites per lookahead group of the full variant; 0 picks the integer nearest sqrt(0.84 (2L + 1)), measured
     best on the H200 at the paper's sizes (``megatron_mhar.ops.schedules.auto_group_size``)."""
 
     lookahead_kernels: str = "auto"
@@ -80,10 +81,15 @@ class MHARConfig:
         _require_choice("routing_schedule", self.routing_schedule, ROUTING_SCHEDULES)
         _require_choice("lookahead_kernels", self.lookahead_kernels, LOOKAHEAD_KERNELS)
         _require_choice("pipeline_cache", self.pipeline_cache, (True, False))
-        if self.routing_schedule == "lookahead" and self.variant != "full":
+        if self.routing_schedule == "lookahead" and self.variant not in ("full", "block"):
             raise ValueError(
-                f"mhar.routing_schedule='lookahead' needs variant='full' (got {self.variant!r}); "
+                f"mhar.routing_schedule='lookahead' needs variant 'full' or 'block' (got {self.variant!r}); "
                 f"use routing_schedule='per_site' with variant {self.variant!r}"
+            )
+        if self.routing_schedule == "lookahead" and self.variant == "block" and self.lookahead_group:
+            raise ValueError(
+                f"mhar.lookahead_group={self.lookahead_group} has no effect with variant='block': its "
+                f"lookahead groups are its blocks (mhar.block_size); leave lookahead_group at 0"
             )
 
     @property

@@ -13,7 +13,7 @@ from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.ops.history import SourceHistory, get_backend
 from megatron_mhar.ops.lookahead import GroupSite, LookaheadHistory, get_lookahead_backend
 from megatron_mhar.ops.routing_layout import DeltaLayout, DepthLayout, Layout, layout_for
-from megatron_mhar.ops.schedules import auto_group_size, group_ranges
+from megatron_mhar.ops.schedules import lookahead_groups
 
 
 class DepthRouter(torch.nn.Module):
@@ -44,8 +44,9 @@ class DepthStream:
     Created by the block for each forward call and passed down to every layer.
     ``routers`` maps each routing site of this chunk of layers to its router; the
     lookahead schedule (``mhar.routing_schedule``) needs it to read the queries of a
-    group's later sites, and splits the chunk's sites into groups of
-    ``mhar.lookahead_group`` (``group_ranges``), so no group spans a pipeline stage.
+    group's later sites, and splits the chunk's sites into groups (``lookahead_groups``:
+    runs of ``mhar.lookahead_group`` sites in the full variant, the blocks in the block
+    variant), so no group spans a pipeline stage.
     """
 
     def __init__(
@@ -64,9 +65,9 @@ class DepthStream:
             if not routers:
                 raise ValueError("routing_schedule='lookahead' needs the chunk's routers by site")
             self.routers = routers
-            self.first_site, self.last_site = min(routers), max(routers)
-            group_size = mhar.lookahead_group or auto_group_size(layout.final_site)
-            self.groups = {j: g for g in group_ranges(self.first_site, self.last_site, group_size) for j in g}
+            groups = lookahead_groups(min(routers), max(routers), layout.final_site, layout.block_size,
+                                      mhar.lookahead_group)
+            self.groups = {j: g for g in groups for j in g}
             self.history = LookaheadHistory(
                 capacity=layout.capacity,
                 like=like,
@@ -86,7 +87,8 @@ class DepthStream:
         sites = []
         for j in group:
             router = self.routers[j]
-            sites.append(GroupSite(j, self.layout.rows_read(j), router.query, router.norm_weight))
+            sites.append(GroupSite(j, self.layout.rows_read(j), router.query, router.norm_weight,
+                                   self.layout.reads_partial(j)))
         return sites, site - group.start
 
     def read(self, site: int, router: DepthRouter) -> torch.Tensor:
@@ -95,10 +97,10 @@ class DepthStream:
         rows = self.layout.rows_read(site)
         if self.routing is not None:
             self.routing.record(site, self.history, router, rows, extra)
-        if self.routers is not None and extra is None:
+        if self.routers is not None:
             if self.routers.get(site) is not router:
                 raise ValueError(f"site {site} is routed by a router the stream was not given")
-            return self.history.route_group(*self.group_of(site))
+            return self.history.route_group(*self.group_of(site), extra=extra)
         return self.history.route(
             self.layout.rows_read(site), router.query, router.norm_weight, extra
         )

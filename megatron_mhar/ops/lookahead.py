@@ -1,4 +1,4 @@
-"""Two-phase ("lookahead") routing for the full variant: the groups and the history.
+"""Two-phase ("lookahead") routing: the groups and the history.
 
 The schedule and its maths are described with its torch reference
 (:mod:`megatron_mhar.ops.lookahead_reference`); the Triton kernels of
@@ -7,6 +7,12 @@ The schedule and its maths are described with its torch reference
 (:class:`RoutingGroup`), each an autograd node for phase 1 and one per site for the merges.
 The groups themselves (which sites, how many) are planned in :mod:`megatron_mhar.ops.schedules`.
 The per-site path is untouched.
+
+The block variant groups the sites of a block: they all read the same completed block
+sources (the group's old rows), and each site's only other source is its block's running
+partial, a tensor outside the history (the site's *extra* source), which its merge folds in
+as its one new row. Phase 1 then reads each completed block source once per block and its
+backward adds each one's fp32 gradient once per block, not once per site.
 
 Memory. Saved for backward per site: the log-sum-exp (fp32 ``[T, H]``) and a reference
 to the routed output. Transient: the G accumulators of the current group, fp32
@@ -75,12 +81,15 @@ def get_lookahead_backend(impl: str, device: torch.device, lookahead_kernels: st
 
 
 class GroupSite(NamedTuple):
-    """One routing site of a group: its index, rows read, and parameters."""
+    """One routing site of a group: its index, rows read, and parameters; ``extra``: it also
+    reads a source outside the history (the block variant's running partial), its only new
+    source, so it reads no row written since the group started."""
 
     site: int
     num_rows: int
     query: torch.Tensor
     norm_weight: torch.Tensor
+    extra: bool = False
 
 
 class RoutingGroup:
@@ -124,10 +133,17 @@ class RoutingGroup:
     def first_site(self) -> int:
         return self.sites[0].site
 
+    def new_sources(self, index: int) -> int:
+        """The sources site ``index``'s merge folds in: the rows written since the group
+        started that it reads, or its extra source."""
+        site = self.sites[index]
+        return site.num_rows - self.old_rows + site.extra
+
     @property
     def new_rows(self) -> int:
-        """R: the rows written since the group started that its last site reads."""
-        return self.sites[-1].num_rows - self.old_rows
+        """R: the most sources a merge of the group folds in (the rows written since the group
+        started that its last site reads, or one extra source)."""
+        return max(self.new_sources(j) for j in range(len(self.sites)))
 
     def workspace(self, index: int, grad_out: torch.Tensor, num_heads: int, dw_partials: int):
         """(output gradient [T, D], delta fp32 [T, H], (factors [T, n, H, 2], kv [T, n]) of its
@@ -144,7 +160,7 @@ class RoutingGroup:
             self.merge_dw = self.deltas.new_empty((dw_partials, g, d))
             self._slices = tuple(x.unbind() for x in (self.grad_outs, self.deltas, self.row_factors, self.row_kv))
             self._slices += (self.merge_dw.unbind(1),)
-        n = self.sites[index].num_rows - self.old_rows
+        n = self.new_sources(index)
         grad_outs, deltas, factors, kv, merge_dw = self._slices
         return grad_outs[index], deltas[index], (factors[index][:, :n], kv[index][:, :n]), merge_dw[index]
 
@@ -317,14 +333,21 @@ class LookaheadHistory(SourceHistory):
         self._add_owed(row)
         return self._finish_row(row, dtype).view(self.shape)
 
-    def route_group(self, sites: Sequence[GroupSite], index: int) -> torch.Tensor:
-        """Route site ``sites[index]`` of a group (``sites`` in order, all on this stage)."""
+    def route_group(self, sites: Sequence[GroupSite], index: int,
+                    extra: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Route site ``sites[index]`` of a group (``sites`` in order, all on this stage);
+        ``extra`` [s, b, h]: its extra source, for a site that reads one."""
         site = sites[index]
         if not 0 < sites[0].num_rows <= site.num_rows <= self.rows_written:
             raise IndexError(
                 f"site {site.site} routes over {site.num_rows} rows (group start "
                 f"{sites[0].num_rows}) but only {self.rows_written} are written"
             )
+        if (extra is not None) != site.extra:
+            raise ValueError(f"site {site.site} {'reads' if site.extra else 'does not read'} an extra source, "
+                             f"but {'none' if extra is None else 'one'} was given")  # fmt: skip
+        if site.extra and site.num_rows != sites[0].num_rows:
+            raise ValueError(f"site {site.site} reads an extra source and rows written since its group started")
         group = self.group
         if (
             group is None
@@ -339,7 +362,7 @@ class LookaheadHistory(SourceHistory):
             params = [s.query for s in sites] + [s.norm_weight for s in sites]
             self.group_token = _GroupPartials.apply(self, group, self.token, *params)
         out = _MergeSite.apply(
-            self, group, index, self.token, self.group_token, site.query, site.norm_weight
+            self, group, index, self.token, self.group_token, site.query, site.norm_weight, extra
         )
         group.next_index = index + 1
         if group.next_index == len(sites):
@@ -353,10 +376,13 @@ class _GroupPartials(torch.autograd.Function):
         g = len(group.sites)
         queries, norms = torch.stack(params[:g]), torch.stack(params[g:])
         rows = history.rows(group.old_rows)
-        group.first_out = rows.new_empty((rows.shape[0], rows.shape[2]))
+        # Site 0 merges no new source unless it reads an extra one: phase 1 finishes it.
+        first_out = None
+        if not group.sites[0].extra:
+            group.first_out = rows.new_empty((rows.shape[0], rows.shape[2]))
+            first_out = (group.first_out, group.site_lse[0])
         partials = history.lookahead.group_forward(
-            rows, queries, norms, history.num_heads, history.eps, history.logit_scale,
-            first_out=(group.first_out, group.site_lse[0]),
+            rows, queries, norms, history.num_heads, history.eps, history.logit_scale, first_out=first_out,
         )  # fmt: skip
         group.partials = tuple(zip(*(x.unbind() for x in partials)))
         group.queries, group.norms = queries, norms
@@ -400,17 +426,24 @@ class _GroupPartials(torch.autograd.Function):
         return (None, None, None, *grads)
 
 
+def _new_sources(history, group, index, extra):
+    """[T, n, D]: the sources site ``index``'s merge folds in (its extra source as one row)."""
+    if extra is None:
+        return history.rows(group.sites[index].num_rows, group.old_rows)
+    flat = extra.reshape(history.num_tokens, 1, extra.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
 class _MergeSite(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, history, group, index, token, group_token, query, norm_weight):
+    def forward(ctx, history, group, index, token, group_token, query, norm_weight, extra):
         s, b, h = history.shape
-        site = group.sites[index]
-        if index == 0:  # no new rows: phase 1 finished it
+        if index == 0 and extra is None:  # no new source: phase 1 finished it
             out, group.first_out = group.first_out, None
         else:
             m, l, acc = group.partials[index]
             out = history.lookahead.merge_forward(
-                m, l, acc, history.rows(site.num_rows, group.old_rows),
+                m, l, acc, _new_sources(history, group, index, extra),
                 query, norm_weight, history.num_heads, history.eps, history.logit_scale,
                 group.site_lse[index],
             )  # fmt: skip
@@ -418,34 +451,42 @@ class _MergeSite(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.history, ctx.group, ctx.index = history, group, index
         # Saved as an output: autograd then refuses a backward after an in-place change.
-        ctx.save_for_backward(query, norm_weight, result)
+        ctx.save_for_backward(query, norm_weight, result, extra)
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
         if grad_out is None:  # the routed output was not used
-            return (None,) * 7
+            return (None,) * 8
         history, group, index = ctx.history, ctx.group, ctx.index
-        query, norm_weight, out = ctx.saved_tensors
+        query, norm_weight, out, extra = ctx.saved_tensors
         s, b, h = history.shape
-        rows = group.sites[index].num_rows
         flat_grad = grad_out.reshape(s * b, h)
         partials = history.lookahead.merge_dw_partials(s * b, h, history.num_heads, flat_grad.device)
         grad_out_slot, delta_slot, row_factors, dw_slot = group.workspace(
             index, flat_grad, history.num_heads, partials
         )
+        new_sources = _new_sources(history, group, index, extra)
         history.lookahead.merge_backward(
-            flat_grad, out.reshape(s * b, h), history.rows(rows, group.old_rows),
+            flat_grad, out.reshape(s * b, h), new_sources,
             query, norm_weight, group.site_lse[index],
             history.num_heads, history.eps, history.logit_scale,
             row_factors, delta_slot, grad_out_slot, dw_slot,
         )  # fmt: skip
+        grad_extra = None
+        if extra is not None:  # its only reader: its gradient is due now, from this merge alone
+            grad_extra = torch.empty((s * b, h), dtype=extra.dtype, device=extra.device)
+            history.lookahead.merge_row_grad(
+                new_sources[:, 0], None, grad_extra, group.grad_outs, group.queries, group.norms,
+                group.row_factors, group.row_kv, 0, (index, index + 1), history.num_heads, accumulate=False,
+            )  # fmt: skip
+            grad_extra = grad_extra.view(extra.shape)
         # The new rows' gradients are added when each is due (LookaheadHistory.due_row_grad).
-        for row in range(group.old_rows, rows):
+        for row in range(group.old_rows, group.sites[index].num_rows):
             runs = history.pending.setdefault(row, [])
             if not any(g is group for g in runs):
                 runs.append(group)
         # The parameters' gradients go out once, summed with the old rows' part, from the
         # group's backward (which runs after every merge of the group: they consume its token).
         group.deposit(index)
-        return (None,) * 7
+        return (None,) * 7 + (grad_extra,)

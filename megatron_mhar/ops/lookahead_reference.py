@@ -245,7 +245,7 @@ def torch_merge_dw_partials(num_tokens: int, d: int, num_heads: int, device: tor
 
 def torch_merge_row_grad(
     row: torch.Tensor,
-    row_grad: torch.Tensor,
+    row_grad: Optional[torch.Tensor],
     out: torch.Tensor,
     grad_outs: torch.Tensor,
     queries: torch.Tensor,
@@ -269,13 +269,13 @@ def torch_merge_row_grad(
         site_range: (lo, hi), the sites reading the row; added last site first, the order
             the merges ran in.
         accumulate: False where ``row_grad`` holds no gradient yet (no other read added
-            one): it is then not read.
+            one): it is then not read, and may be None.
     """
     lo, hi = site_range
     w = _folded(queries[lo:hi], norm_weights[lo:hi], row.dtype, num_heads)
     compute = w.dtype
     v = row.to(compute).unflatten(-1, (num_heads, -1))
-    acc = row_grad.to(compute) if accumulate else torch.zeros_like(row_grad, dtype=compute)
+    acc = row_grad.to(compute) if accumulate else torch.zeros(out.shape, dtype=compute, device=out.device)
     acc = acc.unflatten(-1, (num_heads, -1))
     for j in reversed(range(lo, hi)):
         f = factors[j, :, index].to(compute)  # [T, H, 2]

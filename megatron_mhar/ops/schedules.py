@@ -11,7 +11,7 @@ from typing import List
 
 ROUTING_SCHEDULES = ("per_site", "lookahead")
 """``mhar.routing_schedule``: ``per_site`` (every site reads all its sources) or
-``lookahead`` (full variant: groups of sites read the older sources once,
+``lookahead`` (full and block variants: groups of sites read the older sources once,
 :mod:`megatron_mhar.ops.lookahead`)."""
 
 LOOKAHEAD_KERNELS = ("auto", "row_loop", "tensor_cores")
@@ -46,3 +46,24 @@ def group_ranges(first_site: int, last_site: int, group_size: int) -> List[range
     remainder = (last_site - first_site + 1) % group_size
     starts = ([first_site] if remainder else []) + list(range(first_site + remainder, last_site + 1, group_size))
     return [range(a, b) for a, b in zip(starts, starts[1:] + [last_site + 1])]
+
+
+def block_ranges(first_site: int, last_site: int, block_size: int) -> List[range]:
+    """The block variant's lookahead groups of sites ``first_site..last_site``: the sites of
+    each block (``block_size`` sublayers; the final site starts a block of its own when
+    the blocks divide the sublayers), cut at the chunk's ends. A block's sites read the
+    same completed blocks, so its phase 1 reads each of them once for the whole block."""
+    if block_size < 1 or last_site < first_site:
+        raise ValueError(f"no blocks of {block_size} over sites {first_site}..{last_site}")
+    starts = [first_site] + [j for j in range(first_site + 1, last_site + 1) if (j - 1) % block_size == 0]
+    return [range(a, b) for a, b in zip(starts, starts[1:] + [last_site + 1])]
+
+
+def lookahead_groups(first_site: int, last_site: int, num_sites: int, block_size: int,
+                     group_size: int = 0) -> List[range]:
+    """The lookahead groups of a chunk's sites ``first_site..last_site`` in a model of
+    ``num_sites`` sites: the full variant's (``block_size`` 1) runs of ``group_size`` sites
+    (0: :func:`auto_group_size`) or the block variant's blocks (``block_ranges``)."""
+    if block_size > 1:
+        return block_ranges(first_site, last_site, block_size)
+    return group_ranges(first_site, last_site, group_size or auto_group_size(num_sites))

@@ -21,7 +21,13 @@ from megatron_mhar.models.mhar_config import MHARConfig  # noqa: E402
 VARIANTS = [
     pytest.param(MHARConfig(variant="delta", num_heads=4, delta_block_layers=1), id="delta1"),
     pytest.param(MHARConfig(variant="block", num_heads=4, block_size=3), id="block3"),
+    # The blocks as lookahead groups: merges of the running partial, the partial's gradient
+    # from its merge's factors, the blocks' gradients from phase 1.
+    pytest.param(MHARConfig(variant="block", num_heads=4, block_size=3, routing_schedule="lookahead"),
+                 id="block3-lookahead"),
     pytest.param(MHARConfig(variant="full", num_heads=4), id="full"),
+    pytest.param(MHARConfig(variant="full", num_heads=4, routing_schedule="lookahead", lookahead_group=3),
+                 id="full-lookahead3"),
 ]
 
 
@@ -50,4 +56,11 @@ def test_fused_routing_in_fp32_is_the_fp64_model(megatron_world1, mhar):
     for name, grad in grads_ref.items():
         # 1e-5 of the tensor's scale: fp32's accumulated rounding, three orders below what a
         # wrong term of any gradient (a gate's sum without one source, say) moves it by.
-        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
+        # A router's scale is the largest of its kind: a site reading one source has a
+        # constant softmax, so its query and norm gradients are zero by cancellation of terms
+        # as large as the other sites' (the lookahead merges take delta from the output and
+        # leave rounding there; the per-site kernels renormalise it to an exact zero).
+        kind = name.rsplit(".", 1)[-1] if "router." in name else None
+        scale = max(g.abs().max().item() for n, g in grads_ref.items() if n == name or (kind and "router." in n
+                                                                                        and n.endswith("." + kind)))
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)

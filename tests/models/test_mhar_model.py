@@ -210,6 +210,8 @@ def _assert_same_loss_and_grads(mhar, other_mhar, bitwise, **other_overrides):
         pytest.param(dict(variant="full", routing_schedule="lookahead", lookahead_group=3),
                      id="full-lookahead3"),
         pytest.param(dict(variant="full", routing_schedule="lookahead"), id="full-lookahead-auto"),
+        # Blocks of 3 sites as lookahead groups, split by the recompute chunks.
+        pytest.param(dict(variant="block", block_size=3, routing_schedule="lookahead"), id="block3-lookahead"),
     ],
 )
 @pytest.mark.parametrize("recompute", RECOMPUTE)

@@ -62,6 +62,11 @@ VARIANTS = [
                             lookahead_kernels="tensor_cores"), id="full-lookahead-dots"),
     pytest.param(MHARConfig(variant="full", num_heads=8, routing_schedule="lookahead", lookahead_group=2,
                             lookahead_kernels="row_loop"), id="full-lookahead-row-loop"),
+    # The block variant's blocks as lookahead groups, each phase-1 kernel family.
+    pytest.param(MHARConfig(variant="block", num_heads=8, block_size=3, routing_schedule="lookahead",
+                            lookahead_kernels="tensor_cores"), id="block3-lookahead-dots"),
+    pytest.param(MHARConfig(variant="block", num_heads=8, block_size=3, routing_schedule="lookahead",
+                            lookahead_kernels="row_loop"), id="block3-lookahead-row-loop"),
 ]
 
 

@@ -121,6 +121,8 @@ ROUTED = [
                             lookahead_kernels="tensor_cores"), id="full-lookahead-dots"),
     pytest.param(MHARConfig(variant="full", num_heads=8, routing_schedule="lookahead", lookahead_group=2,
                             lookahead_kernels="row_loop"), id="full-lookahead-row-loop"),
+    pytest.param(MHARConfig(variant="block", num_heads=8, block_size=3, routing_schedule="lookahead"),
+                 id="block3-lookahead"),
 ]
 
 

@@ -10,17 +10,17 @@ import torch
 from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.ops.history import TORCH_BACKEND, SourceHistory
 from megatron_mhar.ops.lookahead import TORCH_LOOKAHEAD, GroupSite, LookaheadHistory
-from megatron_mhar.ops.schedules import auto_group_size, group_ranges
+from megatron_mhar.ops.schedules import auto_group_size, block_ranges, group_ranges, lookahead_groups
 from tests.helpers import build_gpt, gpt_batch, randomize_routers, tiny_gpt_config
 
 
-def _models(group, **mhar_fields):
+def _models(group, variant="full", **mhar_fields):
     model_cfg = tiny_gpt_config(attention_backend="megatron")
-    per_site = build_gpt(model_cfg, MHARConfig(variant="full", num_heads=4, **mhar_fields))
+    per_site = build_gpt(model_cfg, MHARConfig(variant=variant, num_heads=4, **mhar_fields))
     randomize_routers(per_site)
     lookahead = build_gpt(
         model_cfg,
-        MHARConfig(variant="full", num_heads=4, routing_schedule="lookahead", lookahead_group=group,
+        MHARConfig(variant=variant, num_heads=4, routing_schedule="lookahead", lookahead_group=group,
                    **mhar_fields),
     )  # fmt: skip
     lookahead.load_state_dict(per_site.state_dict())
@@ -40,22 +40,27 @@ def _loss_and_grads(model, seeds):
 
 
 @pytest.mark.parametrize(
-    "group,seeds,logit_scale",
+    "group,seeds,logit_scale,variant",
     [
         # Groups of one: every site is its own phase 1 (no merge rows).
-        pytest.param(1, (0,), 1.0, id="G1"),
+        pytest.param(1, (0,), 1.0, {}, id="G1"),
         # Groups of 3 over 7 sites: a ragged first group (one site), merges of 0-2 rows.
-        pytest.param(3, (0,), 4.0, id="G3-tauH"),
+        pytest.param(3, (0,), 4.0, {}, id="G3-tauH"),
         # Sites 1 | 2-7: a one-site group over the embedding, then one group of six.
-        pytest.param(6, (0,), 1.0, id="G6"),
+        pytest.param(6, (0,), 1.0, {}, id="G6"),
         # Auto size; two micro-batches in flight before one backward.
-        pytest.param(0, (0, 1), 1.0, id="auto-two-microbatches"),
+        pytest.param(0, (0, 1), 1.0, {}, id="auto-two-microbatches"),
+        # Block variant, the groups its blocks: sites 1-2 | 3-4 | 5-6 | 7 (the final site alone),
+        # every site after a block's first merging the block's running partial.
+        pytest.param(0, (0, 1), 4.0, dict(variant="block", block_size=2), id="block2"),
+        # Blocks of 4: 1-4 | 5-7, the final site reading the second block's partial.
+        pytest.param(0, (0,), 1.0, dict(variant="block", block_size=4), id="block4-final-partial"),
     ],
 )
-def test_lookahead_model_matches_per_site(megatron_world1, nan_uninitialised, group, seeds, logit_scale):
+def test_lookahead_model_matches_per_site(megatron_world1, nan_uninitialised, group, seeds, logit_scale, variant):
     """Under deterministic mode (``nan_uninitialised``) a row gradient read before anything
     stored it (the history's fp32 buffer is not zero-filled) is NaN and fails this."""
-    per_site, lookahead = _models(group, logit_scale=logit_scale)
+    per_site, lookahead = _models(group, logit_scale=logit_scale, **variant)
     loss, grads = _loss_and_grads(per_site, seeds)
     loss_l, grads_l = _loss_and_grads(lookahead, seeds)
     torch.testing.assert_close(loss_l, loss, rtol=1e-6, atol=1e-6)
@@ -134,12 +139,61 @@ def test_group_site_with_unused_output(megatron_world1, nan_uninitialised):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("first_reads_partial", [True, False], ids=["chunk-starts-mid-block", "block-start"])
+def test_block_group_merges_each_sites_partial(megatron_world1, nan_uninitialised, first_reads_partial):
+    """A block's sites as one group over the completed rows, each folding in its running
+    partial (an extra source outside the history): the per-site routing's outputs and every
+    gradient, partials' included. A pipeline chunk that starts inside a block makes the
+    group's first site read a partial too (phase 1 then finishes no site itself)."""
+    s, b, d, heads, rows = 3, 2, 16, 4, 2
+    generator = torch.Generator().manual_seed(0)
+    sources = [torch.randn(s, b, d, generator=generator, requires_grad=True) for _ in range(rows)]
+    partials = [torch.randn(s, b, d, generator=generator, requires_grad=True) for _ in range(3)]
+    routers = [((0.5 * torch.randn(d, generator=generator)).requires_grad_(True),
+                (1 + 0.2 * torch.randn(d, generator=generator)).requires_grad_(True)) for _ in range(3)]  # fmt: skip
+    grad_outs = [torch.randn(s, b, d, generator=generator) for _ in range(3)]
+    extras = [first_reads_partial, True, True]
+
+    def run(lookahead):
+        kw = dict(num_heads=heads, eps=1e-6, logit_scale=1.3)
+        if lookahead:
+            history = LookaheadHistory(rows, sources[0], TORCH_BACKEND, TORCH_LOOKAHEAD, **kw)
+            sites = [GroupSite(5 + j, rows, q, g, extra) for j, ((q, g), extra) in enumerate(zip(routers, extras))]
+        else:
+            history = SourceHistory(rows, sources[0], TORCH_BACKEND, **kw)
+        for row, source in enumerate(sources):
+            history.write(row, source)
+        outs = []
+        for j, ((q, g), extra) in enumerate(zip(routers, extras)):
+            partial = partials[j] if extra else None
+            outs.append(history.route_group(sites, j, partial) if lookahead else history.route(rows, q, g, partial))
+        leaves = [*sources, *partials, *[x for r in routers for x in r]]
+        loss = sum((out * grad).sum() for out, grad in zip(outs, grad_outs))
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        return [out.detach() for out in outs] + [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
+
+    expected, actual = run(False), run(True)
+    for got, want in zip(actual, expected):  # fp32 sums in other orders (as in the model test above)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * want.abs().max().item() + 1e-7)
+
+
+def test_block_group_refuses_a_missing_partial(megatron_world1):
+    history = LookaheadHistory(1, torch.zeros(2, 1, 8), TORCH_BACKEND, TORCH_LOOKAHEAD, 2, 1e-6, 1.0)
+    history.write(0, torch.zeros(2, 1, 8))
+    sites = [GroupSite(1, 1, torch.zeros(8), torch.ones(8)), GroupSite(2, 1, torch.zeros(8), torch.ones(8), True)]
+    history.route_group(sites, 0)
+    with pytest.raises(ValueError, match="site 2 reads an extra source, but none was given"):
+        history.route_group(sites, 1)
+
+
 @pytest.mark.parametrize(
     "fields,message",
     [
         pytest.param(dict(routing_schedule="ahead"), "routing_schedule must be one of", id="unknown"),
-        pytest.param(dict(variant="block", routing_schedule="lookahead"), "needs variant='full'",
-                     id="block"),
+        pytest.param(dict(variant="delta", routing_schedule="lookahead"), "needs variant 'full' or 'block'",
+                     id="delta"),
+        pytest.param(dict(variant="block", routing_schedule="lookahead", lookahead_group=4),
+                     "lookahead groups are its blocks", id="block-group"),
         pytest.param(dict(routing_schedule="lookahead", lookahead_group=-1), "non-negative",
                      id="negative-group"),
         pytest.param(dict(routing_schedule="lookahead", lookahead_kernels="tensor"),
@@ -171,6 +225,17 @@ def test_auto_group_size_is_the_measured_choice(sites, size):
 def test_group_ranges_errors(first, last, size):
     with pytest.raises(ValueError, match="no groups"):
         group_ranges(first, last, size)
+
+
+@pytest.mark.parametrize("first,last,block,expected", [
+    (1, 73, 8, [range(1 + 8 * k, 9 + 8 * k) for k in range(9)] + [range(73, 74)]),  # 1B: 9 blocks, the final site
+    (1, 7, 4, [range(1, 5), range(5, 8)]),  # the final site inside the last block
+    (6, 13, 4, [range(6, 9), range(9, 13), range(13, 14)]),  # a pipeline chunk starting mid-block
+])
+def test_block_groups_are_the_blocks_cut_at_the_chunk(first, last, block, expected):
+    assert block_ranges(first, last, block) == expected
+    assert lookahead_groups(first, last, 73, block) == expected
+    assert lookahead_groups(first, last, 73, 1) == group_ranges(first, last, auto_group_size(73))
 
 
 def _ddp_main_grads(model, fused, monkeypatch):
