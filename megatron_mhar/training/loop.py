@@ -33,9 +33,9 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_mhar.checkpoint.format import changed_fields, checkpoint_name
+from megatron_mhar.checkpoint.format import checkpoint_name
 from megatron_mhar.data.datasets import DataChanged, MicroBatches, build_gpt_datasets, changed_data
-from megatron_mhar.errors import PeerFailure, UserError, message_of, on_this_rank
+from megatron_mhar.errors import UserError
 from megatron_mhar.files import write_atomic
 from megatron_mhar.diagnostics.recorder import RoutingRecorder, SiteRouting
 from megatron_mhar.parallel import pipeline
@@ -55,6 +55,7 @@ from megatron_mhar.training.model import build_model_chunks, transformer_config,
 from megatron_mhar.training.moe import MoEMetrics
 from megatron_mhar.training.mtp import mtp_losses, reset_mtp_tracker
 from megatron_mhar.training.recipes import to_yaml
+from megatron_mhar.training.resume import CheckpointResume
 from megatron_mhar.training.routing_outputs import RoutingOutputs
 from megatron_mhar.training.run_files import (  # noqa: F401  (LOCK_FILE and run_lock: their loop names)
     LOCK_FILE,
@@ -66,9 +67,7 @@ from megatron_mhar.training.run_files import (  # noqa: F401  (LOCK_FILE and run
 from megatron_mhar.training.schema import TrainConfig
 from megatron_mhar.training.signals import SIGNALS as STOP_SIGNALS
 from megatron_mhar.training.signals import StopSignal
-
-_GROUP_SETTINGS = ("max_lr", "min_lr", "betas", "eps")
-"""What a run's config sets in each optimizer param group (a resume keeps them: ``Trainer._resume``)."""
+from megatron_mhar.training.step_guards import StepGuards
 
 
 def run(
@@ -118,7 +117,7 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-class Trainer(RoutingOutputs, RunReports):
+class Trainer(CheckpointResume, StepGuards, RoutingOutputs, RunReports):
     """Model chunks, optimizer, scheduler, data iterators and the loop of one run."""
 
     def __init__(self, cfg: TrainConfig, ctx: DistributedContext, step_hook=None):
@@ -309,77 +308,6 @@ class Trainer(RoutingOutputs, RunReports):
             for _ in self.model
         ]
 
-    def _check_checkpoint(self, checkpoint: Path) -> Optional[str]:
-        """Why ``checkpoint`` fails verification (the ranks share the reading), or None;
-        a failure is remembered so that pruning leaves that checkpoint alone."""
-        problem = checkpointing.verified_problem(checkpoint, self.cfg.checkpoint.verify)
-        if problem is not None:
-            self.failed_checkpoints.add(Path(checkpoint))
-        return problem
-
-    def _resume(self) -> None:
-        """Resume from the run's checkpoint directory, else start from ``checkpoint.load``.
-
-        Leftovers of interrupted saves go first (they may hold the space a save needs).
-        The checkpoint is verified first; one that fails is named, and the run resumes
-        from the newest one that passes (:func:`megatron_mhar.checkpoint.format.find_checkpoint`).
-        """
-        cfg = self.cfg
-        if self.is_logger and cfg.checkpoint_dir.is_dir():
-            checkpointing.remove_leftovers(cfg.checkpoint_dir)
-        torch.distributed.barrier()
-        found = checkpointing.find_checkpoint(cfg.checkpoint_dir, problem=self._check_checkpoint)
-        self.resumed_own = found is not None
-        model_only = False
-        if found is None and cfg.checkpoint.load:
-            load = Path(cfg.checkpoint.load)
-            found = checkpointing.find_checkpoint(load, problem=self._check_checkpoint)
-            if found is None:
-                raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r} holds no checkpoint")
-            model_only = cfg.checkpoint.load_model_only
-        if found is None:
-            return
-        own_settings = [{key: group[key] for key in _GROUP_SETTINGS if key in group}
-                        for group in self.optimizer.param_groups]
-        loaded = checkpointing.load_checkpoint(
-            found, self.model, self.optimizer, self.scheduler, cfg.to_dict(), model_only=model_only
-        )
-        self.iteration = loaded["iteration"]
-        self.conversion = loaded["conversion"]
-        train_state = loaded["train_state"]
-        self.val_losses = [list(v) for v in train_state.get("val_losses", [])]
-        self._unwritten_metrics = train_state.get("unwritten_metrics", [])
-        self.loss_window = list(train_state.get("loss_window", []))
-        self.test_loss = train_state.get("test_loss")
-        # Checkpoints from before consumed_samples was saved ran one batch size throughout.
-        self.consumed_samples = train_state.get(
-            "consumed_samples", self.iteration * cfg.training.global_batch_size
-        )
-        self.checkpoint = found
-        self.checkpoint_step = self.iteration
-        self.skipped_steps = train_state.get("skipped_steps", 0)
-        if not model_only:  # said on the start line: what this run does otherwise than the saved one
-            self._apply_optimizer_settings(own_settings)
-            self.changed_since_checkpoint = [
-                f"{key} {old!r} -> {new!r}" for key, old, new in changed_fields(loaded["config"], cfg.to_dict())]
-        if self.is_logger:
-            fresh = loaded.get("fresh_mtp")  # a checkpoint without MTP, loaded for its weights
-            fresh = (f"; the model's {fresh} MTP depth(s) (model.mtp_num_layers) start from their "
-                     f"initialisation: the checkpoint has no MTP weights" if fresh else "")
-            if model_only:
-                print(f"loaded the weights of {found} (saved at step {loaded['saved_iteration']}); training starts "
-                      f"at step 0 with a new optimizer, schedule and data order{fresh}", flush=True)
-            else:
-                print(f"resumed from {found} at step {self.iteration}{fresh}", flush=True)
-
-    def _apply_optimizer_settings(self, own_settings: List[dict]) -> None:
-        """This run's settings over those of a loaded optimizer state: Megatron restores the
-        param groups whole (their peak and minimum lr, Adam's betas and epsilon), and the
-        scheduler computes each step's lr from the group's."""
-        for group, own in zip(self.optimizer.param_groups, own_settings):
-            group.update(own)
-        self.scheduler.step(increment=0)  # the resumed step's lr and weight decay from them
-
     # ---------------------------------------------------------------- steps
 
     def _forward_step(self, data_iterator, model):
@@ -434,17 +362,6 @@ class Trainer(RoutingOutputs, RunReports):
         if update_ok:
             self.scheduler.step(increment=1)
         return loss_sum / tokens, grad_norm, lr
-
-    def _nonfinite_grad_norm(self) -> Optional[float]:
-        """``None`` where the step's gradients are finite on every rank, else the norm of
-        those seen (NaN or Inf). Each rank reads its whole gradient buffers, reduced or not:
-        a non-finite value anywhere reaches some rank's reduced share."""
-        norms = [torch.linalg.vector_norm(buffer.grad_data, dtype=torch.float32) ** 2
-                 for chunk in self.model for buffer in chunk.buffers + chunk.expert_parallel_buffers]
-        total = torch.stack(norms).sum() if norms else torch.zeros((), device=self.device)
-        torch.distributed.all_reduce(total)
-        squared = total.item()
-        return None if math.isfinite(squared) else math.sqrt(squared)  # sqrt(nan) is nan, sqrt(inf) inf
 
     @torch.no_grad()
     def evaluate(self, dataset=None) -> float:
@@ -639,58 +556,6 @@ class Trainer(RoutingOutputs, RunReports):
             raise UserError(f"{self.metrics.failure}. The run finished and its last checkpoint, {self.checkpoint}, "
                             f"is saved; only those files lack their last records")
         return result
-
-    def _data_changed(self, what: str, in_step: bool) -> DataChanged:
-        """The error that stops a run whose data changed under it, after saving this step's
-        checkpoint where it can: between steps, or inside a step where a single process runs
-        (several ranks are then at different points of the schedule)."""
-        single = torch.distributed.get_world_size() == 1
-        if (single or not in_step) and (self.checkpoint is None or self.checkpoint_step != self.iteration):
-            self.save()
-        if self.checkpoint is None:
-            then = "No checkpoint was saved: the restarted run starts from step 0"
-        else:
-            saved = "Saved" if self.checkpoint_step == self.iteration else "The last checkpoint is"
-            then = f"{saved} {self.checkpoint} (step {self.checkpoint_step}), which the restarted run resumes from"
-        err = DataChanged(f"{what}. {then}. Restore the file, or write it and its .idx again with mhar-preprocess "
-                          f"(the launch then checks it again), and restart the run")
-        return on_this_rank(err) if in_step and not single else err
-
-    def _skip_or_stop(self, step: int, loss: float, grad_norm: Optional[float]) -> None:
-        """Training step ``step``, not made for a non-finite loss or gradients: say so and go on
-        while ``training.skip_nonfinite_steps`` allows, else stop before anything more is saved."""
-        tr = self.cfg.training
-        values = f"loss {loss:.6g}" + (f", grad norm {grad_norm:.6g}" if grad_norm is not None else "")
-        self.skipped_steps += 1
-        if self.skipped_steps <= tr.skip_nonfinite_steps:
-            self.metrics.console(f"step {step:>6}/{tr.train_iters} | skipped: {values} (skipped step "
-                                 f"{self.skipped_steps} of training.skip_nonfinite_steps={tr.skip_nonfinite_steps})")
-            return
-        if self.checkpoint is None:
-            last = "no checkpoint was saved before it: start again with other settings (e.g. a lower optimizer.lr)"
-        else:
-            last = (f"the last checkpoint, {self.checkpoint}, holds step {self.checkpoint_step}. To go on from it "
-                    f"with other settings (e.g. a lower optimizer.lr), start a run from it: run.name=<new name> "
-                    f"checkpoint.load={self.checkpoint} data.skip_batches={step - self.checkpoint_step} "
-                    f"(passing over the batches since)")
-        allowed = (f"already skipped {tr.skip_nonfinite_steps}" if tr.skip_nonfinite_steps else
-                   "training.skip_nonfinite_steps=N skips up to N such steps")
-        raise UserError(f"training diverged at step {step}: {values}; nothing of this step or later "
-                        f"is saved, and {last}; {allowed}")
-
-    def _stop_for_outputs(self, save_error: Optional[OSError] = None) -> None:
-        """Stop the run after rank 0 could not write its metrics: the checkpoint of this step
-        (saved with the records not written) or why it could not be saved either."""
-        self.metrics.close()
-        if not self.is_logger:
-            raise PeerFailure("rank 0 could not write the run's metrics")
-        if save_error is None:
-            then = (f"Saved checkpoint {self.checkpoint} at step {self.iteration} with the "
-                    f"{len(self.metrics.unwritten)} records not written: once there is room, the same command "
-                    f"resumes from it and writes them")
-        else:
-            then = f"The checkpoint could not be saved either: {message_of(save_error)}"
-        raise UserError(f"{self.metrics.failure}. {then}")
 
     def _log_train(self, window: List[float], grad_norm: float, lr: float, timer: StepTimer) -> None:
         cfg = self.cfg
