@@ -43,7 +43,9 @@ def _logits_and_grads(model, dtype):
 
 
 @pytest.mark.parametrize("mhar", VARIANTS)
-def test_fused_routing_in_fp32_is_the_fp64_model(megatron_world1, mhar):
+def test_fused_routing_in_fp32_is_the_fp64_model(request, mhar):
+    # Megatron's CUDA runtime where the kernels run on the GPU (the CPU one keeps the model there).
+    request.getfixturevalue("megatron_cuda_world1" if torch.cuda.is_available() else "megatron_world1")
     cfg = tiny_gpt_config(spec="local")
     reference = build_gpt(cfg, dataclasses.replace(mhar, kernel_impl="torch"))
     randomize_routers(reference)
