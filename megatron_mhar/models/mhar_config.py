@@ -57,7 +57,8 @@ class MHARConfig:
     lookahead_kernels: str = "auto"
     """Triton kernels of the lookahead schedule's phase 1: ``row_loop`` (the sites in
     registers, one row at a time), ``tensor_cores`` (dots per token and head) or ``auto``
-    (per group and direction, the family the launch rules pick: docs/kernels.md)."""
+    (per group and direction, the family the launch rules pick: docs/kernels.md; the block
+    variant's is the row loops, ``megatron_mhar.ops.schedules.phase1_kernels``)."""
 
     pipeline_cache: bool = True
     """Cross-stage caching of the source history under interleaved (virtual) pipelines: a rank

@@ -13,7 +13,7 @@ from megatron_mhar.models.mhar_config import MHARConfig
 from megatron_mhar.ops.history import SourceHistory, get_backend
 from megatron_mhar.ops.lookahead import GroupSite, LookaheadHistory, get_lookahead_backend
 from megatron_mhar.ops.routing_layout import DeltaLayout, DepthLayout, Layout, layout_for
-from megatron_mhar.ops.schedules import lookahead_groups
+from megatron_mhar.ops.schedules import lookahead_groups, phase1_kernels
 
 
 class DepthRouter(torch.nn.Module):
@@ -72,7 +72,8 @@ class DepthStream:
                 capacity=layout.capacity,
                 like=like,
                 backend=get_backend(mhar.kernel_impl, like.device),
-                lookahead=get_lookahead_backend(mhar.kernel_impl, like.device, mhar.lookahead_kernels),
+                lookahead=get_lookahead_backend(mhar.kernel_impl, like.device,
+                                                phase1_kernels(mhar.lookahead_kernels, layout.block_size)),
                 num_heads=mhar.num_heads,
                 eps=eps,
                 logit_scale=mhar.logit_scale,

@@ -133,17 +133,10 @@ class RoutingGroup:
     def first_site(self) -> int:
         return self.sites[0].site
 
-    def new_sources(self, index: int) -> int:
-        """The sources site ``index``'s merge folds in: the rows written since the group
-        started that it reads, or its extra source."""
-        site = self.sites[index]
-        return site.num_rows - self.old_rows + site.extra
-
     @property
     def new_rows(self) -> int:
-        """R: the most sources a merge of the group folds in (the rows written since the group
-        started that its last site reads, or one extra source)."""
-        return max(self.new_sources(j) for j in range(len(self.sites)))
+        """R: the rows written since the group started that its last site reads."""
+        return self.sites[-1].num_rows - self.old_rows
 
     def workspace(self, index: int, grad_out: torch.Tensor, num_heads: int, dw_partials: int):
         """(output gradient [T, D], delta fp32 [T, H], (factors [T, n, H, 2], kv [T, n]) of its
@@ -160,7 +153,7 @@ class RoutingGroup:
             self.merge_dw = self.deltas.new_empty((dw_partials, g, d))
             self._slices = tuple(x.unbind() for x in (self.grad_outs, self.deltas, self.row_factors, self.row_kv))
             self._slices += (self.merge_dw.unbind(1),)
-        n = self.new_sources(index)
+        n = self.sites[index].num_rows - self.old_rows
         grad_outs, deltas, factors, kv, merge_dw = self._slices
         return grad_outs[index], deltas[index], (factors[index][:, :n], kv[index][:, :n]), merge_dw[index]
 
@@ -466,21 +459,15 @@ class _MergeSite(torch.autograd.Function):
         grad_out_slot, delta_slot, row_factors, dw_slot = group.workspace(
             index, flat_grad, history.num_heads, partials
         )
-        new_sources = _new_sources(history, group, index, extra)
+        # The extra source's only reader is this site: the merge writes its gradient whole.
+        grad_extra = None if extra is None else torch.empty(extra.shape, dtype=extra.dtype, device=extra.device)
         history.lookahead.merge_backward(
-            flat_grad, out.reshape(s * b, h), new_sources,
+            flat_grad, out.reshape(s * b, h), _new_sources(history, group, index, extra),
             query, norm_weight, group.site_lse[index],
             history.num_heads, history.eps, history.logit_scale,
-            row_factors, delta_slot, grad_out_slot, dw_slot,
+            None if extra is not None else row_factors, delta_slot, grad_out_slot, dw_slot,
+            row_grads=None if extra is None else grad_extra.view(s * b, 1, h),
         )  # fmt: skip
-        grad_extra = None
-        if extra is not None:  # its only reader: its gradient is due now, from this merge alone
-            grad_extra = torch.empty((s * b, h), dtype=extra.dtype, device=extra.device)
-            history.lookahead.merge_row_grad(
-                new_sources[:, 0], None, grad_extra, group.grad_outs, group.queries, group.norms,
-                group.row_factors, group.row_kv, 0, (index, index + 1), history.num_heads, accumulate=False,
-            )  # fmt: skip
-            grad_extra = grad_extra.view(extra.shape)
         # The new rows' gradients are added when each is due (LookaheadHistory.due_row_grad).
         for row in range(group.old_rows, group.sites[index].num_rows):
             runs = history.pending.setdefault(row, [])

@@ -196,13 +196,16 @@ def torch_merge_backward(
     num_heads: int,
     eps: float,
     logit_scale: float,
-    row_factors: Tuple[torch.Tensor, torch.Tensor],
+    row_factors: Optional[Tuple[torch.Tensor, torch.Tensor]],
     delta_out: Optional[torch.Tensor] = None,
     grad_out_copy: Optional[torch.Tensor] = None,
     dw_out: Optional[torch.Tensor] = None,
+    row_grads: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Backward of the merge. The new rows' gradients are left as factors, which
-    :func:`torch_merge_row_grad` adds when a row is due; ``delta_out`` receives delta
+    :func:`torch_merge_row_grad` adds when a row is due, or, where this site is their only
+    reader, written whole into ``row_grads`` ([T, n, D], any dtype; ``row_factors`` is then
+    None); ``delta_out`` receives delta
     and ``grad_out_copy`` a copy of ``grad_out`` if given; ``dw_out`` ([P, D] fp32, P =
     :func:`torch_merge_dw_partials` = 1) receives dL/dw of the folded query instead of the
     parameters' gradients, for the group's backward to add (``merge_dw``).
@@ -223,9 +226,14 @@ def torch_merge_backward(
     compute = w.dtype
     do = grad_out.to(compute).unflatten(-1, (num_heads, -1))
     delta = (do * out.to(compute).unflatten(-1, (num_heads, -1))).sum(-1)
+    if (row_grads is None) == (row_factors is None):
+        raise ValueError("torch_merge_backward takes either row_factors or row_grads")
+    whole = None if row_grads is None else torch.zeros(row_grads.shape, dtype=compute, device=row_grads.device)
     dw = _source_grads(
-        sources, w, do[None], lse.to(compute)[None], delta[None], eps, logit_scale, None, row_factors
+        sources, w, do[None], lse.to(compute)[None], delta[None], eps, logit_scale, whole, row_factors
     )
+    if row_grads is not None:
+        row_grads.copy_(whole)
     if grad_out_copy is not None:
         grad_out_copy.copy_(grad_out)
     delta = delta.float() if delta_out is None else delta_out.copy_(delta)
@@ -245,7 +253,7 @@ def torch_merge_dw_partials(num_tokens: int, d: int, num_heads: int, device: tor
 
 def torch_merge_row_grad(
     row: torch.Tensor,
-    row_grad: Optional[torch.Tensor],
+    row_grad: torch.Tensor,
     out: torch.Tensor,
     grad_outs: torch.Tensor,
     queries: torch.Tensor,
@@ -269,13 +277,13 @@ def torch_merge_row_grad(
         site_range: (lo, hi), the sites reading the row; added last site first, the order
             the merges ran in.
         accumulate: False where ``row_grad`` holds no gradient yet (no other read added
-            one): it is then not read, and may be None.
+            one): it is then not read.
     """
     lo, hi = site_range
     w = _folded(queries[lo:hi], norm_weights[lo:hi], row.dtype, num_heads)
     compute = w.dtype
     v = row.to(compute).unflatten(-1, (num_heads, -1))
-    acc = row_grad.to(compute) if accumulate else torch.zeros(out.shape, dtype=compute, device=out.device)
+    acc = row_grad.to(compute) if accumulate else torch.zeros_like(row_grad, dtype=compute)
     acc = acc.unflatten(-1, (num_heads, -1))
     for j in reversed(range(lo, hi)):
         f = factors[j, :, index].to(compute)  # [T, H, 2]

@@ -21,6 +21,15 @@ the tensor-core dots per token and head, or per group and direction the family t
 rules pick (``auto``, the default everywhere)."""
 
 
+def phase1_kernels(lookahead_kernels: str, block_size: int) -> str:
+    """The phase-1 kernels a layout runs for ``mhar.lookahead_kernels``: the block variant's
+    ``auto`` is the row loops. Every completed block starts a group there, so the rows'
+    gradients fall due one at a time, and the tensor-core backward, which defers them,
+    rereads every owing site's output gradient for each row (1B, H100: 113 ms of routing per
+    step against 85 on the row loops, which add each group's share at once)."""
+    return "row_loop" if block_size > 1 and lookahead_kernels == "auto" else lookahead_kernels
+
+
 def auto_group_size(num_sites: int) -> int:
     """Sites per group for ``lookahead_group = 0``: the integer nearest sqrt(0.84 * sites),
     i.e. 5 / 6 / 8 at 100M / 350M / 1B (25 / 49 / 73 sites).

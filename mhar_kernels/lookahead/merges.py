@@ -6,8 +6,9 @@ started into its phase-1 partial, and back.
 - ``merge_backward``: one pass over the new rows, with ``delta[h] = do . out`` per head
   taken from the routed output (as in flash attention) instead of a second pass; the
   rows' gradients are left as factors (``(p, tau r ds)`` per head, ``tau r c``) for
-  ``row_grads.merge_row_grad``, and dL/dw as per-program partials for the group's
-  reduction.
+  ``row_grads.merge_row_grad``, or written whole where this site is their only reader
+  (the block variant's running partial), and dL/dw as per-program partials for the
+  group's reduction.
 
 Launch rules: ``launch.merge_fwd_config`` and ``launch.merge_bwd_config``.
 """
@@ -82,6 +83,7 @@ def merge_bwd_kernel(
     KV_ptr,  # [T, N] fp32 out: per new row tau r c, strides (stride_kt, 1)
     DW_ptr,  # [P, D] fp32 per-program partial dL/dw, P = number of programs, strides (stride_dwp, 1)
     DOC_ptr,  # [T, D] contiguous out (COPY_DO): a copy of the output gradient
+    DV_ptr,  # [T, N, D] out (ROW_GRADS): the rows' gradients, strides (stride_dvt, stride_dvn, 1)
     T,
     N,
     num_tiles,
@@ -93,6 +95,8 @@ def merge_bwd_kernel(
     stride_fn,
     stride_kt,
     stride_dwp,
+    stride_dvt,
+    stride_dvn,
     eps,
     scale,
     D: tl.constexpr,
@@ -104,6 +108,7 @@ def merge_bwd_kernel(
     STAGES: tl.constexpr,
     COPY_DO: tl.constexpr,
     ONE_REDUCE: tl.constexpr,  # one reduction for the row's three head sums (one head: they span warps)
+    ROW_GRADS: tl.constexpr,  # write the rows' gradients instead of their factors (this site reads them alone)
 ):
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
@@ -134,6 +139,7 @@ def merge_bwd_kernel(
         p_v = V_ptr + o_t64[:, None, None] * stride_vt + o_d[None, :, :]
         p_f = F_ptr + o_t64[:, None] * stride_ft + o_h[None, :] * 2
         p_kv = KV_ptr + o_t64 * stride_kt
+        p_dv = DV_ptr + o_t64[:, None, None] * stride_dvt + o_d[None, :, :]
         for _ in tl.range(0, N, num_stages=STAGES):
             b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
             b_r, b_dot, b_s, b_dp = bwd_head_sums((b_v,), (b_w,), (b_do,), eps, scale, D, 1, ONE_REDUCE)
@@ -141,15 +147,21 @@ def merge_bwd_kernel(
             b_ds = b_p * (b_dp - b_delta)
             b_rs = b_r * scale
             b_rds = b_rs[:, None] * b_ds
-            # The row's gradient p do + tau r ds w - tau r c v as its factors, added when the
-            # row is due (merge_row_grad): no read-modify-write of its fp32 gradient here.
-            tl.store(p_f, b_p, mask=m_th)
-            tl.store(p_f + 1, b_rds, mask=m_th)
-            tl.store(p_kv, b_rs * tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D), mask=m_t)
+            b_kv = b_rs * tl.sum(b_ds * b_dot, axis=1) * (b_r * b_r / D)
+            if ROW_GRADS:  # p do + tau r ds w - tau r c v, whole: no other site reads the row
+                b_dv = b_p[:, :, None] * b_do + b_rds[:, :, None] * b_w[None, :, :] - b_kv[:, None, None] * b_v
+                tl.store(p_dv, b_dv.to(DV_ptr.dtype.element_ty), mask=m_v)
+                p_dv += stride_dvn
+            else:
+                # The row's gradient as its factors, added when the row is due
+                # (merge_row_grad): no read-modify-write of its fp32 gradient here.
+                tl.store(p_f, b_p, mask=m_th)
+                tl.store(p_f + 1, b_rds, mask=m_th)
+                tl.store(p_kv, b_kv, mask=m_t)
+                p_f += stride_fn
+                p_kv += 1
             b_dw += b_rds[:, :, None] * b_v
             p_v += stride_vn
-            p_f += stride_fn
-            p_kv += 1
 
     tl.store(DW_ptr + i_p * stride_dwp + o_d, tl.sum(b_dw, axis=0), mask=m_d)
 
@@ -205,14 +217,17 @@ def merge_backward(
     num_heads: int,
     eps: float,
     logit_scale: float,
-    row_factors: Tuple[torch.Tensor, torch.Tensor],
+    row_factors: Optional[Tuple[torch.Tensor, torch.Tensor]],
     delta_out: Optional[torch.Tensor] = None,
     grad_out_copy: Optional[torch.Tensor] = None,
     dw_out: Optional[torch.Tensor] = None,
+    row_grads: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Backward of :func:`merge_forward` in one pass over the new rows, whose gradients it
     leaves as factors in ``row_factors`` (fp32 views factors [T, n, H, 2] with unit stride
-    over the last two dims, kv [T, n] with unit stride over n) for :func:`merge_row_grad`.
+    over the last two dims, kv [T, n] with unit stride over n) for :func:`merge_row_grad`,
+    or, where this site is the rows' only reader, writes whole into ``row_grads`` ([T, n, D]
+    in any dtype, unit stride over D; ``row_factors`` is then None).
     ``delta_out`` (fp32 [T, H]) receives delta and ``grad_out_copy`` (contiguous [T, D],
     grad_out's dtype) a copy of ``grad_out``, from the same kernel (the group's workspaces,
     no copy kernels). ``dw_out``: an fp32 [P, D] view (unit stride over D, P =
@@ -240,12 +255,20 @@ def merge_backward(
                     or not grad_out_copy.is_contiguous()):  # fmt: skip
         raise ValueError(f"grad_out_copy must be a contiguous {grad_out.dtype} [{t}, {d}] tensor, got "
                          f"{tuple(grad_out_copy.shape)} {grad_out_copy.dtype}")  # fmt: skip
-    factors, kv = row_factors
-    if (factors.shape != (t, n, num_heads, 2) or kv.shape != (t, n) or factors.dtype != torch.float32
-            or kv.dtype != torch.float32 or (n > 0 and (factors.stride()[2:] != (2, 1) or kv.stride(1) != 1))):  # fmt: skip
-        raise ValueError(f"row_factors must be fp32 views [{t}, {n}, {num_heads}, 2] and [{t}, {n}] with unit "
-                         f"inner strides, got {tuple(factors.shape)} {factors.stride()} and "
-                         f"{tuple(kv.shape)} {kv.stride()}")  # fmt: skip
+    if (row_grads is None) == (row_factors is None):
+        raise ValueError("merge_backward takes either row_factors or row_grads")
+    if row_grads is not None:
+        if row_grads.shape != (t, n, d) or row_grads.stride(-1) != 1:
+            raise ValueError(f"row_grads must be a [{t}, {n}, {d}] view with unit stride over D, got "
+                             f"{tuple(row_grads.shape)} {row_grads.stride()}")  # fmt: skip
+        factors = kv = None
+    else:
+        factors, kv = row_factors
+        if (factors.shape != (t, n, num_heads, 2) or kv.shape != (t, n) or factors.dtype != torch.float32
+                or kv.dtype != torch.float32 or (n > 0 and (factors.stride()[2:] != (2, 1) or kv.stride(1) != 1))):  # fmt: skip
+            raise ValueError(f"row_factors must be fp32 views [{t}, {n}, {num_heads}, 2] and [{t}, {n}] with unit "
+                             f"inner strides, got {tuple(factors.shape)} {factors.stride()} and "
+                             f"{tuple(kv.shape)} {kv.stride()}")  # fmt: skip
     num_tiles = triton.cdiv(t, block_t)
     num_programs = backward_programs(num_tiles, device, programs_per_sm)
     if dw_out is not None and (dw_out.shape != (num_programs, d) or dw_out.dtype != torch.float32
@@ -254,15 +277,18 @@ def merge_backward(
                          f"(merge_dw_partials), got {tuple(dw_out.shape)} {dw_out.dtype} {dw_out.stride()}")  # fmt: skip
     dw = torch.empty((num_programs, d), dtype=torch.float32, device=device) if dw_out is None else dw_out
     if t > 0:
-        src, f, k = (sources, factors, kv) if n > 0 else (out, dw, dw)  # no row: nothing is stored
+        grads_whole = row_grads is not None and n > 0
+        src = sources if n > 0 else out
+        f, k = (factors, kv) if n > 0 and not grads_whole else (dw, dw)  # nothing is stored there
+        dv = row_grads if grads_whole else out
         merge_bwd_kernel[(num_programs,)](
             src, query, norm_weight, grad_out, out, lse, delta, f, k, dw,
-            grad_out_copy if copy_do else grad_out, t, n, num_tiles,
+            grad_out_copy if copy_do else grad_out, dv, t, n, num_tiles,
             src.stride(0), src.stride(1) if n > 0 else 0, grad_out.stride(0), out.stride(0),
-            f.stride(0) if n > 0 else 0, f.stride(1) if n > 0 else 0, k.stride(0) if n > 0 else 0,
-            dw.stride(0), eps, float(logit_scale),
+            f.stride(0) if f is factors else 0, f.stride(1) if f is factors else 0, k.stride(0) if k is kv else 0,
+            dw.stride(0), dv.stride(0), dv.stride(1) if grads_whole else 0, eps, float(logit_scale),
             D=d, H=num_heads, HD=head_dim, BT=block_t, BH=bh, BHD=bhd, STAGES=stages, COPY_DO=copy_do,
-            ONE_REDUCE=num_heads == 1,
+            ONE_REDUCE=num_heads == 1, ROW_GRADS=grads_whole,
             num_warps=num_warps,
         )  # fmt: skip
     else:

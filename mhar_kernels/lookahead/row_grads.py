@@ -11,7 +11,7 @@ Launch rules: ``launch.merge_row_grad_config``; ``add_row_grads`` takes its laun
 (warps, stages, token programs per SM) as arguments.
 """
 
-from typing import Optional, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import torch
 import triton
@@ -177,7 +177,7 @@ def group_bwd_row_grads_kernel(
 
 def merge_row_grad(
     row: torch.Tensor,
-    row_grad: Optional[torch.Tensor],
+    row_grad: torch.Tensor,
     out: torch.Tensor,
     grad_outs: torch.Tensor,
     queries: torch.Tensor,
@@ -192,16 +192,12 @@ def merge_row_grad(
     """A new row's gradient from the factors its group's merges left
     (:func:`merge_backward`) and its fp32 gradient from every other read, written into
     ``out`` in ``out``'s dtype (``out`` may be ``row_grad``): one read of the fp32
-    gradient (none with ``accumulate`` False, where no other read added one: ``row_grad``
-    may then be None) and of each site's output gradient, one write. Arguments as the
-    reference's (``megatron_mhar.ops.lookahead_reference.torch_merge_row_grad``); ``row``,
-    ``row_grad`` and ``out`` [T, D] with unit stride over D, the group's tensors contiguous."""
+    gradient (none with ``accumulate`` False, where no other read added one) and of each
+    site's output gradient, one write. Arguments as the reference's
+    (``megatron_mhar.ops.lookahead_reference.torch_merge_row_grad``); ``row``, ``row_grad`` and
+    ``out`` [T, D] with unit stride over D, the group's tensors contiguous."""
     t, d = row.shape
     g, _, r, _, _ = factors.shape
-    if row_grad is None:
-        if accumulate:
-            raise ValueError("merge_row_grad: accumulate=True needs the row's fp32 gradient (row_grad)")
-        row_grad = out  # not read (the kernel's G_ptr without ACCUMULATE)
     lo, hi = site_range
     if not (0 <= lo <= hi <= g and 0 <= index < r):
         raise ValueError(f"site_range {site_range} / index {index} outside the group's {g} sites and {r} new rows")
@@ -212,7 +208,7 @@ def merge_row_grad(
         if tuple(x.shape) != shape:
             raise ValueError(f"merge_row_grad: {name} must be {list(shape)} for a [{t}, {d}] row of a group of "
                              f"{g} sites and {r} new rows at {num_heads} heads, got {list(x.shape)}")  # fmt: skip
-    if (accumulate and row_grad.dtype != torch.float32) or factors.dtype != torch.float32 or kv.dtype != torch.float32:
+    if row_grad.dtype != torch.float32 or factors.dtype != torch.float32 or kv.dtype != torch.float32:
         raise ValueError("merge_row_grad needs fp32 row_grad, factors and kv")
     for name, x in (("grad_outs", grad_outs), ("queries", queries), ("norm_weights", norm_weights),
                     ("factors", factors), ("kv", kv)):  # fmt: skip

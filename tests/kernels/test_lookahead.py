@@ -348,6 +348,45 @@ def test_merge_row_grad_matches_reference(d, heads):
                                    atol=1e-5 * want.abs().max().item())  # fmt: skip
 
 
+@pytest.mark.parametrize("d,heads", [(768, 8), (1280, 1)], ids=["768", "1B-one-head"])
+def test_merge_writes_the_gradient_of_a_source_only_it_reads(d, heads):
+    """``row_grads``: a merge whose new source no other site reads (the block variant's
+    running partial) writes its gradient whole, what its factors give through
+    ``merge_row_grad`` (the path of a shared row); the kernel and the reference alike, the
+    kernel against the reference, and the merge's other outputs unchanged."""
+    t, n0 = _tokens(5), 2
+    torch.manual_seed(d + heads)
+    for dtype in DTYPES:
+        buffer, queries, norms, grad_outs = _inputs(t, n0 + 1, 1, d, heads, 1.3, dtype)
+        results = {}
+        for name in ("triton-row-loop", "torch"):
+            b = BACKENDS[name]
+            m, l, acc = b.group_forward(buffer[:, :n0], queries, norms, heads, EPS, 1.3)
+            lse = torch.empty((t, heads), device=DEVICE)
+            new = buffer[:, n0:]
+            out = b.merge_forward(m[0], l[0], acc[0], new, queries[0], norms[0], heads, EPS, 1.3, lse)
+            factors = (torch.empty(t, 1, heads, 2, device=DEVICE), torch.empty(t, 1, device=DEVICE))
+            args = (grad_outs[0], out, new, queries[0], norms[0], lse, heads, EPS, 1.3)
+            delta, dq, dg = b.merge_backward(*args, factors)
+            via_factors = torch.empty(t, d, dtype=dtype, device=DEVICE)
+            unread = torch.empty(t, d, device=DEVICE)  # no other read: accumulate=False does not read it
+            b.merge_row_grad(new[:, 0], unread, via_factors, grad_outs, queries, norms, factors[0][None],
+                             factors[1][None], 0, (0, 1), heads, accumulate=False)  # fmt: skip
+            whole = torch.full((t, 1, d), float("nan"), dtype=dtype, device=DEVICE)
+            delta_w, dq_w, dg_w = b.merge_backward(*args, None, row_grads=whole)
+            scale = via_factors.float().abs().max().item()
+            assert scale > 0
+            torch.testing.assert_close(whole[:, 0].float(), via_factors.float(), rtol=1e-5 if dtype == torch.float32
+                                       else 8e-3, atol=1e-5 * scale)  # fmt: skip
+            for got, want in ((delta_w, delta), (dq_w, dq), (dg_w, dg)):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+            results[name] = whole[:, 0].float()
+        torch.testing.assert_close(results["triton-row-loop"], results["torch"], rtol=1e-4 if dtype == torch.float32
+                                   else 2e-2, atol=1e-4 * results["torch"].abs().max().item())  # fmt: skip
+    with pytest.raises(ValueError, match="either row_factors or row_grads"):
+        fused.merge_backward(*args, factors, row_grads=whole)
+
+
 @pytest.mark.parametrize("backend", ["triton-row-loop", "torch"])
 def test_merge_dw_partials_reduce_to_the_merge_gradients(backend):
     """A merge's unreduced dL/dw partials (``dw_out``, as the history keeps them for its
