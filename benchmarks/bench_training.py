@@ -83,10 +83,12 @@ SIZE_OVERRIDES = {
                  "model.moe_aux_loss_coeff=1.0e-2", "model.moe_router_dtype=fp32"],
     # Llama-3.1-8B's layer shape, sequence length and the recipe's routing on one GPU: no
     # tensor parallelism, no converted checkpoint, 8 sequences of 4096 per step (the 1B
-    # case's 32,768 tokens), no recomputation (full-iteration graphs refuse it); the depth
-    # is what fits (``layers_that_fit``).
+    # case's 32,768 tokens), no recomputation and no overlapped gradient reduction (one GPU
+    # has nothing to overlap, and full-iteration graphs refuse both); the depth is what
+    # fits (``layers_that_fit``).
     "8b_delta": ["checkpoint.load=null", "checkpoint.load_model_only=false", "parallel.tensor_model_parallel_size=1",
-                 "parallel.sequence_parallel=false", "training.global_batch_size=8",
+                 "parallel.sequence_parallel=false", "parallel.overlap_grad_reduce=false",
+                 "parallel.overlap_param_gather=false", "training.global_batch_size=8",
                  "training.recompute_granularity=null", "data.paths=[unset]", "data.tokenizer=unset"],
 }
 """The recipe overrides that make a size's case (every model of the size): an MoE model of

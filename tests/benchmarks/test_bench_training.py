@@ -191,7 +191,7 @@ def test_8b_delta_case_is_the_cpt_recipe_on_one_gpu():
     one GPU (no tensor parallelism, no checkpoint to load, no recomputation, which the
     full-iteration graph refuses), as deep as the driver's memory estimate fits, in whole
     delta blocks; GPU only."""
-    from benchmarks.bench_training import build_parser, check_args, layers_that_fit, size_recipe
+    from benchmarks.bench_training import SIZE_OVERRIDES, SIZES, build_parser, check_args, layers_that_fit, size_recipe
     from benchmarks.common import MODELS
     from megatron_mhar.training.recipes import load_config
 
@@ -203,6 +203,11 @@ def test_8b_delta_case_is_the_cpt_recipe_on_one_gpu():
     assert case.mhar == recipe.mhar == MODELS["mhar_delta"]
     assert case.checkpoint.load is None and case.parallel.tensor_model_parallel_size == 1
     assert case.training.recompute_granularity is None and case.training.global_batch_size == 8
+    # The benchmark's full-iteration graph is a valid configuration of the case (the recipe
+    # overlaps its gradient reduction, which the graph refuses).
+    graphed = load_config(SIZES["8b_delta"], [*SIZE_OVERRIDES["8b_delta"], "training.cuda_graph=full_iteration",
+                                              "logging.routing_entropy=false", "logging.routing_interval=0"])
+    assert not graphed.parallel.overlap_grad_reduce
     gib = 2**30
     depths = [layers_that_fit("8b_delta", 1, memory * gib) for memory in (79, 139, 400)]
     assert depths == sorted(depths) and all(d % recipe.mhar.delta_block_layers == 0 for d in depths)
