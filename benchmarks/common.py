@@ -338,6 +338,8 @@ def _models():
         "mhar_block_lookahead": replace(mhar, variant="block", block_size=8, **lookahead),
         # The continued-pretraining routing (delta, 8 heads, blocks of 4 decoder layers).
         "mhar_delta": _recipe_routing(SIZE_RECIPES["8b"]),
+        # The same with each delta block's sites as one lookahead group.
+        "mhar_delta_lookahead": replace(_recipe_routing(SIZE_RECIPES["8b"]), **lookahead),
     }
 
 

@@ -46,9 +46,9 @@ class MHARConfig:
     """``auto`` (Triton on CUDA, else torch), ``torch`` (the reference) or ``triton``."""
 
     routing_schedule: str = "per_site"
-    """``per_site`` (every site reads all its sources) or ``lookahead`` (full and block variants:
-    groups of sites read the older sources once, as the paper's fused kernel does; the block
-    variant's groups are its blocks; see megatron_mhar/ops/lookahead_reference.py)."""
+    """``per_site`` (every site reads all its sources) or ``lookahead`` (groups of sites read the
+    older sources once, as the paper's fused kernel does; the block and delta variants' groups
+    are their blocks; see megatron_mhar/ops/lookahead_reference.py)."""
 
     lookahead_group: int = 0
     """Sites per lookahead group of the full variant; 0 picks the integer nearest sqrt(0.84 (2L + 1)), measured
@@ -58,7 +58,7 @@ class MHARConfig:
     """Triton kernels of the lookahead schedule's phase 1: ``row_loop`` (the sites in
     registers, one row at a time), ``tensor_cores`` (dots per token and head) or ``auto``
     (per group and direction, the family the launch rules pick: docs/kernels.md; the block
-    variant's is the row loops, ``megatron_mhar.ops.schedules.phase1_kernels``)."""
+    and delta variants' is the row loops, ``megatron_mhar.ops.schedules.phase1_kernels``)."""
 
     pipeline_cache: bool = True
     """Cross-stage caching of the source history under interleaved (virtual) pipelines: a rank
@@ -82,15 +82,16 @@ class MHARConfig:
         _require_choice("routing_schedule", self.routing_schedule, ROUTING_SCHEDULES)
         _require_choice("lookahead_kernels", self.lookahead_kernels, LOOKAHEAD_KERNELS)
         _require_choice("pipeline_cache", self.pipeline_cache, (True, False))
-        if self.routing_schedule == "lookahead" and self.variant not in ("full", "block"):
+        if self.routing_schedule == "lookahead" and self.variant == "none":
             raise ValueError(
-                f"mhar.routing_schedule='lookahead' needs variant 'full' or 'block' (got {self.variant!r}); "
-                f"use routing_schedule='per_site' with variant {self.variant!r}"
+                "mhar.routing_schedule='lookahead' needs a routed variant (full, block or delta), got 'none'; "
+                "use routing_schedule='per_site' with variant 'none'"
             )
-        if self.routing_schedule == "lookahead" and self.variant == "block" and self.lookahead_group:
+        if self.routing_schedule == "lookahead" and self.variant in ("block", "delta") and self.lookahead_group:
+            size = "mhar.block_size" if self.variant == "block" else "mhar.delta_block_layers"
             raise ValueError(
-                f"mhar.lookahead_group={self.lookahead_group} has no effect with variant='block': its "
-                f"lookahead groups are its blocks (mhar.block_size); leave lookahead_group at 0"
+                f"mhar.lookahead_group={self.lookahead_group} has no effect with variant={self.variant!r}: its "
+                f"lookahead groups are its blocks ({size}); leave lookahead_group at 0"
             )
 
     @property

@@ -38,15 +38,73 @@ class DepthRouter(torch.nn.Module):
         return stream.read(site, self)
 
 
-class DepthStream:
+class _SourceStream:
+    """The source history of one micro-batch and how a site reads it: per site over all its
+    sources, or, under the lookahead schedule (``mhar.routing_schedule``), group by group.
+
+    ``routers`` maps each routing site of this chunk of layers to its router; the lookahead
+    schedule needs it to read the queries of a group's later sites, and splits the chunk's
+    sites into groups (runs of ``mhar.lookahead_group`` sites in the full variant, the blocks
+    in the block and delta variants: ``lookahead_groups``), so no group spans a pipeline
+    stage. A site's source outside the history (the block variant's running partial, the
+    delta variant's null source) is its group's *extra* source."""
+
+    def __init__(self, layout: Layout, mhar: MHARConfig, eps: float, like: torch.Tensor,
+                 routers: Optional[Dict[int, DepthRouter]], group_sites: int, num_sites: int):
+        self.layout = layout
+        self.routing: Optional[RoutingRecorder] = None
+        self.routers = None
+        if mhar.routing_schedule != "lookahead":
+            self.history = _history(layout.capacity, mhar, eps, like)
+            return
+        if not routers:
+            raise ValueError("routing_schedule='lookahead' needs the chunk's routers by site")
+        self.routers = routers
+        groups = lookahead_groups(min(routers), max(routers), num_sites, group_sites, mhar.lookahead_group)
+        self.groups = {j: g for g in groups for j in g}
+        self.history = LookaheadHistory(
+            capacity=layout.capacity,
+            like=like,
+            backend=get_backend(mhar.kernel_impl, like.device),
+            lookahead=get_lookahead_backend(mhar.kernel_impl, like.device,
+                                            phase1_kernels(mhar.lookahead_kernels, group_sites)),
+            num_heads=mhar.num_heads,
+            eps=eps,
+            logit_scale=mhar.logit_scale,
+            param_grads_hook=accumulate_into_main_grad,
+        )
+
+    def reads_extra(self, site: int) -> bool:
+        raise NotImplementedError
+
+    def group_of(self, site: int):
+        """(the sites of ``site``'s lookahead group, ``site``'s index in it)."""
+        group = self.groups[site]
+        sites = []
+        for j in group:
+            router = self.routers[j]
+            sites.append(GroupSite(j, self.layout.rows_read(j), router.query, router.norm_weight, self.reads_extra(j)))
+        return sites, site - group.start
+
+    def route(self, site: int, router: DepthRouter, extra: Optional[torch.Tensor]) -> torch.Tensor:
+        """``site``'s routed mixture [s, b, h] of its rows and ``extra`` (if any)."""
+        if self.routers is None:
+            return self.history.route(self.layout.rows_read(site), router.query, router.norm_weight, extra)
+        if self.routers.get(site) is not router:
+            raise ValueError(f"site {site} is routed by a router the stream was not given")
+        return self.history.route_group(*self.group_of(site), extra=extra)
+
+    def _restore_token(self, token: torch.Tensor) -> None:
+        if self.routers is not None and token is not self.history.token:
+            # A checkpointed chunk restarts here: rerun its group's phase 1 in this graph.
+            self.history.end_group()
+        self.history.token = token
+
+
+class DepthStream(_SourceStream):
     """What flows through an MHAR decoder for one micro-batch: source history + partial.
 
     Created by the block for each forward call and passed down to every layer.
-    ``routers`` maps each routing site of this chunk of layers to its router; the
-    lookahead schedule (``mhar.routing_schedule``) needs it to read the queries of a
-    group's later sites, and splits the chunk's sites into groups (``lookahead_groups``:
-    runs of ``mhar.lookahead_group`` sites in the full variant, the blocks in the block
-    variant), so no group spans a pipeline stage.
     """
 
     def __init__(
@@ -57,40 +115,11 @@ class DepthStream:
         like: torch.Tensor,
         routers: Optional[Dict[int, DepthRouter]] = None,
     ):
-        self.layout = layout
+        super().__init__(layout, mhar, eps, like, routers, layout.block_size, layout.final_site)
         self.partial: Optional[torch.Tensor] = None
-        self.routing: Optional[RoutingRecorder] = None
-        self.routers = None
-        if mhar.routing_schedule == "lookahead":
-            if not routers:
-                raise ValueError("routing_schedule='lookahead' needs the chunk's routers by site")
-            self.routers = routers
-            groups = lookahead_groups(min(routers), max(routers), layout.final_site, layout.block_size,
-                                      mhar.lookahead_group)
-            self.groups = {j: g for g in groups for j in g}
-            self.history = LookaheadHistory(
-                capacity=layout.capacity,
-                like=like,
-                backend=get_backend(mhar.kernel_impl, like.device),
-                lookahead=get_lookahead_backend(mhar.kernel_impl, like.device,
-                                                phase1_kernels(mhar.lookahead_kernels, layout.block_size)),
-                num_heads=mhar.num_heads,
-                eps=eps,
-                logit_scale=mhar.logit_scale,
-                param_grads_hook=accumulate_into_main_grad,
-            )
-        else:
-            self.history = _history(layout.capacity, mhar, eps, like)
 
-    def group_of(self, site: int):
-        """(the sites of ``site``'s lookahead group, ``site``'s index in it)."""
-        group = self.groups[site]
-        sites = []
-        for j in group:
-            router = self.routers[j]
-            sites.append(GroupSite(j, self.layout.rows_read(j), router.query, router.norm_weight,
-                                   self.layout.reads_partial(j)))
-        return sites, site - group.start
+    def reads_extra(self, site: int) -> bool:
+        return self.layout.reads_partial(site)
 
     def read(self, site: int, router: DepthRouter) -> torch.Tensor:
         """The routed input ``x_site`` [s, b, h]."""
@@ -98,13 +127,7 @@ class DepthStream:
         rows = self.layout.rows_read(site)
         if self.routing is not None:
             self.routing.record(site, self.history, router, rows, extra)
-        if self.routers is not None:
-            if self.routers.get(site) is not router:
-                raise ValueError(f"site {site} is routed by a router the stream was not given")
-            return self.history.route_group(*self.group_of(site), extra=extra)
-        return self.history.route(
-            self.layout.rows_read(site), router.query, router.norm_weight, extra
-        )
+        return self.route(site, router, extra)
 
     def write(self, site: int, output: torch.Tensor) -> None:
         """Record sublayer ``site``'s output [s, b, h]."""
@@ -147,10 +170,7 @@ class DepthStream:
         return (token,) if self.partial is None else (token, self.partial)
 
     def restore_state(self, token: torch.Tensor, partial: Optional[torch.Tensor] = None) -> None:
-        if self.routers is not None and token is not self.history.token:
-            # A checkpointed chunk restarts here: rerun its group's phase 1 in this graph.
-            self.history.end_group()
-        self.history.token = token
+        self._restore_token(token)
         self.partial = partial
 
     def output(self, final_router: DepthRouter) -> torch.Tensor:
@@ -169,7 +189,7 @@ def new_stream(layout: Layout, mhar: MHARConfig, eps: float, like: torch.Tensor,
     """One forward's source stream for ``layout`` (``like``: a [s, b, h] tensor of the
     sources' shape, dtype and device)."""
     if isinstance(layout, DeltaLayout):
-        return DeltaStream(layout, mhar, eps, like)
+        return DeltaStream(layout, mhar, eps, like, routers)
     return DepthStream(layout, mhar, eps, like, routers)
 
 
@@ -195,15 +215,17 @@ class DeltaRouter(DepthRouter):
             setattr(param, "sequence_parallel", config.sequence_parallel)
 
 
-class DeltaStream:
+class DeltaStream(_SourceStream):
     """The delta variant's state of one micro-batch: stream ``h``, block start, history."""
 
-    def __init__(self, layout: DeltaLayout, mhar: MHARConfig, eps: float, like: torch.Tensor):
-        self.layout = layout
-        self.history = _history(layout.capacity, mhar, eps, like)
+    def __init__(self, layout: DeltaLayout, mhar: MHARConfig, eps: float, like: torch.Tensor,
+                 routers: Optional[Dict[int, DeltaRouter]] = None):
+        super().__init__(layout, mhar, eps, like, routers, 2 * layout.block_layers, 2 * layout.num_layers)
         self.hidden: Optional[torch.Tensor] = None
         self.block_start: Optional[torch.Tensor] = None
-        self.routing: Optional[RoutingRecorder] = None
+
+    def reads_extra(self, site: int) -> bool:
+        return True  # every site reads its null source
 
     def read(self, site: int, router: DeltaRouter) -> torch.Tensor:
         """``x = h + gate * route([null] + rows)`` [s, b, h]."""
@@ -211,7 +233,7 @@ class DeltaStream:
         rows = self.layout.rows_read(site)
         if self.routing is not None:
             self.routing.record(site, self.history, router, rows, null)
-        routed = self.history.route(rows, router.query, router.norm_weight, extra=null)
+        routed = self.route(site, router, null)
         return self.hidden + router.gate.to(routed.dtype) * routed
 
     def write(self, site: int, output: torch.Tensor) -> None:
@@ -251,7 +273,7 @@ class DeltaStream:
         return (self.history.token, *self._state(next_site))
 
     def restore_state(self, token, *state) -> None:
-        self.history.token = token
+        self._restore_token(token)
         self._restore(*state)
 
     def output(self, final_router) -> torch.Tensor:

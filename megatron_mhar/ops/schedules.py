@@ -11,7 +11,7 @@ from typing import List
 
 ROUTING_SCHEDULES = ("per_site", "lookahead")
 """``mhar.routing_schedule``: ``per_site`` (every site reads all its sources) or
-``lookahead`` (full and block variants: groups of sites read the older sources once,
+``lookahead`` (full, block and delta variants: groups of sites read the older sources once,
 :mod:`megatron_mhar.ops.lookahead`)."""
 
 LOOKAHEAD_KERNELS = ("auto", "row_loop", "tensor_cores")
@@ -22,11 +22,12 @@ rules pick (``auto``, the default everywhere)."""
 
 
 def phase1_kernels(lookahead_kernels: str, block_size: int) -> str:
-    """The phase-1 kernels a layout runs for ``mhar.lookahead_kernels``: the block variant's
-    ``auto`` is the row loops. Every completed block starts a group there, so the rows'
-    gradients fall due one at a time, and the tensor-core backward, which defers them,
-    rereads every owing site's output gradient for each row (1B, H100: 113 ms of routing per
-    step against 85 on the row loops, which add each group's share at once)."""
+    """The phase-1 kernels a layout with blocks of ``block_size`` sites (1: the full variant)
+    runs for ``mhar.lookahead_kernels``: with blocks, ``auto`` is the row loops. Every
+    completed block starts a group there, so the rows' gradients fall due one at a time,
+    and the tensor-core backward, which defers them, rereads every owing site's output
+    gradient for each row (block variant at 1B, H100: 113 ms of routing per step against
+    85 on the row loops, which add each group's share at once)."""
     return "row_loop" if block_size > 1 and lookahead_kernels == "auto" else lookahead_kernels
 
 
@@ -58,10 +59,11 @@ def group_ranges(first_site: int, last_site: int, group_size: int) -> List[range
 
 
 def block_ranges(first_site: int, last_site: int, block_size: int) -> List[range]:
-    """The block variant's lookahead groups of sites ``first_site..last_site``: the sites of
-    each block (``block_size`` sublayers; the final site starts a block of its own when
-    the blocks divide the sublayers), cut at the chunk's ends. A block's sites read the
-    same completed blocks, so its phase 1 reads each of them once for the whole block."""
+    """The block and delta variants' lookahead groups of sites ``first_site..last_site``: the
+    sites of each block (``block_size`` sublayers; the block variant's final site starts a
+    block of its own when the blocks divide the sublayers), cut at the chunk's ends. A
+    block's sites read the same completed blocks, so its phase 1 reads each of them once
+    for the whole block."""
     if block_size < 1 or last_site < first_site:
         raise ValueError(f"no blocks of {block_size} over sites {first_site}..{last_site}")
     starts = [first_site] + [j for j in range(first_site + 1, last_site + 1) if (j - 1) % block_size == 0]
@@ -72,7 +74,8 @@ def lookahead_groups(first_site: int, last_site: int, num_sites: int, block_size
                      group_size: int = 0) -> List[range]:
     """The lookahead groups of a chunk's sites ``first_site..last_site`` in a model of
     ``num_sites`` sites: the full variant's (``block_size`` 1) runs of ``group_size`` sites
-    (0: :func:`auto_group_size`) or the block variant's blocks (``block_ranges``)."""
+    (0: :func:`auto_group_size`) or the blocks of ``block_size`` sites of the block and
+    delta variants (``block_ranges``)."""
     if block_size > 1:
         return block_ranges(first_site, last_site, block_size)
     return group_ranges(first_site, last_site, group_size or auto_group_size(num_sites))

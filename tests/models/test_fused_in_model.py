@@ -20,6 +20,8 @@ from megatron_mhar.models.mhar_config import MHARConfig  # noqa: E402
 
 VARIANTS = [
     pytest.param(MHARConfig(variant="delta", num_heads=4, delta_block_layers=1), id="delta1"),
+    pytest.param(MHARConfig(variant="delta", num_heads=4, delta_block_layers=1, routing_schedule="lookahead"),
+                 id="delta1-lookahead"),
     pytest.param(MHARConfig(variant="block", num_heads=4, block_size=3), id="block3"),
     # The blocks as lookahead groups: merges of the running partial, the partial's gradient
     # from its merge's factors, the blocks' gradients from phase 1.

@@ -212,6 +212,7 @@ def _assert_same_loss_and_grads(mhar, other_mhar, bitwise, **other_overrides):
         pytest.param(dict(variant="full", routing_schedule="lookahead"), id="full-lookahead-auto"),
         # Blocks of 3 sites as lookahead groups, split by the recompute chunks.
         pytest.param(dict(variant="block", block_size=3, routing_schedule="lookahead"), id="block3-lookahead"),
+        pytest.param(dict(variant="delta", delta_block_layers=2, routing_schedule="lookahead"), id="delta2-lookahead"),
     ],
 )
 @pytest.mark.parametrize("recompute", RECOMPUTE)

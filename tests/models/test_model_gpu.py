@@ -67,6 +67,8 @@ VARIANTS = [
                             lookahead_kernels="tensor_cores"), id="block3-lookahead-dots"),
     pytest.param(MHARConfig(variant="block", num_heads=8, block_size=3, routing_schedule="lookahead",
                             lookahead_kernels="row_loop"), id="block3-lookahead-row-loop"),
+    pytest.param(MHARConfig(variant="delta", num_heads=8, delta_block_layers=1, routing_schedule="lookahead"),
+                 id="delta1-lookahead"),
 ]
 
 

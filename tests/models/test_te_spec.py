@@ -123,6 +123,8 @@ ROUTED = [
                             lookahead_kernels="row_loop"), id="full-lookahead-row-loop"),
     pytest.param(MHARConfig(variant="block", num_heads=8, block_size=3, routing_schedule="lookahead"),
                  id="block3-lookahead"),
+    pytest.param(MHARConfig(variant="delta", num_heads=8, delta_block_layers=1, routing_schedule="lookahead"),
+                 id="delta1-lookahead"),
 ]
 
 

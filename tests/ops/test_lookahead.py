@@ -55,6 +55,9 @@ def _loss_and_grads(model, seeds):
         pytest.param(0, (0, 1), 4.0, dict(variant="block", block_size=2), id="block2"),
         # Blocks of 4: 1-4 | 5-7, the final site reading the second block's partial.
         pytest.param(0, (0,), 1.0, dict(variant="block", block_size=4), id="block4-final-partial"),
+        # Delta blocks of one layer (sites 1-2 | 3-4 | 5-6), each site merging its null source.
+        pytest.param(0, (0, 1), 4.0, dict(variant="delta", delta_block_layers=1), id="delta1"),
+        pytest.param(0, (0,), 1.0, dict(variant="delta", delta_block_layers=2), id="delta2"),
     ],
 )
 def test_lookahead_model_matches_per_site(megatron_world1, nan_uninitialised, group, seeds, logit_scale, variant):
@@ -190,8 +193,10 @@ def test_block_group_refuses_a_missing_partial(megatron_world1):
     "fields,message",
     [
         pytest.param(dict(routing_schedule="ahead"), "routing_schedule must be one of", id="unknown"),
-        pytest.param(dict(variant="delta", routing_schedule="lookahead"), "needs variant 'full' or 'block'",
-                     id="delta"),
+        pytest.param(dict(variant="none", routing_schedule="lookahead"), "needs a routed variant",
+                     id="baseline"),
+        pytest.param(dict(variant="delta", routing_schedule="lookahead", lookahead_group=2),
+                     "lookahead groups are its blocks \\(mhar.delta_block_layers\\)", id="delta-group"),
         pytest.param(dict(variant="block", routing_schedule="lookahead", lookahead_group=4),
                      "lookahead groups are its blocks", id="block-group"),
         pytest.param(dict(routing_schedule="lookahead", lookahead_group=-1), "non-negative",
