@@ -69,7 +69,7 @@ class StubBackends:
             return sources.new_empty(sources.shape[0], sources.shape[2])
 
         def merge_backward(grad_out, out, sources, query, norm_weight, lse, heads, eps, tau,
-                           row_factors, delta_out=None, grad_out_copy=None, dw_out=None):  # fmt: skip
+                           row_factors, delta_out=None, grad_out_copy=None, dw_out=None, row_grads=None):  # fmt: skip
             self.calls["merge_backward"] += 1
             kw = dict(dtype=torch.float32, device=grad_out.device)
             return torch.empty(grad_out.shape[0], heads, **kw), torch.empty(query.shape, **kw), torch.empty(query.shape, **kw)
