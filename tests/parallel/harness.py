@@ -115,10 +115,18 @@ def model_config(variant: str = "none"):
                           qk_layernorm=True, **fields)
 
 
+LOOKAHEAD = "lookahead-"
+"""Prefix of a routing variant on the lookahead schedule (``lookahead-full``: groups of the
+auto size; ``lookahead-block`` / ``lookahead-delta``: the blocks as groups)."""
+
+
 def mhar_config(variant: str, pipeline_cache: bool = True):
     from megatron_mhar.models.mhar_config import MHARConfig
 
-    return MHARConfig(**VARIANTS[split_variant(variant)[1]], pipeline_cache=pipeline_cache)
+    routing = split_variant(variant)[1]
+    schedule = "lookahead" if routing.startswith(LOOKAHEAD) else "per_site"
+    return MHARConfig(**VARIANTS[routing.removeprefix(LOOKAHEAD)], routing_schedule=schedule,
+                      pipeline_cache=pipeline_cache)
 
 
 def transformer_config(layout: Layout, variant: str):

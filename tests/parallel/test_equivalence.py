@@ -78,6 +78,19 @@ CACHE_PAIRS = [
 # (The four-rank layouts, TP2-SP x PP2 x VPP2 and PP4 x VPP2, are compared with one process
 # only: each four-rank job costs the CI machine's two cores several seconds.)
 
+# The lookahead schedule (groups of sites over the older rows, router gradients into
+# main_grad once per group) where the layouts change what it sees: sequence-parallel shards
+# (full, block, delta), a stage starting inside a block (its first group's first site reads a
+# partial), the interleaved pipeline with the cache (a group's rows from the earlier chunk).
+LOOKAHEAD_JOBS = [
+    pytest.param(L(tp=2, sp=True), "lookahead-full", id="tp2-sp-full"),
+    pytest.param(L(tp=2, sp=True), "lookahead-block", id="tp2-sp-block"),
+    pytest.param(L(tp=2, sp=True), "lookahead-delta", id="tp2-sp-delta"),
+    pytest.param(L(pp=2, first=1, last=3), "lookahead-block", id="pp2-uneven-1-3-block"),
+    pytest.param(L(pp=2, vpp=2), "lookahead-full", id="pp2-vpp2-full"),
+    pytest.param(L(pp=2, vpp=2), "lookahead-delta", id="pp2-vpp2-delta"),
+]
+
 # Routing parameters without their sequence_parallel marking (negative control).
 UNMARKED = {v: L(tp=2, sp=True, unmark_routing_sp=True) for v in ("full", "block", "delta")}
 
@@ -92,13 +105,14 @@ GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-5  # atol relative to the tensor's largest refer
 @pytest.fixture(scope="module")
 def references():
     """Single-process run of each variant: (weights, losses, step-1 grads)."""
-    return H.references(list(H.VARIANTS) + DEEP_VARIANTS)
+    return H.references(list(H.VARIANTS) + DEEP_VARIANTS + sorted({p.values[1] for p in LOOKAHEAD_JOBS}))
 
 
 def _all_jobs() -> List[Tuple[H.Layout, str]]:
     jobs = [(p.values[0], v) for p in DEEP_LAYOUTS for v in DEEP_VARIANTS]
     jobs += [(p.values[0], v) for p in LAYOUTS for v in H.VARIANTS]
     jobs += [(p.values[0], v) for p in UNCACHED_LAYOUTS for v in ROUTED]
+    jobs += [tuple(p.values) for p in LOOKAHEAD_JOBS]
     return jobs + [(layout, v) for v, layout in UNMARKED.items()]
 
 
@@ -171,6 +185,17 @@ def test_matches_single_process(references, parallel_runs, layout, variant):
 @pytest.mark.parametrize("layout", UNCACHED_LAYOUTS)
 def test_uncached_interleaved_matches_single_process(references, parallel_runs, layout, variant):
     _assert_matches(references[variant], parallel_runs(layout, variant))
+
+
+@pytest.mark.parametrize("layout,variant", LOOKAHEAD_JOBS)
+def test_lookahead_matches_single_process(references, parallel_runs, layout, variant):
+    """The lookahead schedule under the layout against its single-process run, and that run
+    against the per-site schedule's (the same model; sums in other orders)."""
+    _assert_matches(references[variant], parallel_runs(layout, variant))
+    weights, losses, grads = references[variant]
+    _, per_site_losses, per_site_grads = references[variant.removeprefix(H.LOOKAHEAD)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(per_site_losses), rtol=LOSS_RTOL, atol=0)
+    _assert_grads_close(dict(grads), per_site_grads)
 
 
 @pytest.mark.parametrize("variant", DEEP_VARIANTS)
