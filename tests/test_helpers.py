@@ -88,3 +88,17 @@ def test_stream_times_out_per_item(tmp_path):
         with pytest.raises(DistributedTestError, match=r"ranks \[0\]: no result \(timed out, timeout=5s\)"):
             stream.result(1)
         assert time.monotonic() - start < 30
+
+
+def _two_quick_items():
+    yield 0
+    yield 1
+
+
+def test_stream_items_that_arrived_while_the_caller_was_busy_are_no_timeout():
+    """An item the ranks finished while the caller did other work longer than the item
+    timeout (another test of the module) is returned, not reported as timed out."""
+    with DistributedStream(_two_quick_items, 1, item_timeout=2, first_timeout=120) as stream:
+        assert stream.result(0) == [0]
+        time.sleep(4)  # item 1 arrives meanwhile; nobody reads the queue
+        assert stream.result(1) == [1]
