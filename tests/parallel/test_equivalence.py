@@ -50,7 +50,11 @@ LAYOUTS = [
     # the cache over sequence-parallel shards: [s/tp, b, width*h] tensors
     pytest.param(L(tp=2, pp=2, vpp=2, sp=True), id="tp2-sp-pp2-vpp2"),
 ]
-VARIANTS = [pytest.param(v, id=v) for v in H.VARIANTS]
+# Every layout with every variant, except the baseline on four ranks: the baseline is
+# Megatron's own GPT, and its stage shapes are already checked at PP2 (uneven, interleaved)
+# and TP2-SP; each four-rank job costs the CI machine's two cores tens of seconds.
+GRID = [pytest.param(layout.values[0], v, id=f"{layout.id}-{v}") for layout in LAYOUTS for v in H.VARIANTS
+        if not (layout.values[0].world == 4 and v == "none")]
 ROUTED = ("full", "block", "delta")  # the variants the cache changes anything for
 
 # Interleaved pipelines without the cache (variant none has no history to cache): what every
@@ -110,7 +114,7 @@ def references():
 
 def _all_jobs() -> List[Tuple[H.Layout, str]]:
     jobs = [(p.values[0], v) for p in DEEP_LAYOUTS for v in DEEP_VARIANTS]
-    jobs += [(p.values[0], v) for p in LAYOUTS for v in H.VARIANTS]
+    jobs += [tuple(p.values) for p in GRID]
     jobs += [(p.values[0], v) for p in UNCACHED_LAYOUTS for v in ROUTED]
     jobs += [tuple(p.values) for p in LOOKAHEAD_JOBS]
     return jobs + [(layout, v) for v, layout in UNMARKED.items()]
@@ -175,8 +179,7 @@ def assert_runs_close(results: List[dict], baseline: List[dict]):
     _assert_grads_close(H.gather_grads(results), expected)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout,variant", GRID)
 def test_matches_single_process(references, parallel_runs, layout, variant):
     _assert_matches(references[variant], parallel_runs(layout, variant))
 
