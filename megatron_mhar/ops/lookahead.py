@@ -8,10 +8,10 @@ The schedule and its maths are described with its torch reference
 The groups themselves (which sites, how many) are planned in :mod:`megatron_mhar.ops.schedules`.
 The per-site path is untouched.
 
-The block variant groups the sites of a block: they all read the same completed block
-sources (the group's old rows), and each site's only other source is its block's running
-partial, a tensor outside the history (the site's *extra* source), which its merge folds in
-as its one new row. Phase 1 then reads each completed block source once per block and its
+The block and delta variants group the sites of a block: they all read the same completed
+block sources (the group's old rows), and each site's only other source is a tensor outside
+the history (the block's running partial, the site's null source: its *extra* source),
+which its merge folds in as its one new row. Phase 1 then reads each completed block source once per block and its
 backward adds each one's fp32 gradient once per block, not once per site.
 
 Memory. Saved for backward per site: the log-sum-exp (fp32 ``[T, H]``) and a reference
@@ -82,8 +82,9 @@ def get_lookahead_backend(impl: str, device: torch.device, lookahead_kernels: st
 
 class GroupSite(NamedTuple):
     """One routing site of a group: its index, rows read, and parameters; ``extra``: it also
-    reads a source outside the history (the block variant's running partial), its only new
-    source, so it reads no row written since the group started."""
+    reads a source outside the history (the block variant's running partial, the delta
+    variant's null source), its only new source, so it reads no row written since the group
+    started."""
 
     site: int
     num_rows: int
